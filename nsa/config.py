@@ -1,0 +1,410 @@
+"""One typed configuration tree for every entry point (DESIGN.md, principle 3).
+
+    RunConfig
+      model    ModelConfig    TinyLM shape
+      nsa      NSAConfig      sparse-attention block sizes and kernel policy
+      runtime  RuntimeConfig  devices, Ray workers, precision, fault tolerance
+      train    TrainConfig    optimisation schedule, checkpoints, stall/non-finite policy
+      data     DataConfig     parquet shards, tokenizer, prefetch
+      logging  LoggingConfig  run directory, heartbeat, CSV / TensorBoard / MLflow
+
+Sources, lowest to highest precedence: dataclass default < YAML profile < ``NSA_*`` environment
+variable (the documented table below, read once, here only) < ``key=value`` override on the command
+line. ``resolve_config`` returns the config and, per dotted field, where its value came from.
+
+Every ``__post_init__`` validates its section and raises ``ConfigError`` (a ``ValueError``) that names
+the field and says what to change; cross-section rules live in ``RunConfig.__post_init__``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _one_of(name: str, value: Any, choices: tuple) -> None:
+    _require(value in choices, f"{name}={value!r} is not one of {list(choices)}")
+
+
+def _positive(section: str, obj: Any, names: tuple[str, ...]) -> None:
+    for n in names:
+        v = getattr(obj, n)
+        _require(v > 0, f"{section}.{n}={v} must be > 0")
+
+
+@dataclass
+class ModelConfig:
+    vocab: int = 256
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_groups: int = 2
+    d_k: int = 32
+    d_v: int = 32
+    ffn_mult: float = 4.0
+    compression: str = "mlp"          # mlp (paper) | mean | linear
+    grad_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        _positive("model", self, ("vocab", "dim", "n_layers", "n_heads", "n_kv_groups", "d_k", "d_v", "ffn_mult"))
+        _require(self.n_heads % self.n_kv_groups == 0,
+                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_groups={self.n_kv_groups} "
+                 "(every KV head serves the same number of query heads)")
+        _one_of("model.compression", self.compression, ("mlp", "mean", "linear"))
+
+
+@dataclass
+class NSAConfig:
+    l: int = 32          # compression block
+    d: int = 16          # compression stride
+    l_sel: int = 64      # selection block
+    n_sel: int = 16      # selected blocks per token (forced blocks included)
+    w: int = 512         # sliding window
+    backend: str = "auto"          # auto | torch | triton | reference
+    allow_flash_attn: bool = True  # kernel policy may use flash-attn for the window when installed
+
+    def __post_init__(self) -> None:
+        _positive("nsa", self, ("l", "d", "l_sel", "n_sel", "w"))
+        _require(self.l >= self.d, f"nsa.l={self.l} must be >= nsa.d={self.d} (blocks may overlap, not leave gaps)")
+        _require(self.l % self.d == 0, f"nsa.d={self.d} must divide nsa.l={self.l}")
+        _require(self.l_sel % self.d == 0, f"nsa.d={self.d} must divide nsa.l_sel={self.l_sel}")
+        _one_of("nsa.backend", self.backend, ("auto", "torch", "triton", "reference"))
+
+
+@dataclass
+class RuntimeConfig:
+    num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = one per GPU of the cluster
+    use_gpu: bool = False
+    cpus_per_worker: float = 0.5         # fractional on purpose: RAY_NOTES "the 2-core deadlock"
+    gpus_per_worker: float = 1.0
+    placement_strategy: str = "PACK"
+    precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp32 master weights)
+    tf32: bool = True
+    seed: int = 1234
+    ray_address: Optional[str] = None    # None: connect under `ray job submit`, else start local Ray
+    ray_num_cpus: Optional[int] = None   # logical CPUs of a locally started Ray instance
+    max_failures: int = 2                # Ray FailureConfig: worker-group restarts from the last checkpoint
+    detect_anomaly: bool = False
+    scaler_init_scale: float = 2.0 ** 16
+    scaler_growth_interval: int = 2000
+    scaler_growth_factor: float = 2.0
+    scaler_backoff_factor: float = 0.5
+    fault: str = ""                      # test-only fault injection, e.g. "stall@3", "kill@4", "nan@2"
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU)")
+        _require(self.cpus_per_worker >= 0, f"runtime.cpus_per_worker={self.cpus_per_worker} must be >= 0")
+        _require(self.max_failures >= -1, "runtime.max_failures must be >= -1 (-1 = retry forever)")
+        _one_of("runtime.precision", self.precision, ("fp32", "bf16", "fp16"))
+        _one_of("runtime.placement_strategy", self.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+        _require(0 < self.scaler_backoff_factor < 1, "runtime.scaler_backoff_factor must be in (0, 1)")
+        _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
+        if self.fault:
+            kind, _, at = self.fault.partition("@")
+            _require(kind in ("stall", "kill", "nan", "crash") and at.isdigit(),
+                     f"runtime.fault={self.fault!r}: expected '<stall|kill|nan|crash>@<step>'")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300                 # optimizer steps
+    batch_size: int = 8              # sequences per worker per micro-batch
+    accumulate: int = 1              # micro-batches per optimizer step
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1        # cosine floor as a fraction of lr
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0           # 0 disables clipping (the norm is still measured)
+    save_every: int = 100            # checkpoint every N optimizer steps (0: only at the end)
+    keep_checkpoints: int = 3
+    eval_every: int = 100
+    eval_batches: int = 4
+    resume: str = "auto"             # auto: continue the run of the same name if it has a checkpoint | never
+    resume_from: Optional[str] = None  # explicit checkpoint directory to start from
+    on_nonfinite: str = "halt"       # halt | skip
+    stall_seconds: float = 600.0     # watchdog: no step_end for this long -> stack dump + stall record
+
+    def __post_init__(self) -> None:
+        _positive("train", self, ("steps", "batch_size", "accumulate", "lr", "keep_checkpoints", "eval_batches",
+                                  "stall_seconds"))
+        _require(self.seq_len >= 2, f"train.seq_len={self.seq_len} is too small: need at least 2 tokens")
+        for n in ("warmup_steps", "save_every", "eval_every", "weight_decay", "grad_clip"):
+            _require(getattr(self, n) >= 0, f"train.{n}={getattr(self, n)} must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        _one_of("train.resume", self.resume, ("auto", "never"))
+        _one_of("train.on_nonfinite", self.on_nonfinite, ("halt", "skip"))
+
+
+@dataclass
+class DataConfig:
+    source: str = "parquet"          # parquet (FineWeb-Edu-format shards) | synthetic (explicit opt-in)
+    path: str = "data/fineweb_local"  # directory of shards (prepare_data.py writes it)
+    val_path: Optional[str] = None   # held-out shard; default: the val-*.parquet beside the train shards
+    auto_prepare: bool = True        # default path missing -> build it from the offline local corpus
+    tokenizer: str = "byte"          # byte | gpt2 (tiktoken, needs a local encoding file)
+    tiktoken_path: Optional[str] = None
+    prefetch_batches: int = 4
+    shuffle_seed: Optional[int] = 0
+
+    def __post_init__(self) -> None:
+        _one_of("data.source", self.source, ("parquet", "synthetic"))
+        _one_of("data.tokenizer", self.tokenizer, ("byte", "gpt2"))
+        _require(self.prefetch_batches >= 0, "data.prefetch_batches must be >= 0")
+        _require(bool(self.path) or self.source == "synthetic", "data.path is empty: point it at a shard directory")
+
+
+@dataclass
+class LoggingConfig:
+    root: str = "runs"               # run directories live under root/name
+    name: Optional[str] = None       # None: a unique name per launch; set it to resume a run
+    log_every: int = 10              # CSV / MLflow / TensorBoard rows and console line
+    heartbeat_every: int = 1
+    stats_every: int = 25            # gate / selection stats (one host transfer); 0 disables
+    csv: bool = True
+    tensorboard: bool = True
+    mlflow: bool = True
+    mlflow_uri: Optional[str] = None  # None: sqlite file root/mlflow.db
+    experiment: str = "nsa"
+
+    def __post_init__(self) -> None:
+        _positive("logging", self, ("log_every", "heartbeat_every"))
+        _require(self.stats_every >= 0, "logging.stats_every must be >= 0 (0 disables gate stats)")
+        if self.name is not None:
+            _require(self.name.strip() != "" and "/" not in self.name,
+                     f"logging.name={self.name!r} must be a non-empty directory name without '/'")
+
+
+SECTIONS = {"model": ModelConfig, "nsa": NSAConfig, "runtime": RuntimeConfig, "train": TrainConfig,
+            "data": DataConfig, "logging": LoggingConfig}
+
+TOKENIZER_VOCAB = {"byte": 256, "gpt2": 50257}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    nsa: NSAConfig = field(default_factory=NSAConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        need = TOKENIZER_VOCAB[self.data.tokenizer]
+        _require(self.model.vocab >= need,
+                 f"model.vocab={self.model.vocab} is smaller than the {self.data.tokenizer} tokenizer's "
+                 f"{need} ids: set model.vocab={need}")
+        _require(self.train.seq_len >= self.nsa.l,
+                 f"train.seq_len={self.train.seq_len} is shorter than nsa.l={self.nsa.l}: no compressed "
+                 "token (and so no learned selection) would ever be visible; raise seq_len or lower nsa.l")
+        if self.runtime.precision == "fp16" and not self.runtime.use_gpu:
+            raise ConfigError("runtime.precision=fp16 needs GPUs (runtime.use_gpu=true); use bf16 or fp32 on CPU")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value (MLflow params, printing)."""
+        return {f"{s}.{k}": v for s, sec in self.to_dict().items() for k, v in sec.items()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runbooks' NSA_* environment variables. Only these still mean something; each maps to one field.
+# The others (NSA_PREFILL_BATCHED, NSA_SEL_RANGES_V2, NSA_USE_SEL_PACK/MASK/VARLEN, NSA_FORCE_PARITY,
+# NSA_STRICT_ASSERTS, NSA_SDPA_*, NSA_TRACE_*, NSA_FWE_Q/DOC_BATCH/WARMUP_*, NSA_DEBUG_*, ...) switched
+# between buggy code paths of the old stack or worked around its hangs: prefill here is always batched,
+# selection always packed, kernels are chosen once by the KernelPolicy, stalls are found by the watchdog
+# and SIGUSR1 stack dumps, and Ray Data streams with prefetch. They are ignored with a warning.
+ENV_MAP: dict[str, tuple[str, Any]] = {
+    # name: (dotted field, transform of the parsed value)
+    "NSA_ACCUM": ("train.accumulate", None),
+    "NSA_BATCH_SIZE": ("train.batch_size", None),
+    "NSA_LR": ("train.lr", None),
+    "NSA_TOKENIZER": ("data.tokenizer", None),
+    "NSA_FWE_PREFETCH": ("data.prefetch_batches", None),
+    "NSA_HEARTBEAT_EVERY": ("logging.heartbeat_every", None),
+    "NSA_TB_DISABLE": ("logging.tensorboard", lambda v: not v),
+    "NSA_DISABLE_CSV_LOGS": ("logging.csv", lambda v: not v),
+    "NSA_DISABLE_AUX_STATS": ("logging.stats_every", lambda v: 0 if v else LoggingConfig.stats_every),
+    "NSA_USE_TRITON_SEL": ("nsa.backend", lambda v: "triton" if v else "torch"),
+    "NSA_USE_FA2": ("nsa.allow_flash_attn", bool),
+    "NSA_DETECT_ANOMALY": ("runtime.detect_anomaly", bool),
+    "NSA_SCALER_INIT_SCALE": ("runtime.scaler_init_scale", None),
+    "NSA_SCALER_GROWTH_INTERVAL": ("runtime.scaler_growth_interval", None),
+    "NSA_SCALER_GROWTH_FACTOR": ("runtime.scaler_growth_factor", None),
+    "NSA_SCALER_BACKOFF_FACTOR": ("runtime.scaler_backoff_factor", None),
+}
+RETIRED_ENV = ("NSA_PREFILL_BATCHED", "NSA_SEL_RANGES_V2", "NSA_SEL_RANGES_V2_MIN_S", "NSA_USE_SEL_PACK",
+               "NSA_USE_SEL_MASK", "NSA_USE_SEL_VARLEN", "NSA_FORCE_PARITY", "NSA_STRICT_ASSERTS",
+               "NSA_SDPA_NO_FLASH", "NSA_SDPA_FLASH_ONLY", "NSA_SDPA_AUDIT", "NSA_TRACE_GRADS",
+               "NSA_TRACE_MODULE_BWD", "NSA_FWE_Q", "NSA_FWE_DOC_BATCH", "NSA_FWE_WARMUP_BATCHES",
+               "NSA_FWE_WARMUP_TIMEOUT", "NSA_DEBUG_COMPARE", "NSA_DEBUG_TIMING", "NSA_ENV_STATIC",
+               "NSA_USE_FA2_WIN", "NSA_USE_FA2_CMP", "NSA_STOPGRAD_GATES", "NSA_ROPE_SCALE",
+               "NSA_PREFILL_TILE", "NSA_MEM_DUMP_EVERY")
+
+
+# ---------------------------------------------------------------------------------------------------
+def _field_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _coerce(dotted: str, value: Any, typ: Any) -> Any:
+    """Coerce a YAML/CLI/env value to the field's declared type, or raise naming the field."""
+    origin = get_origin(typ)
+    if origin is Union:  # Optional[X]
+        args = [a for a in get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return _coerce(dotted, value, args[0])
+    if isinstance(value, str) and typ is not str:
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{dotted}: cannot parse {value!r}: {e}") from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        raise ConfigError(f"{dotted}={value!r} must be true/false (or 1/0)")
+    if typ is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{dotted}={value!r} must be an integer")
+        return int(value)
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{dotted}={value!r} must be a number")
+        return float(value)
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{dotted}={value!r} must be a string")
+        return str(value)
+    return value
+
+
+def _suggest(name: str, options) -> str:
+    near = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _split(dotted: str) -> tuple[str, str]:
+    section, _, key = dotted.partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r} in {dotted!r}{_suggest(section, SECTIONS)}; "
+                          f"sections: {list(SECTIONS)}")
+    names = {f.name for f in fields(SECTIONS[section])}
+    if key not in names:
+        raise ConfigError(f"unknown config key {dotted!r}{_suggest(key, names)}; "
+                          f"valid keys of {section}: {sorted(names)}")
+    return section, key
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise ConfigError(f"override {it!r} must look like section.key=value (e.g. train.steps=100)")
+        k, v = it.split("=", 1)
+        _split(k.strip())
+        out[k.strip()] = v
+    return out
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Flatten a YAML profile to dotted keys, rejecting unknown sections and keys."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist (profiles live in pipelines/configs/)")
+    raw = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: top level must be a mapping of sections {list(SECTIONS)}")
+    flat: dict[str, Any] = {}
+    for section, body in raw.items():
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{p}: section {section!r} must be a mapping")
+        for k, v in body.items():
+            _split(f"{section}.{k}")
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The documented NSA_* variables as dotted values, plus warnings for retired ones."""
+    values: dict[str, Any] = {}
+    warnings = [f"{n} is retired and ignored (see nsa/config.py ENV_MAP)" for n in RETIRED_ENV if n in env]
+    for name, (dotted, fn) in ENV_MAP.items():
+        if name not in env:
+            continue
+        section, key = _split(dotted)
+        parsed = yaml.safe_load(env[name]) if env[name] != "" else None
+        if fn is not None:
+            parsed = fn(parsed)
+        values[dotted] = _coerce(f"{dotted} (from ${name})", parsed, _field_types(SECTIONS[section])[key])
+    return values, warnings
+
+
+def resolve_config(yaml_path: str | None = None, overrides: list[str] | None = None,
+                   env: Mapping[str, str] | None = None) -> tuple[RunConfig, dict[str, str]]:
+    """Build the RunConfig: default < YAML < NSA_* env < overrides. Returns (config, source per field)."""
+    env = os.environ if env is None else env
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if yaml_path:
+        layers.append((f"yaml:{yaml_path}", load_yaml(yaml_path)))
+    env_vals, _ = read_env(env)
+    layers.append(("env", env_vals))
+    layers.append(("cli", parse_overrides(list(overrides or []))))
+    merged: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    sources = {f"{s}.{f.name}": "default" for s, cls in SECTIONS.items() for f in fields(cls)}
+    for origin, vals in layers:
+        for dotted, v in vals.items():
+            s, k = _split(dotted)
+            merged[s][k] = _coerce(dotted, v, _field_types(SECTIONS[s])[k])
+            sources[dotted] = origin
+    cfg = RunConfig(**{s: SECTIONS[s](**merged[s]) for s in SECTIONS})
+    return cfg, sources
+
+
+def config_from_dict(d: Mapping[str, Any]) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (checkpoints, Ray loop config)."""
+    secs = {}
+    for s, cls in SECTIONS.items():
+        body = dict(d.get(s, {}))
+        hints = _field_types(cls)
+        for k in body:
+            _split(f"{s}.{k}")
+        secs[s] = cls(**{k: _coerce(f"{s}.{k}", v, hints[k]) for k, v in body.items()})
+    return RunConfig(**secs)
+
+
+def dump_yaml(cfg: RunConfig, sources: dict[str, str] | None = None) -> str:
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if sources:
+        changed = {k: v for k, v in sources.items() if v != "default"}
+        if changed:
+            text += "# sources (non-default fields):\n" + "".join(f"#   {k}: {v}\n" for k, v in sorted(changed.items()))
+    return text
+
+
+def format_config(cfg: RunConfig, sources: dict[str, str]) -> str:
+    """One line per field with its source; printed once at start-up."""
+    width = max(len(k) for k in sources)
+    return "\n".join(f"  {k:<{width}} = {v!r:<24} [{sources.get(k, 'default')}]" for k, v in cfg.flat().items())
