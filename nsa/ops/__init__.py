@@ -1,0 +1,58 @@
+"""NSA tensor ops: the public op, decode, the reference oracle and backend dispatch.
+
+    o, block_idx = nsa_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates,
+                                 l=32, d=16, l_sel=64, n_sel=16, w=512, scale=None, backend="auto")
+"""
+from __future__ import annotations
+
+import torch
+
+from .batched import nsa_torch
+from .common import NSAParams, num_cmp_tokens, safe_scale, validate_hparams, validate_inputs
+from .decode import nsa_decode
+from .dispatch import (KernelPolicy, _check_requested, cached_policy, count_fallback,
+                       fallback_counts, reset_fallback_counts, resolve_backend, triton_module)
+from .reference import causal_attention, nsa_reference
+
+__all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "KernelPolicy",
+           "resolve_backend", "fallback_counts", "count_fallback", "reset_fallback_counts",
+           "validate_hparams", "num_cmp_tokens", "NSAParams"]
+
+
+def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
+                  v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
+                  l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
+                  scale: float | None = None,
+                  backend: str | KernelPolicy = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Native Sparse Attention over a full sequence (NSA_SPEC.md).
+
+    q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
+    k_slc/v_slc/k_win/v_win [B,T,H,dk|dv] raw; gates [B,T,HQ,3] (cmp, slc, win), already in [0,1].
+    Query head hq uses KV head hq // (HQ // H). Returns (o [B,T,HQ,dv] in q.dtype,
+    block_idx [B,T,H,n_sel] int64 ascending, -1 for unused slots). backend: "reference" | "torch"
+    | "triton" | "auto" or a resolved KernelPolicy. Differentiable in q, every k/v and gates.
+    """
+    p = NSAParams(l, d, l_sel, n_sel, w)
+    tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
+                   v_win=v_win, gates=gates)
+    if isinstance(backend, KernelPolicy):
+        policy = backend
+    else:
+        _check_requested(backend)
+        policy = cached_policy(backend, q.device, q.dtype)
+    validate_inputs(tensors, p)
+    sc = safe_scale(scale, q.shape[-1])
+    if policy.fallback is not None:
+        count_fallback(policy.fallback)
+    used = policy.backend
+    kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
+    if used == "triton":
+        mod = triton_module()
+        try:
+            return mod.nsa_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
+        except NotImplementedError:  # kernel does not cover this shape/dtype
+            count_fallback("triton_unsupported->torch")
+            used = "torch"
+    if used == "reference":
+        return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
+    return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc)

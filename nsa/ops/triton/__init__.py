@@ -1,0 +1,66 @@
+"""Triton backend of nsa_attention (forward + backward).
+
+Importing this package never imports triton: ``triton_available()`` says whether the kernels can run
+here (triton importable and a CUDA device present), and the kernel modules are loaded on the first
+call of ``nsa_attention_triton``. Under ``TRITON_INTERPRET=1`` (set before triton is first imported)
+the kernels also run on CPU tensors through Triton's interpreter; that is what the CPU tests use,
+calling ``nsa_attention_triton`` directly (``triton_available()`` stays False without CUDA so that
+``backend="auto"`` never picks the slow interpreter).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["triton_available", "triton_importable", "nsa_attention_triton"]
+
+_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def triton_importable() -> bool:
+    """True when the triton package can be imported (it is not imported here)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run natively: triton importable and CUDA present."""
+    return triton_importable() and torch.cuda.is_available()
+
+
+def _check(q: torch.Tensor, v_slc: torch.Tensor, gates: torch.Tensor) -> None:
+    if q.dtype not in _SUPPORTED:
+        raise ValueError(f"q has dtype {q.dtype}; the triton backend supports fp16/bf16/fp32 "
+                         "(use backend='torch' or 'reference' for fp64)")
+    if q.shape[-1] > MAX_HEAD_DIM or v_slc.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"d_k={q.shape[-1]} / d_v={v_slc.shape[-1]} exceed {MAX_HEAD_DIM}, the largest "
+                         "head dim of the triton backend; use backend='torch'")
+    if gates.dtype not in _SUPPORTED:
+        raise ValueError(f"gates has dtype {gates.dtype}; use fp16/bf16/fp32")
+
+
+def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
+                         v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
+                         *, l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
+                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NSA prefill on Triton kernels; same contract as ``nsa.ops.nsa_attention`` (INTERFACES.md).
+
+    q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv]; k_slc/v_slc/k_win/v_win [B,T,H,dk|dv]; gates [B,T,HQ,3].
+    Returns (o [B,T,HQ,dv] in q's dtype, block_idx [B,T,H,n_sel] int64 ascending, -1 padded).
+    Differentiable w.r.t. q, every k/v and gates (fp32 accumulation, deterministic, no atomics).
+    """
+    from ..common import NSAParams, safe_scale, validate_inputs
+
+    p = NSAParams(l, d, l_sel, n_sel, w)
+    tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win,
+                   gates=gates)
+    validate_inputs(tensors, p)
+    _check(q, v_slc, gates)
+    from .function import nsa_triton_apply
+
+    return nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
+                            n_sel=n_sel, w=w, scale=safe_scale(scale, q.shape[-1]))

@@ -1,0 +1,206 @@
+"""NSAAttention: projections, RoPE, compression, gates and output projection around nsa.ops.
+
+Data flow for x [B, T, dim] (see /work/shared/NSA_SPEC.md):
+  q = W_Q x                          [B, T, HQ, d_k]
+  k_c, v_c = W_K^c x, W_V^c x        [B, T, H, d_k|d_v] for c in (cmp, slc, win)
+  RoPE on q and on k_cmp/k_slc/k_win at absolute positions (before compression)
+  k~, v~ = phi_K(k_cmp), phi_V(v_cmp)  [B, N, H, *]
+  g = sigmoid(MLP(x))                [B, T, HQ, 3]  (cmp, slc, win)
+  o = nsa_attention(...)             [B, T, HQ, d_v]
+  y = W_O concat_heads(o)            [B, T, dim]
+The per-branch projections are separate weights stored in one fused Linear (one GEMM instead of
+seven); the row blocks are [q | k_cmp k_slc k_win | v_cmp v_slc v_win].
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+import nsa.ops as nsa_ops
+from nsa.layers.cache import NSAKVCache
+from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
+from nsa.layers.rope import apply_rope
+
+BRANCHES = ("cmp", "slc", "win")
+
+
+def validate_nsa_args(dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
+                      d: int, l_sel: int, n_sel: int, w: int, compression: str = "mlp") -> None:
+    """Raise ValueError naming the offending field (spec: 'Shapes and names', 'Validation')."""
+    for name, val in (("dim", dim), ("n_heads", n_heads), ("n_kv_groups", n_kv_groups),
+                      ("d_k", d_k), ("d_v", d_v), ("l", l), ("d", d), ("l_sel", l_sel),
+                      ("n_sel", n_sel), ("w", w)):
+        if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+            raise ValueError(f"{name}={val!r}: must be a positive integer")
+    if n_heads % n_kv_groups != 0:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_groups={n_kv_groups} "
+                         f"(each KV head serves n_heads/n_kv_groups query heads)")
+    if d_k % 2 != 0:
+        raise ValueError(f"d_k={d_k}: must be even (RoPE rotates pairs of features)")
+    if l < d:
+        raise ValueError(f"l={l} must be >= d={d} (compression blocks may overlap, not leave gaps)")
+    if l % d != 0:
+        raise ValueError(f"l={l}: the stride d={d} must divide l")
+    if l_sel % d != 0:
+        raise ValueError(f"l_sel={l_sel}: the stride d={d} must divide l_sel")
+    if compression not in COMPRESSION_KINDS:
+        raise ValueError(f"compression={compression!r}: choose one of {COMPRESSION_KINDS}")
+
+
+class Projected(NamedTuple):
+    """Per-token tensors of one forward/decode call (keys already RoPE'd)."""
+    q: torch.Tensor      # [B, T, HQ, d_k]
+    k_cmp: torch.Tensor  # [B, T, H, d_k] raw, before compression
+    v_cmp: torch.Tensor  # [B, T, H, d_v]
+    k_slc: torch.Tensor
+    v_slc: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention layer (x [B, T, dim] -> [B, T, dim]), causal.
+
+    Attributes: `record_stats` (bool): when True each forward stores detached `last_gates`
+    [B, T, HQ, 3] and `last_block_idx` [B, T, H, n_sel] (no host sync).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
+                 d: int, l_sel: int, n_sel: int, w: int, compression: str = "mlp",
+                 rope_base: float = 10000.0, backend: str = "auto",
+                 gate_hidden: int | None = None, compression_hidden: int | None = None) -> None:
+        super().__init__()
+        validate_nsa_args(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w, compression)
+        if rope_base <= 0:
+            raise ValueError(f"rope_base={rope_base}: must be > 0")
+        self.dim, self.n_heads, self.n_kv_groups = dim, n_heads, n_kv_groups
+        self.d_k, self.d_v = d_k, d_v
+        self.l, self.d, self.l_sel, self.n_sel, self.w = l, d, l_sel, n_sel, w
+        self.rope_base, self.backend, self.compression = float(rope_base), backend, compression
+        HQ, H = n_heads, n_kv_groups
+        self._split = (HQ * d_k, 3 * H * d_k, 3 * H * d_v)
+        self.qkv_proj = nn.Linear(dim, sum(self._split), bias=False)
+        self.phi_k = BlockCompressor(d_k, l, d, compression, compression_hidden)
+        self.phi_v = BlockCompressor(d_v, l, d, compression, compression_hidden)
+        gh = gate_hidden if gate_hidden is not None else max(16, dim // 4)
+        self.gate_mlp = nn.Sequential(nn.Linear(dim, gh), nn.SiLU(), nn.Linear(gh, 3 * HQ))
+        self.o_proj = nn.Linear(HQ * d_v, dim, bias=False)
+        self.record_stats = False
+        self.last_gates: torch.Tensor | None = None
+        self.last_block_idx: torch.Tensor | None = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.qkv_proj.weight, std=init_std)
+        nn.init.normal_(self.o_proj.weight, std=out_std if out_std is not None else init_std)
+        g1, g2 = self.gate_mlp[0], self.gate_mlp[2]
+        nn.init.normal_(g1.weight, std=1.0 / math.sqrt(self.dim))
+        nn.init.zeros_(g1.bias)
+        # small output weights, zero bias: every gate starts near sigmoid(0) = 0.5
+        nn.init.normal_(g2.weight, std=0.02 / math.sqrt(g1.out_features))
+        nn.init.zeros_(g2.bias)
+        self.phi_k.reset_parameters()
+        self.phi_v.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, n_heads={self.n_heads}, n_kv_groups={self.n_kv_groups}, "
+                f"d_k={self.d_k}, d_v={self.d_v}, l={self.l}, d={self.d}, l_sel={self.l_sel}, "
+                f"n_sel={self.n_sel}, w={self.w}, rope_base={self.rope_base}, "
+                f"backend={self.backend!r}")
+
+    # ------------------------------------------------------------ building blocks
+    def project(self, x: torch.Tensor, offset: int = 0) -> Projected:
+        """x [B, T, dim] -> q and per-branch raw k/v, RoPE'd at positions offset..offset+T-1."""
+        B, T, _ = x.shape
+        HQ, H, dk, dv = self.n_heads, self.n_kv_groups, self.d_k, self.d_v
+        qk_part, v_part = self.qkv_proj(x).split((self._split[0] + self._split[1], self._split[2]), -1)
+        # q and the three key streams share one RoPE call: [B, T, HQ + 3H, d_k]
+        qk = apply_rope(qk_part.view(B, T, HQ + 3 * H, dk), offset=offset, base=self.rope_base)
+        q, k_cmp, k_slc, k_win = qk.split((HQ, H, H, H), dim=2)
+        v_cmp, v_slc, v_win = v_part.view(B, T, 3 * H, dv).split((H, H, H), dim=2)
+        return Projected(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+
+    def compute_gates(self, x: torch.Tensor) -> torch.Tensor:
+        """g = sigmoid(MLP(x)): [B, T, dim] -> [B, T, HQ, 3] ordered (cmp, slc, win)."""
+        B, T, _ = x.shape
+        return torch.sigmoid(self.gate_mlp(x)).view(B, T, self.n_heads, 3)
+
+    def _op_kwargs(self) -> dict:
+        return dict(l=self.l, d=self.d, l_sel=self.l_sel, n_sel=self.n_sel, w=self.w,
+                    backend=self.backend)
+
+    def _output(self, o: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+        """o [B, T, HQ, d_v] -> y [B, T, dim]; records stats when asked (detached, on device)."""
+        if self.record_stats:
+            self.last_gates = gates.detach()
+            self.last_block_idx = block_idx.detach()
+        B, T = o.shape[:2]
+        return self.o_proj(o.reshape(B, T, self.n_heads * self.d_v))
+
+    def _branch_outputs(self, p: Projected, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                        gates: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each branch's output alone: the op called with one-hot gates (diagnostics only)."""
+        out = {}
+        eye = torch.eye(3, device=gates.device, dtype=gates.dtype)
+        for i, name in enumerate(BRANCHES):
+            one_hot = eye[i].expand(gates.shape).contiguous()
+            out[f"o_{name}"], _ = nsa_ops.nsa_attention(
+                p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, one_hot, **self._op_kwargs())
+        return out
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, return_branches: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """x [B, T, dim] -> y [B, T, dim]; with return_branches also info = {o_cmp, o_slc, o_win
+        [B, T, HQ, d_v], gates [B, T, HQ, 3], block_idx [B, T, H, n_sel]}."""
+        y, info = self._full(x, cache=None, return_branches=return_branches)
+        return (y, info) if return_branches else y
+
+    def _full(self, x: torch.Tensor, cache: NSAKVCache | None, return_branches: bool = False
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, T, {self.dim}], got {tuple(x.shape)}")
+        p = self.project(x)
+        k_cmp, v_cmp = self.phi_k(p.k_cmp), self.phi_v(p.v_cmp)  # [B, N, H, *]
+        gates = self.compute_gates(x)
+        o, block_idx = nsa_ops.nsa_attention(p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win,
+                                             p.v_win, gates, **self._op_kwargs())
+        if cache is not None:
+            cache.prefill(p.k_cmp, p.v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, k_cmp, v_cmp)
+        info: dict[str, torch.Tensor] = {}
+        if return_branches:
+            info = self._branch_outputs(p, k_cmp, v_cmp, gates)
+            info.update(gates=gates, block_idx=block_idx)
+        return self._output(o, gates, block_idx), info
+
+    # -------------------------------------------------------------- cached paths
+    def new_cache(self, capacity: int = 256) -> NSAKVCache:
+        return NSAKVCache(self.l, self.d, self.w, capacity=capacity)
+
+    def prefill(self, x: torch.Tensor, cache: NSAKVCache) -> torch.Tensor:
+        """Batched forward over x [B, T, dim] that also fills `cache` (empty) for decoding.
+        A cache that already holds tokens is extended chunk-wise through `decode`."""
+        if cache.length != 0:
+            return self.decode(x, cache)
+        return self._full(x, cache=cache)[0]
+
+    def decode(self, x: torch.Tensor, cache: NSAKVCache) -> torch.Tensor:
+        """New tokens x [B, Tq, dim] at positions cache.length .. +Tq-1 -> y [B, Tq, dim].
+        Appends them to the cache (emitting completed compressed tokens) and attends through
+        nsa.ops.nsa_decode: cost per step ~ N_S + n_sel*l_sel + w, not S."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, Tq, {self.dim}], got {tuple(x.shape)}")
+        pos0 = cache.length
+        p = self.project(x, offset=pos0)
+        gates = self.compute_gates(x)
+        cache.append(p.k_cmp, p.v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win,
+                     self.phi_k.compress_blocks, self.phi_v.compress_blocks)
+        kv = cache.views()
+        o, block_idx = nsa_ops.nsa_decode(p.q, kv["k_cmp"], kv["v_cmp"], kv["k_slc"], kv["v_slc"],
+                                          kv["k_win"], kv["v_win"], gates, pos0=pos0,
+                                          win_pos0=cache.win_pos0, **self._op_kwargs())
+        return self._output(o, gates, block_idx)

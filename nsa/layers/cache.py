@@ -1,0 +1,193 @@
+"""Per-layer KV cache for NSA decoding.
+
+What one layer keeps (spec, "Prefill and decode"):
+- all raw selection keys/values k_slc/v_slc (any block may be selected later),
+- the last w window keys/values k_win/v_win,
+- the compressed tokens k~/v~ emitted so far,
+- the raw compression-branch keys/values not yet folded into a complete block (the last l).
+
+Storage is preallocated and grows geometrically (capacity doubling), so a decode step costs one
+slice copy per buffer and never a torch.cat. The window and raw-compression buffers are *linear*
+buffers of capacity >= 2 * keep: tokens are appended at the end and, when the buffer is full, the
+last `keep` tokens are moved to the front (one copy every ~keep steps, O(1) amortised per token).
+Their views are therefore contiguous along time and in position order, which the decode op needs
+(`win_pos0` gives the absolute position of the first row).
+
+All bookkeeping (lengths, positions) is plain Python ints: decode is host-driven and no step needs
+a device->host sync. Tensors are stored detached: the cache is for inference.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from nsa.layers.compression import num_compressed, unfold_blocks
+
+BlockFn = Callable[[torch.Tensor], torch.Tensor]  # blocks [B, m, H, l, D] -> [B, m, H, D]
+
+
+class _AppendBuffer:
+    """Append-only storage for several streams sharing one time axis: list of [B, cap, H, D_s]."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.bufs: list[torch.Tensor] = []
+
+    def _allocate(self, like: list[torch.Tensor], capacity: int) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[0], capacity, *x.shape[2:]) for x in like]
+
+    def _ensure(self, like: list[torch.Tensor], need: int) -> None:
+        if not self.bufs:
+            self.capacity = max(self.capacity, need)
+            self.bufs = self._allocate(like, self.capacity)
+            return
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)  # geometric growth: O(1) amortised copies
+        new = self._allocate(like, new_cap)
+        for dst, src in zip(new, self.bufs):
+            dst[:, : self.length].copy_(src[:, : self.length])
+        self.bufs, self.capacity = new, new_cap
+
+    def append(self, xs: list[torch.Tensor]) -> None:
+        n = xs[0].shape[1]
+        self._ensure(xs, self.length + n)
+        for buf, x in zip(self.bufs, xs):
+            buf[:, self.length: self.length + n].copy_(x.detach())
+        self.length += n
+
+    def views(self) -> list[torch.Tensor]:
+        return [b[:, : self.length] for b in self.bufs]
+
+
+class _TailBuffer(_AppendBuffer):
+    """Linear buffer that only promises the last `keep` tokens (plus everything appended since).
+
+    `pos0` is the absolute position of row 0. Before an append that would overflow, the last
+    min(length, keep) rows are moved to the front; the buffer grows only if keep + n > capacity.
+    """
+
+    def __init__(self, keep: int, capacity: int | None = None) -> None:
+        super().__init__(capacity if capacity is not None else 2 * keep)
+        self.keep = keep
+        self.pos0 = 0
+
+    def append(self, xs: list[torch.Tensor]) -> None:
+        n = xs[0].shape[1]
+        if self.bufs and self.length + n > self.capacity:
+            r = min(self.length, self.keep)
+            start = self.length - r
+            for buf in self.bufs:
+                # clone: source and destination ranges may overlap
+                buf[:, :r].copy_(buf[:, start: self.length].clone())
+            self.pos0 += start
+            self.length = r
+        super().append(xs)
+
+    def fill_tail(self, xs: list[torch.Tensor], end_pos: int) -> None:
+        """Start an empty buffer from the last `keep` rows of xs (rows end at absolute end_pos)."""
+        if self.length != 0:
+            raise ValueError("fill_tail: buffer is not empty (use append)")
+        T = xs[0].shape[1]
+        r = min(T, self.keep)
+        self.pos0 = end_pos - r
+        super().append([x[:, T - r:] for x in xs])
+
+
+class NSAKVCache:
+    """Decode state of one NSAAttention layer.
+
+    Buffers are allocated lazily from the first tensors given (batch, heads, dims, dtype, device).
+    `capacity` is the initial number of raw token slots; every buffer doubles when it runs out.
+    """
+
+    def __init__(self, l: int, d: int, w: int, capacity: int = 256) -> None:
+        if min(l, d, w, capacity) <= 0:
+            raise ValueError(f"NSAKVCache: l={l}, d={d}, w={w}, capacity={capacity} must all be > 0")
+        self.l, self.d, self.w = l, d, w
+        self.slc = _AppendBuffer(capacity)                    # k_slc, v_slc: all raw tokens
+        self.win = _TailBuffer(keep=w, capacity=max(2 * w, 2))  # k_win, v_win: last w
+        self.raw_cmp = _TailBuffer(keep=l, capacity=2 * l)       # raw k_cmp, v_cmp: last l
+        self.cmp = _AppendBuffer(capacity // d + 1)              # compressed k~, v~
+
+    # ------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        """Number of tokens seen (the absolute position of the next token)."""
+        return self.slc.length
+
+    @property
+    def n_cmp(self) -> int:
+        return self.cmp.length
+
+    @property
+    def win_pos0(self) -> int:
+        """Absolute position of the first row of k_win/v_win."""
+        return self.win.pos0
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Current contents: k_cmp/v_cmp [B,N,H,*], k_slc/v_slc [B,S,H,*], k_win/v_win [B,Sw,H,*]."""
+        if not self.slc.bufs:
+            raise ValueError("NSAKVCache.views: cache is empty (run prefill or append first)")
+        k_slc, v_slc = self.slc.views()
+        k_win, v_win = self.win.views()
+        if self.cmp.bufs:
+            k_cmp, v_cmp = self.cmp.views()
+        else:  # nothing compressed yet: empty [B, 0, H, *] tensors of the right dtype
+            k_cmp, v_cmp = k_slc[:, :0], v_slc[:, :0]
+        return {"k_cmp": k_cmp, "v_cmp": v_cmp, "k_slc": k_slc, "v_slc": v_slc,
+                "k_win": k_win, "v_win": v_win}
+
+    def capacities(self) -> dict[str, int]:
+        return {"slc": self.slc.capacity, "win": self.win.capacity,
+                "raw_cmp": self.raw_cmp.capacity, "cmp": self.cmp.capacity}
+
+    def nbytes(self) -> int:
+        bufs = self.slc.bufs + self.win.bufs + self.raw_cmp.bufs + self.cmp.bufs
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+    # ---------------------------------------------------------------- writing
+    def prefill(self, k_cmp_raw: torch.Tensor, v_cmp_raw: torch.Tensor,
+                k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+                k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> None:
+        """Fill an empty cache from a batched prefill of T tokens (all [B, T, H, *] raw, RoPE'd;
+        k_cmp/v_cmp [B, N, H, *] the compressed tokens the prefill computed)."""
+        if self.length != 0:
+            raise ValueError("NSAKVCache.prefill: cache already holds tokens (use append)")
+        T = k_slc.shape[1]
+        if k_cmp.shape[1] != num_compressed(T, self.l, self.d):
+            raise ValueError(f"k_cmp: expected {num_compressed(T, self.l, self.d)} compressed "
+                             f"tokens for T={T}, got {k_cmp.shape[1]}")
+        self.slc.capacity = max(self.slc.capacity, 2 * T)  # room to decode without regrowing at once
+        self.slc.append([k_slc, v_slc])
+        self.win.fill_tail([k_win, v_win], T)
+        self.raw_cmp.fill_tail([k_cmp_raw, v_cmp_raw], T)
+        if k_cmp.shape[1] > 0:
+            self.cmp.capacity = max(self.cmp.capacity, 2 * k_cmp.shape[1])
+            self.cmp.append([k_cmp, v_cmp])
+
+    def append(self, k_cmp_raw: torch.Tensor, v_cmp_raw: torch.Tensor,
+               k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+               phi_k: BlockFn, phi_v: BlockFn) -> int:
+        """Append n new raw tokens ([B, n, H, *] each) and emit every compressed token whose block
+        completes among them (block i completes when position i*d + l - 1 arrives), compressing
+        all such blocks in one batched call of phi_k / phi_v. Returns the number emitted."""
+        s0 = self.length
+        n = k_slc.shape[1]
+        self.slc.append([k_slc, v_slc])
+        self.win.append([k_win, v_win])
+        self.raw_cmp.append([k_cmp_raw, v_cmp_raw])
+        first = num_compressed(s0, self.l, self.d)
+        last = num_compressed(s0 + n, self.l, self.d)  # exclusive
+        if last == first:
+            return 0
+        # the raw buffer keeps >= l old rows, so every new block (start > s0 - l) is still there
+        lo = first * self.d - self.raw_cmp.pos0
+        hi = (last - 1) * self.d + self.l - self.raw_cmp.pos0
+        k_raw, v_raw = (b[:, lo:hi] for b in self.raw_cmp.views())
+        k_new = phi_k(unfold_blocks(k_raw, self.l, self.d))  # [B, last-first, H, d_k]
+        v_new = phi_v(unfold_blocks(v_raw, self.l, self.d))
+        self.cmp.append([k_new, v_new])
+        return last - first

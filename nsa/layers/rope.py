@@ -1,0 +1,60 @@
+"""Rotary position embedding (RoPE), rotate-half convention.
+
+The angles are computed in fp32 (bf16 positions lose integer precision past 256) and the rotation
+is done in fp32; the result is cast back to the input dtype. Positions are absolute, so decode
+passes `offset` = number of tokens already in the cache and gets exactly the prefill rotation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for integer `positions` [T] -> two fp32 tensors [T, head_dim // 2]."""
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim={head_dim}: RoPE needs an even head dimension (d_k)")
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=positions.device, dtype=torch.float32) / half)
+    ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, half]
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate x [B, T, H, D] (D even) at absolute positions offset .. offset+T-1 (or `positions` [T]).
+
+    Returns a tensor of x's dtype. The pairs rotated together are (x[..., i], x[..., i + D/2]).
+    """
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [B, T, H, D], got shape {tuple(x.shape)}")
+    T, D = x.shape[1], x.shape[3]
+    if positions is None:
+        positions = torch.arange(offset, offset + T, device=x.device)
+    cos, sin = rope_cos_sin(positions, D, base)  # [T, D/2] fp32
+    cos = cos[None, :, None, :]  # [1, T, 1, D/2]
+    sin = sin[None, :, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., : D // 2], xf[..., D // 2:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Stateless module wrapper so the base shows up in `print(model)`."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"d_k={head_dim}: RoPE needs an even d_k")
+        if base <= 0:
+            raise ValueError(f"rope_base={base}: must be > 0")
+        self.head_dim = head_dim
+        self.base = float(base)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        return apply_rope(x, offset=offset, base=self.base)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"

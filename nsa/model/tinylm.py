@@ -1,0 +1,183 @@
+"""TinyLM: a small decoder-only LM of LlamaBlockNSA blocks, with cached NSA generation."""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nsa.layers.attention import NSAAttention
+from nsa.layers.cache import NSAKVCache
+from nsa.model.block import LlamaBlockNSA, RMSNorm
+
+# config attribute names accepted for a constructor argument (first match wins)
+_CONFIG_ALIASES = {"vocab": ("vocab", "vocab_size")}
+
+
+class TinyLM(nn.Module):
+    """ids [B, T] int64 -> logits [B, T, vocab].
+
+    `grad_checkpointing` recomputes each block in backward (torch.utils.checkpoint with
+    use_reentrant=False, which works under DDP and with unused-parameter detection).
+    """
+
+    def __init__(self, vocab: int = 256, dim: int = 512, n_layers: int = 4, n_heads: int = 8,
+                 n_kv_groups: int = 2, d_k: int = 64, d_v: int = 64, l: int = 32, d: int = 16,
+                 l_sel: int = 64, n_sel: int = 16, w: int = 512, grad_checkpointing: bool = False,
+                 backend: str = "auto", compression: str = "mlp", ffn_mult: float = 8.0 / 3.0,
+                 tie_embeddings: bool = False, rope_base: float = 10000.0,
+                 norm_eps: float = 1e-6) -> None:
+        super().__init__()
+        for name, val in (("vocab", vocab), ("dim", dim), ("n_layers", n_layers)):
+            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
+                raise ValueError(f"{name}={val!r}: must be a positive integer")
+        self.vocab, self.dim, self.n_layers = vocab, dim, n_layers
+        self.grad_checkpointing = bool(grad_checkpointing)
+        self.tie_embeddings = bool(tie_embeddings)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            LlamaBlockNSA(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
+                          ffn_mult=ffn_mult, backend=backend, compression=compression,
+                          rope_base=rope_base, norm_eps=norm_eps)
+            for _ in range(n_layers))
+        self.norm = RMSNorm(dim, norm_eps)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if self.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, init_std: float = 0.02) -> None:
+        """GPT-2 style: N(0, 0.02); residual-output projections scaled by 1/sqrt(2 * n_layers)."""
+        out_std = init_std / math.sqrt(2 * self.n_layers)
+        nn.init.normal_(self.embed.weight, std=init_std)
+        if not self.tie_embeddings:
+            nn.init.normal_(self.lm_head.weight, std=init_std)
+        for blk in self.blocks:
+            blk.attn.reset_parameters(init_std=init_std, out_std=out_std)
+            nn.init.normal_(blk.mlp.gate_up.weight, std=init_std)
+            nn.init.normal_(blk.mlp.down.weight, std=out_std)
+
+    @classmethod
+    def from_config(cls, model_cfg: Any, nsa_cfg: Any, **overrides: Any) -> "TinyLM":
+        """Build from nsa.config dataclasses (duck-typed): each constructor argument is taken from
+        `overrides`, else nsa_cfg, else model_cfg (attributes of the same name), else its default."""
+        kwargs: dict[str, Any] = {}
+        for name in inspect.signature(cls.__init__).parameters:
+            if name == "self":
+                continue
+            if name in overrides:
+                kwargs[name] = overrides.pop(name)
+                continue
+            for cfg in (nsa_cfg, model_cfg):
+                hit = next((a for a in _CONFIG_ALIASES.get(name, (name,)) if hasattr(cfg, a)), None)
+                if hit is not None:
+                    kwargs[name] = getattr(cfg, hit)
+                    break
+        if overrides:
+            raise ValueError(f"from_config: unknown overrides {sorted(overrides)}")
+        return cls(**kwargs)
+
+    # ------------------------------------------------------------------ helpers
+    def nsa_layers(self) -> list[NSAAttention]:
+        return [blk.attn for blk in self.blocks]
+
+    def set_record_stats(self, flag: bool) -> None:
+        for layer in self.nsa_layers():
+            layer.record_stats = bool(flag)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids: expected an integer tensor [B, T], got {tuple(ids.shape)} "
+                             f"{ids.dtype}")
+        if ids.shape[1] == 0:
+            raise ValueError("ids: need at least one token (T >= 1)")
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
+        x = self.embed(ids)  # [B, T, dim]
+        use_ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=False) if use_ckpt else blk(x)
+        return self.lm_head(self.norm(x))
+
+    def new_caches(self, capacity: int = 256) -> list[NSAKVCache]:
+        return [layer.new_cache(capacity) for layer in self.nsa_layers()]
+
+    def prefill(self, ids: torch.Tensor, capacity: int | None = None, last_only: bool = False
+                ) -> tuple[torch.Tensor, list[NSAKVCache]]:
+        """One batched forward over the prompt that fills every layer's cache.
+        Returns (logits [B, T, vocab] or [B, 1, vocab] if last_only, caches)."""
+        self._check_ids(ids)
+        caches = self.new_caches(capacity if capacity is not None else 2 * ids.shape[1])
+        x = self.embed(ids)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.prefill(x, cache)
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)), caches
+
+    def decode_step(self, ids: torch.Tensor, caches: list[NSAKVCache]) -> torch.Tensor:
+        """ids [B, Tq] new tokens (usually Tq = 1) after the cached ones -> logits [B, Tq, vocab]."""
+        self._check_ids(ids)
+        if len(caches) != len(self.blocks):
+            raise ValueError(f"caches: expected {len(self.blocks)} (one per layer), got {len(caches)}")
+        x = self.embed(ids)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.decode(x, cache)
+        return self.lm_head(self.norm(x))
+
+    # ----------------------------------------------------------------- generate
+    @staticmethod
+    def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]. temperature 0 = greedy argmax."""
+        if temperature == 0.0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [B, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, eos_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """ids [B, T0] -> [B, T0 + max_new_tokens]: one batched prefill, then one cached decode
+        step per new token. A sequence that emits eos_id is padded with eos_id afterwards."""
+        self._check_ids(ids)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k={top_k}: must be a positive integer or None")
+        B, T0 = ids.shape
+        out = ids.new_empty(B, T0 + max_new_tokens)  # preallocated: no torch.cat per token
+        out[:, :T0] = ids
+        if max_new_tokens == 0:
+            return out
+        logits, caches = self.prefill(ids, capacity=T0 + max_new_tokens, last_only=True)
+        finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        for i in range(max_new_tokens):
+            tok = self.sample(logits[:, -1], temperature, top_k, generator)  # [B]
+            if eos_id is not None:
+                tok = torch.where(finished, torch.full_like(tok, eos_id), tok)
+                finished |= tok == eos_id
+            out[:, T0 + i] = tok
+            if i == max_new_tokens - 1:
+                break
+            if eos_id is not None and bool(finished.all()):  # sync-ok: host-driven decode loop
+                out[:, T0 + i + 1:] = eos_id
+                break
+            logits = self.decode_step(tok[:, None], caches)
+        return out

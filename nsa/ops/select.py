@@ -1,0 +1,75 @@
+"""Top-n block selection and selected-block attention for one query tile (batched torch path)."""
+from __future__ import annotations
+
+import torch
+
+from .common import FORCED_STEP, NSAParams, score_scale
+
+
+def select_blocks(scores: torch.Tensor, pos: torch.Tensor, p: NSAParams, G: int) -> torch.Tensor:
+    """scores [B, H, tq, nb] raw importance (acc dtype) -> block_idx [B, H, tq, n_sel] int64.
+
+    One integer key per block makes the top-n deterministic: forced priority, then the score on
+    the comparison grid, then the lower index (common.py documents the rule). Ineligible blocks
+    get negative keys and come back as -1. Ascending, -1 padding last.
+    """
+    nb = scores.shape[-1]
+    j = torch.arange(nb, device=pos.device)
+    cur = (pos // p.l_sel)[:, None]  # [tq, 1]
+    prio = torch.where(j == cur, 3, torch.where(j == 0, 2, torch.where(j == cur - 1, 1, 0)))
+    grid = torch.round(scores * score_scale(G, p.l, p.d)).to(torch.int64)  # [B, H, tq, nb]
+    key = (grid + prio * FORCED_STEP) * nb + (nb - 1 - j)
+    key = torch.where(j <= cur, key, -1 - j)  # eligible iff j * l_sel <= t
+    k = min(p.n_sel, nb)
+    val, idx = key.topk(k, dim=-1)
+    idx = torch.where(val >= 0, idx, nb).sort(-1).values  # invalid slots sort last
+    idx = torch.where(idx == nb, -1, idx)
+    if k < p.n_sel:
+        idx = torch.nn.functional.pad(idx, (0, p.n_sel - k), value=-1)
+    return idx
+
+
+def slc_dense(q2: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: torch.Tensor,
+              pos: torch.Tensor, t_end: int, p: NSAParams, scale: float, G: int,
+              acc: torch.dtype) -> torch.Tensor:
+    """Selected-block attention as a block-masked dense product over keys [0, t_end).
+
+    Cheap when t_end is a small multiple of n_sel * l_sel (one big matmul, no gathers).
+    q2 [B, H, G*tq, dk]; k_slc/v_slc [B, S, H, *]; idx [B, H, tq, n_sel] -> [B, H, G, tq, dv] acc.
+    """
+    B, H, GT, _ = q2.shape
+    tq = GT // G
+    nb = (t_end + p.l_sel - 1) // p.l_sel
+    ks = k_slc[:, :t_end].permute(0, 2, 3, 1)  # [B, H, dk, L]
+    vs = v_slc[:, :t_end].permute(0, 2, 1, 3)  # [B, H, L, dv]
+    blk = torch.zeros(B, H, tq, nb + 1, dtype=torch.bool, device=idx.device)
+    blk.scatter_(-1, torch.where(idx < 0, nb, idx), True)  # -1 slots land in the spare column
+    tok_blk = torch.arange(t_end, device=idx.device) // p.l_sel  # [L]
+    causal = torch.arange(t_end, device=idx.device)[None, :] <= pos[:, None]  # [tq, L]
+    mask = blk[..., tok_blk] & causal  # [B, H, tq, L]
+    logits = (q2 @ ks).view(B, H, G, tq, t_end).to(acc) * scale
+    prob = logits.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
+    o = prob.to(vs.dtype).view(B, H, GT, t_end) @ vs
+    return o.view(B, H, G, tq, -1).to(acc)
+
+
+def slc_gather(qg: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: torch.Tensor,
+               pos: torch.Tensor, p: NSAParams, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Selected-block attention by gathering each query's n_sel * l_sel keys (memory ~ tq * n_sel * l_sel).
+
+    qg [B, H, tq, G, dk]; k_slc/v_slc [B, S, H, *]; idx [B, H, tq, n_sel] -> [B, H, tq, G, dv] acc.
+    """
+    B, H, tq, G, _ = qg.shape
+    S = k_slc.shape[1]
+    offs = torch.arange(p.l_sel, device=idx.device)
+    tok = (idx.clamp_min(0)[..., None] * p.l_sel + offs).flatten(-2)  # [B, H, tq, K]
+    valid = ((idx >= 0)[..., None].expand(-1, -1, -1, -1, p.l_sel).flatten(-2)
+             & (tok <= pos[:, None]))  # [B, H, tq, K]
+    tok = tok.clamp_max(S - 1)
+    bi = torch.arange(B, device=idx.device).view(B, 1, 1, 1)
+    hi = torch.arange(H, device=idx.device).view(1, H, 1, 1)
+    ks = k_slc[bi, tok, hi]  # [B, H, tq, K, dk]
+    vs = v_slc[bi, tok, hi]  # [B, H, tq, K, dv]
+    logits = (qg @ ks.transpose(-1, -2)).to(acc) * scale  # [B, H, tq, G, K]
+    prob = logits.masked_fill(~valid[:, :, :, None], float("-inf")).softmax(-1)
+    return (prob.to(vs.dtype) @ vs).to(acc)

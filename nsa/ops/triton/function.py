@@ -1,0 +1,126 @@
+"""NSA forward/backward on the Triton kernels, wired as one torch.autograd.Function.
+
+Forward: compressed attention (o_cmp, lse_cmp) -> block scores from recomputed p_cmp -> top-n
+block_idx -> selected attention (o_slc, lse_slc) -> window attention (o_win, lse_win) -> gated sum.
+Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
+backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
+dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2
+from .attn import attn_bwd, attn_fwd
+from .select import block_scores, select_topn, slc_bwd, slc_fwd
+
+
+@triton.jit
+def _combine_fwd_kernel(OC, OS, OW, GT, O, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over contiguous rows [n_rows, DV]."""
+    r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = r < n_rows
+    c = tl.arange(0, BDV)
+    m = ok[:, None] & (c[None, :] < DV)
+    off = r[:, None] * DV + c[None, :]
+    g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
+    g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
+    g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
+    o = g0[:, None] * tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
+    o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
+    o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(O + off, o.to(O.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32)."""
+    r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    ok = r < n_rows
+    c = tl.arange(0, BDV)
+    m = ok[:, None] & (c[None, :] < DV)
+    off = r[:, None] * DV + c[None, :]
+    do = tl.load(DO + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DG + r * 3, tl.sum(do * tl.load(OC + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
+    tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
+    tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
+
+
+def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
+    bdv = max(16, next_pow2(dv))
+    block = max(1, min(64, 8192 // bdv))
+    return triton.cdiv(n_rows, block), bdv, block
+
+
+def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """All contiguous: o_* [B,T,HQ,dv], gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_cmp's dtype."""
+    o = torch.empty_like(o_cmp)
+    n_rows, dv = o.numel() // o.shape[-1], o.shape[-1]
+    if n_rows == 0:
+        return o
+    nb, bdv, block = _rows_grid(n_rows, dv)
+    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, n_rows, DV=dv, BDV=bdv, BLOCK=block)
+    return o
+
+
+def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
+    """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous."""
+    dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
+    n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
+    if n_rows == 0:
+        return dg
+    nb, bdv, block = _rows_grid(n_rows, dv)
+    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, n_rows, DV=dv, BDV=bdv, BLOCK=block)
+    return dg
+
+
+class NSATritonFunction(torch.autograd.Function):
+    """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
+
+    @staticmethod
+    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l, d, l_sel, n_sel, w, scale):
+        o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
+        G = q.shape[2] // k_slc.shape[2]
+        if k_cmp.shape[1] > 0:
+            scores = block_scores(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, scale=scale)
+        else:  # nothing compressed yet: every score is 0 (only forced blocks / lowest indices win)
+            nsb = triton.cdiv(q.shape[1], l_sel)
+            scores = q.new_zeros(q.shape[0], k_slc.shape[2], q.shape[1], nsb, dtype=torch.float32)
+        block_idx = select_topn(scores, G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+        o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale)
+        o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale)
+        o = combine(o_cmp, o_slc, o_win, gates)
+        ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
+                              lse_cmp, lse_slc, lse_win, block_idx)
+        ctx.hp = (l, d, l_sel, w, scale)
+        ctx.mark_non_differentiable(block_idx)
+        return o, block_idx
+
+    @staticmethod
+    def backward(ctx, do, _dbi):
+        (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
+         lse_cmp, lse_slc, lse_win, block_idx) = ctx.saved_tensors
+        l, d, l_sel, w, scale = ctx.hp
+        do = do.contiguous()
+        dg = gate_grads(do, o_cmp, o_slc, o_win)                            # [B,T,HQ,3] fp32
+        dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
+                                stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
+        dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
+                               gates[..., 1], l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=torch.float32)
+        dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
+                                stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype)
+        return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype),
+                None, None, None, None, None, None)
+
+
+def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l, d, l_sel, n_sel, w, scale):
+    """Make layouts kernel-friendly and run the autograd.Function."""
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    return NSATritonFunction.apply(unit(q), unit(k_cmp), unit(v_cmp), unit(k_slc), unit(v_slc), unit(k_win),
+                                   unit(v_win), gates.contiguous(), l, d, l_sel, n_sel, w, scale)

@@ -1,0 +1,478 @@
+"""Selection branch: importance scores, top-n, and group-centric sparse attention (fwd + bwd).
+
+Scores.  p_cmp[t, hq, i] = exp(q k~_i * scale - lse_cmp) is recomputed per compressed token and
+mapped to selection blocks with the overlap weights: block j collects ``cnt(i, j)`` = number of
+stride chunks (d tokens) that compression block i shares with j, i.e. overlap(i, j) / d. A program
+handles a (token tile x group heads) row tile and a run of NBJ selection blocks at a time, loading
+exactly the compressed tokens that overlap them (NBJ*R + LC - 1 <= BN, R = l_sel/d, LC = l/d), so
+every block score is produced once, summed over the group's heads, and written to a
+[B, H, T, n_blocks] fp32 tensor. No [HQ, T, N] probability tensor is ever stored.
+
+Top-n.  One more kernel ranks blocks exactly like nsa.ops.reference: scores are put on the integer
+grid round(s * 2**20 * d / (G*l)) (fp64, half to even), forced blocks get a priority bonus (block of
+t > block 0 > block before), ties go to the lower index; output ascending, -1 padded.
+
+Attention.  One program per (token, b, kv head) with the G query heads as rows (padded to >= 16 for
+tl.dot), looping over the n_sel selected blocks with an online softmax; causal mask inside the block.
+Backward: dq per (token, kv head); dK/dV without atomics by inverting the selection on device
+(sort of (b, h, block) keys), then one program per (block, chunk of <= CH queries) loops over the
+queries that selected it; chunks > 0 write fp32 partials that a last kernel adds in chunk order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_pow2, row_block
+
+LOG2E = 1.4426950408889634
+SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
+FORCED_STEP = 2 ** (SCORE_BITS + 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# importance scores
+
+
+@triton.jit
+def _scores_kernel(Q, KC, LSE, SC, sqb, sqt, sqh, skb, skt, skh,
+                   T, N, H, NSB, scale_log2,
+                   G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
+                   LSEL: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
+    BT: tl.constexpr = BLOCK_R // GP
+    R: tl.constexpr = LSEL // STRIDE      # stride chunks per selection block
+    LC: tl.constexpr = L_CMP // STRIDE    # stride chunks per compression block
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    rows = tl.arange(0, BLOCK_R)
+    tok = pid_m * BT + rows // GP
+    g = rows % GP
+    row_ok = (tok < T) & (g < G)
+    hq = (h * G + g).to(tl.int64)
+    tok64 = tok.to(tl.int64)
+    offs_dk = tl.arange(0, BDK)
+    q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    lse = tl.load(LSE + (b * T + tok64) * (H * G) + hq, mask=row_ok, other=0.0) * 1.4426950408889634
+    ttok = pid_m * BT + tl.arange(0, BT)                 # [BT] tokens of the tile
+    t_last = tl.minimum(pid_m * BT + BT - 1, T - 1)
+    nsb_tile = t_last // LSEL + 1                        # blocks eligible for some token of the tile
+    cols = tl.arange(0, NBJ_PAD)
+    kc_base = KC + b * skb + h * skh
+    sc_base = SC + ((b * H + h) * T + ttok.to(tl.int64)) * NSB   # [BT]
+    for j0 in range(0, nsb_tile, NBJ):
+        ki = j0 * R - (LC - 1) + tl.arange(0, BN)       # compressed tokens overlapping blocks j0..
+        k_ok = (ki >= 0) & (ki < N)
+        k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
+                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2          # [R, BN]
+        vis = ((ki * STRIDE + L_CMP - 1)[None, :] <= tok[:, None]) & k_ok[None, :] & row_ok[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        jj = j0 + cols                                   # [NBJ_PAD] absolute block ids
+        lo = tl.maximum(ki[:, None], (jj * R)[None, :])
+        hi = tl.minimum(ki[:, None] + LC - 1, (jj * R + R - 1)[None, :])
+        cnt = tl.where((hi >= lo) & (cols < NBJ)[None, :], hi - lo + 1, 0).to(tl.float32)  # [BN, NBJ_PAD]
+        sblk = tl.dot(p, cnt, input_precision=DOT_PREC)  # [R, NBJ_PAD]
+        stok = tl.sum(tl.reshape(sblk, [BT, GP, NBJ_PAD]), 1)   # sum over the group's heads
+        mask = (ttok < T)[:, None] & (cols < NBJ)[None, :] & (jj < NSB)[None, :]
+        tl.store(sc_base[:, None] + jj[None, :], stok, mask=mask)
+
+
+def block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
+                 l_sel: int, scale: float, exact: bool = True) -> torch.Tensor:
+    """q [B,T,HQ,dk], k_cmp [B,N,H,dk], lse_cmp fp32 [B,T,HQ] -> scores fp32 [B,H,T,ceil(T/l_sel)].
+
+    Entries of blocks not eligible for a token (j*l_sel > t) may be left unwritten."""
+    B, T, HQ, dk = q.shape
+    N, H = k_cmp.shape[1], k_cmp.shape[2]
+    G = HQ // H
+    GP = next_pow2(G)
+    nsb = triton.cdiv(T, l_sel)
+    R, LC = l_sel // d, l // d
+    bn = max(64, next_pow2(R + LC - 1))
+    nbj = (bn - LC + 1) // R
+    bdk = max(16, next_pow2(dk))
+    block_r = row_block(GP, 64 if bdk <= 128 else 32)
+    sc = torch.empty(B, H, T, nsb, device=q.device, dtype=torch.float32)
+    if q.is_cuda:
+        prec = "tf32x3" if exact else "tf32"
+    else:
+        prec = "ieee"
+    grid = (triton.cdiv(T, block_r // GP), B * H)
+    _scores_kernel[grid](q, k_cmp, lse_cmp.contiguous(), sc, q.stride(0), q.stride(1), q.stride(2),
+                         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), T, N, H, nsb, scale * LOG2E,
+                         G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, DK=dk, BDK=bdk, BLOCK_R=block_r,
+                         BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), DOT_PREC=prec,
+                         num_warps=8 if bdk >= 128 else 4, num_stages=2)
+    return sc
+
+
+# ----------------------------------------------------------------------------------------------
+# top-n
+
+
+@triton.jit
+def _topn_kernel(SC, BI, sbb, sbt, sbh, T, H, NSB,
+                 G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr, LSEL: tl.constexpr,
+                 NSEL: tl.constexpr, NSB_P2: tl.constexpr, BT: tl.constexpr, FSTEP: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BT + tl.arange(0, BT)                    # [BT]
+    t_ok = t < T
+    j = tl.arange(0, NSB_P2)                             # [NSB_P2]
+    cur = t // LSEL
+    elig = (j[None, :] <= cur[:, None]) & (j < NSB)[None, :] & t_ok[:, None]
+    s = tl.load(SC + ((b * H + h) * T + t.to(tl.int64))[:, None] * NSB + j[None, :], mask=elig, other=0.0)
+    # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
+    mult = tl.full([1, 1], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
+    x = s.to(tl.float64) * mult
+    grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int32)   # rint for 0 <= x < 2**52
+    jb = j[None, :]
+    prio = tl.where(jb == cur[:, None], 3, tl.where(jb == 0, 2, tl.where(jb == cur[:, None] - 1, 1, 0)))
+    key = tl.where(elig, prio * FSTEP + grid, -1)        # [BT, NSB_P2]
+    sel = tl.zeros([BT, NSB_P2], tl.int32)
+    for _ in range(NSEL):
+        m = tl.max(key, 1)
+        jm = tl.min(tl.where(key == m[:, None], jb, NSB_P2), 1)   # lowest index among the maxima
+        hit = (jb == jm[:, None]) & (m[:, None] >= 0)
+        sel = tl.where(hit, 1, sel)
+        key = tl.where(hit, -2, key)
+    pos = tl.cumsum(sel, 1) - 1
+    out = BI + b * sbb + t.to(tl.int64) * sbt + h * sbh
+    for slot in range(NSEL):
+        js = tl.max(tl.where((sel > 0) & (pos == slot), jb, -1), 1)
+        tl.store(out + slot, js.to(tl.int64), mask=t_ok)
+
+
+def select_topn(scores: torch.Tensor, *, G: int, l: int, d: int, l_sel: int, n_sel: int) -> torch.Tensor:
+    """scores fp32 [B,H,T,n_blocks] -> block_idx int64 [B,T,H,n_sel] (ascending, -1 padded)."""
+    B, H, T, nsb = scores.shape
+    bi = torch.empty(B, T, H, n_sel, device=scores.device, dtype=torch.int64)
+    nsb_p2 = max(16, next_pow2(nsb))
+    bt = max(1, min(16, 8192 // nsb_p2))
+    _topn_kernel[(triton.cdiv(T, bt), B * H)](scores, bi, bi.stride(0), bi.stride(1), bi.stride(2), T, H, nsb,
+                                              G=G, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, NSB_P2=nsb_p2,
+                                              BT=bt, FSTEP=FORCED_STEP, num_warps=4)
+    return bi
+
+
+# ----------------------------------------------------------------------------------------------
+# selected-block attention
+
+
+@triton.jit
+def _load_group(X, b, t64, hq, row_ok, offs, sxb, sxt, sxh, D: tl.constexpr):
+    return tl.load(X + b * sxb + t64 * sxt + hq[:, None] * sxh + offs[None, :],
+                   mask=row_ok[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+                    sob, sot, soh, sbb, sbt, sbh, T, H, scale_log2,
+                    G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
+                    DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                    BS: tl.constexpr):
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t64 = t.to(tl.int64)
+    rows = tl.arange(0, GR)
+    row_ok = rows < G
+    hq = (h * G + rows).to(tl.int64)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    q = _load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)      # [GR, BDK]
+    m_i = tl.full([GR], float("-inf"), tl.float32)
+    l_i = tl.zeros([GR], tl.float32)
+    acc = tl.zeros([GR, BDV], tl.float32)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    bi_base = BI + b * sbb + t64 * sbt + h * sbh
+    for slot in range(NSEL):
+        j = tl.load(bi_base + slot)
+        for sub in range(0, LSEL, BS):
+            kk = sub + tl.arange(0, BS)
+            kp = j * LSEL + kk                                              # [BS] int64 positions
+            k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+            k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
+                        mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where(k_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
+                        mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(O + b * sob + t64 * sot + hq[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LSE + (b * T + t64) * (H * G) + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                  sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, HQ,
+                  DK: tl.constexpr, DV: tl.constexpr, HAS_GATE: tl.constexpr):
+    q = _load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)
+    do = _load_group(DO, b, t64, hq, row_ok, offs_dv, sdb, sdt, sdh, DV)
+    ridx = (b * T + t64) * HQ + hq
+    lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
+    if HAS_GATE:
+        gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
+        do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
+        delta = delta * gate
+    return q, do, lse, delta
+
+
+@triton.jit
+def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
+                       sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt, sbb, sbt, sbh,
+                       T, H, scale_log2, scale,
+                       G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
+                       DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                       BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr):
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t64 = t.to(tl.int64)
+    rows = tl.arange(0, GR)
+    row_ok = rows < G
+    hq = (h * G + rows).to(tl.int64)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    q, do, lse, delta = _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                                      sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+    dq = tl.zeros([GR, BDK], tl.float32)
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+    bi_base = BI + b * sbb + t64 * sbt + h * sbh
+    for slot in range(NSEL):
+        j = tl.load(bi_base + slot)
+        for sub in range(0, LSEL, BS):
+            kk = sub + tl.arange(0, BS)
+            kp = j * LSEL + kk
+            k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+            k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
+                        mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+            v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
+                        mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * scale
+    dq_off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
+    dq_mask = row_ok[:, None] & (offs_dk[None, :] < DK)
+    if ACC_DQ:
+        dq += tl.load(DQ_IN + dq_off, mask=dq_mask, other=0.0)
+    tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=dq_mask)
+
+
+@triton.jit
+def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
+                         DKO, DVO, XDK, XDV,
+                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
+                         T, H, NSB, NSEG, scale_log2, scale,
+                         G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, CH: tl.constexpr,
+                         DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
+                         BS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """One program per work item (segment = (b, h, block j), chunk c of its query list)."""
+    w = tl.program_id(0)
+    seg = tl.load(WSEG + w)
+    chunk = tl.load(WCHUNK + w)
+    ok = seg < NSEG
+    seg = tl.where(ok, seg, 0)
+    j = seg % NSB
+    bh = seg // NSB
+    b = bh // H
+    h = bh % H
+    seg_lo = tl.load(SEGOFF + seg)
+    seg_hi = tl.load(SEGOFF + seg + 1)
+    start = seg_lo + chunk * CH
+    end = tl.where(ok, tl.minimum(seg_hi, start + CH), start)
+    kk = tl.arange(0, BS)
+    kp = j * LSEL + kk                                                      # [BS] int64
+    k_ok = (kk < LSEL) & (kp < T)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
+                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
+    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
+    rows = tl.arange(0, GR)
+    row_ok = rows < G
+    hq = (h * G + rows).to(tl.int64)
+    dk = tl.zeros([BS, BDK], tl.float32)
+    dv = tl.zeros([BS, BDV], tl.float32)
+    for idx in range(start, end):
+        t64 = tl.load(TOKS + idx)
+        q, do, lse, delta = _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                                          sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+        sT = tl.dot(k, tl.trans(q)) * scale_log2                            # [BS, GR]
+        vis = (kp <= t64)[:, None] & k_ok[:, None] & row_ok[None, :]
+        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q)
+    dk = dk * scale
+    # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
+    first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
+    o_row = ((b * T + kp) * H + h)                                          # rows of [B,T,H,*] fp32
+    tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], dk,
+             mask=(first & k_ok)[:, None] & (offs_dk[None, :] < DK))
+    tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], dv,
+             mask=(first & k_ok)[:, None] & (offs_dv[None, :] < DV))
+    extra = (tl.zeros([BS], tl.int32) + (ok & (chunk > 0)).to(tl.int32)) > 0
+    slot = tl.load(XOFF + seg) + chunk - 1
+    x_row = (tl.where(extra, slot, 0) * LSEL + kk).to(tl.int64)
+    x_ok = extra & (kk < LSEL)
+    tl.store(XDK + x_row[:, None] * DK + offs_dk[None, :], dk,
+             mask=x_ok[:, None] & (offs_dk[None, :] < DK))
+    tl.store(XDV + x_row[:, None] * DV + offs_dv[None, :], dv,
+             mask=x_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _slc_reduce_kernel(DKO, DVO, XDK, XDV, NCH, XOFF, T, H, NSB,
+                       LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BDK: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr):
+    """Adds the fp32 partials of chunks 1.. of one segment to chunk 0's result, in chunk order."""
+    seg = tl.program_id(0)
+    j = seg % NSB
+    bh = seg // NSB
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    nch = tl.load(NCH + seg)
+    xo = tl.load(XOFF + seg)
+    kk = tl.arange(0, BS)
+    kp = j * LSEL + kk
+    need = (tl.zeros([BS], tl.int32) + (nch > 1).to(tl.int32)) > 0   # vector: see the dkdv kernel
+    k_ok = (kk < LSEL) & (kp < T) & need
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    o_row = ((b * T + kp) * H + h)
+    mk = k_ok[:, None] & (offs_dk[None, :] < DK)
+    mv = k_ok[:, None] & (offs_dv[None, :] < DV)
+    acc_k = tl.load(DKO + o_row[:, None] * DK + offs_dk[None, :], mask=mk, other=0.0)
+    acc_v = tl.load(DVO + o_row[:, None] * DV + offs_dv[None, :], mask=mv, other=0.0)
+    for c in range(1, nch):
+        x_row = ((xo + c - 1) * LSEL + kk).to(tl.int64)
+        acc_k += tl.load(XDK + x_row[:, None] * DK + offs_dk[None, :], mask=mk, other=0.0)
+        acc_v += tl.load(XDV + x_row[:, None] * DV + offs_dv[None, :], mask=mv, other=0.0)
+    tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], acc_k, mask=mk)
+    tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], acc_v, mask=mv)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _slc_meta(G: int, dk: int, dv: int, l_sel: int) -> dict:
+    bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
+    return dict(G=G, GR=row_block(next_pow2(G), 16), LSEL=l_sel, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
+                num_warps=8 if max(bdk, bdv) >= 256 else 4)
+
+
+def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
+            l_sel: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ])."""
+    B, T, HQ, dk = q.shape
+    H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
+    o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    meta = _slc_meta(HQ // H, dk, dv, l_sel)
+    _slc_fwd_kernel[(T, B * H)](
+        q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=2, **meta)
+    return o, lse
+
+
+def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int):
+    """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
+
+    Device-only (sort + searchsorted, no host sync). Returns a dict of int64 tensors:
+    toks [P] (tokens, grouped by segment, ascending t within one), segoff [NSEG+1], wseg/wchunk
+    [W_max] (work item -> segment, chunk; segment NSEG marks an empty item), nch [NSEG], xoff [NSEG]
+    (first fp32 scratch slot of a segment's chunks 1..), and the host ints n_slots, w_max.
+    """
+    B, T, H, S = block_idx.shape
+    dev = block_idx.device
+    nsb = triton.cdiv(T, l_sel)
+    nseg = B * H * nsb
+    bi = block_idx.permute(0, 2, 1, 3)                                      # [B, H, T, S]
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
+    key = torch.where(bi >= 0, bh * nsb + bi, nseg).reshape(-1)             # order (b, h, t, s)
+    skey, order = torch.sort(key, stable=True)
+    toks = (order // S) % T
+    segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=torch.int64))
+    cnt = segoff[1:] - segoff[:-1]
+    nch = torch.clamp((cnt + chunk - 1) // chunk, min=1)                    # >= 1: empty blocks write 0
+    cum = torch.cumsum(nch, 0)
+    n_pairs = B * H * T * S
+    w_max = nseg + (n_pairs + chunk - 1) // chunk
+    n_slots = max(1, (n_pairs + chunk - 1) // chunk)
+    w = torch.arange(w_max, device=dev, dtype=torch.int64)
+    wseg = torch.searchsorted(cum, w, right=True)                           # == nseg past the last item
+    segc = wseg.clamp(max=nseg - 1)
+    wchunk = w - (cum[segc] - nch[segc])
+    xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
+    return dict(toks=toks, segoff=segoff, wseg=wseg, wchunk=wchunk, nch=nch, xoff=xoff,
+                n_slots=n_slots, w_max=w_max, nseg=nseg, nsb=nsb)
+
+
+def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
+            chunk: int = 1024, dq_in: torch.Tensor | None = None,
+            dq_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
+    B, T, HQ, dk = q.shape
+    H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
+    meta = _slc_meta(HQ // H, dk, dv, l_sel)
+    has_gate = gate is not None
+    g_arg = gate if has_gate else lse
+    sgt = gate.stride(2) if has_gate else 1
+    lse, delta = lse.contiguous(), delta.contiguous()
+    dq_dtype = dq_dtype or q.dtype
+    # in place when accumulating in fp32: each element is read and written by the same program
+    dq = dq_in if dq_in is not None and dq_dtype == torch.float32 else \
+        torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
+    _slc_bwd_dq_kernel[(T, B * H)](
+        q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
+        num_stages=1, **meta)
+    inv = invert_selection(block_idx, l_sel, chunk)
+    dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
+    dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
+    xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
+    xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
+    bs = max(16, next_pow2(l_sel))
+    _slc_bwd_dkdv_kernel[(inv["w_max"],)](
+        q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
+        dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
+        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=1, **meta)
+    _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
+                                       LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
+                                       num_warps=4)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)

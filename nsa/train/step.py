@@ -1,0 +1,133 @@
+"""One optimizer step: accumulate micro-batches, unscale, clip, skip non-finite updates, step.
+
+No host syncs happen here. Everything that the host wants to know (loss, grad norm, whether the update
+was applied) is returned as 0-d device tensors; the Ray loop transfers them every ``log_every`` steps.
+
+Non-finite handling without a sync: ``finite = isfinite(loss) & isfinite(total grad norm)`` is computed
+on device and handed to the fused AdamW kernel as ``optimizer.found_inf`` (the attribute GradScaler
+uses for the same purpose), which skips the parameter *and* moment update on device when it is 1.
+So a NaN/Inf step never corrupts the weights, whatever ``train.on_nonfinite`` says; the policy only
+decides what the host does when it next looks (halt at the next log step, or keep going).
+For fp16 the GradScaler still backs off its scale on overflow (``scaler.update`` is sync-free too).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nsa.train.precision import Precision
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor        # 0-d fp32, mean over micro-batches of the token-mean CE (device)
+    grad_norm: torch.Tensor   # 0-d fp32, global L2 norm of the unscaled grads before clipping (device)
+    finite: torch.Tensor      # 0-d bool, True iff the update was applied (device)
+    tokens: int               # tokens trained on by this rank in this step (host int from shapes)
+
+
+def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T+1] packed rows -> inputs [B, T], next-token targets [B, T]."""
+    return batch[:, :-1], batch[:, 1:]
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision) -> torch.Tensor:
+    """Token-mean next-token cross-entropy of one micro-batch, computed in fp32. Returns a 0-d tensor."""
+    x, y = split_batch(batch)
+    with prec.autocast():
+        logits = model(x)                                   # [B, T, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _unwrap_ddp(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _no_sync(model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+    """DDP all-reduces grads in backward; skip it for all but the last micro-batch of a step."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """Apply the update iff ``finite``; sync-free with fused AdamW, one deliberate sync otherwise."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = (~finite).to(torch.float32)   # read by the fused kernel on device
+        optimizer.grad_scale = None                         # grads are already unscaled
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf, optimizer.grad_scale
+    elif bool(finite):  # sync-ok: only non-fused optimizers (unsupported device) take this branch
+        optimizer.step()
+
+
+def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], prec: Precision, *,
+                     poison: bool = False) -> tuple[torch.Tensor, int]:
+    """Accumulate (scaled) grads of the mean loss over ``micro_batches`` into ``.grad``.
+
+    DDP all-reduces only in the last micro-batch's backward (``no_sync`` for the others). Returns
+    (mean loss as a 0-d fp32 device tensor, tokens). ``poison`` multiplies the last loss by NaN."""
+    n = len(micro_batches)
+    if n == 0:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0].device)
+    tokens = 0
+    for i, mb in enumerate(micro_batches):
+        last = i == n - 1
+        with _no_sync(model, last):
+            loss = lm_loss(model, mb, prec)
+            if poison and last:
+                loss = loss * float("nan")
+            # each micro-batch has the same token count, so mean-of-means == mean over all tokens
+            prec.scaler.scale(loss / n).backward()
+        loss_sum += loss.detach()
+        tokens += mb.shape[0] * (mb.shape[1] - 1)
+    return loss_sum / n, tokens
+
+
+def train_step(model: nn.Module, micro_batches: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, prec: Precision, *, grad_clip: float,
+               poison: bool = False) -> StepResult:
+    """Forward/backward over ``micro_batches`` (each [b, T+1] int64 on the model's device), then one
+    optimizer + scheduler step. ``grad_clip`` 0 disables clipping (the norm is still measured).
+    ``poison`` multiplies the loss by NaN (test-only fault injection ``runtime.fault=nan@N``)."""
+    mean_loss, tokens = forward_backward(model, micro_batches, prec, poison=poison)
+    prec.scaler.unscale_(optimizer)                          # no-op unless fp16
+    max_norm = grad_clip if grad_clip > 0 else float("inf")
+    # after DDP's all-reduce every rank holds the averaged grads, so this norm is the global one
+    grad_norm = torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm).float()
+    finite = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
+    _optimizer_step(optimizer, finite)
+    prec.scaler.update()                                     # fp16: back off on overflow (sync-free)
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=mean_loss, grad_norm=grad_norm, finite=finite, tokens=tokens)
+
+
+@torch.no_grad()
+def eval_loss(model: nn.Module, batches: Iterable[torch.Tensor], prec: Precision) -> torch.Tensor:
+    """Mean token CE over ``batches`` (device tensor; NaN if there were none). Model left in train mode."""
+    was_training = model.training
+    model.eval()
+    total, count = None, 0
+    try:
+        for b in batches:
+            loss = lm_loss(_unwrap_ddp(model), b, prec)      # no DDP forward: no grad sync needed
+            total = loss if total is None else total + loss
+            count += 1
+    finally:
+        model.train(was_training)
+    if total is None:
+        return torch.tensor(float("nan"))
+    return total / count

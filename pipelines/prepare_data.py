@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Prepare training data: documents -> parquet shards (FineWeb-Edu columns) + val shard + manifest.
+
+Examples:
+    python pipelines/prepare_data.py                                  # offline stdlib corpus, ~30 MB
+    python pipelines/prepare_data.py --source jsonl --input /data/fineweb.jsonl --out data/fwe
+    python pipelines/prepare_data.py --source txt --input notes/ --txt-split paragraph
+    python pipelines/prepare_data.py --source hub --max-bytes 2e9 --out data/fineweb_edu  # online
+
+Training then points `data.path` at the --out directory (checked by nsa.data.shards.check_data_path).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+# Allow `python pipelines/prepare_data.py` from a checkout without `pip install -e .`.
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from nsa.data.shards import write_shards  # noqa: E402
+from nsa.data.sources import SOURCES, iter_source  # noqa: E402
+from nsa.data.tokenizers import get_tokenizer  # noqa: E402
+
+DEFAULT_OUT = "data/fineweb_local"
+DEFAULT_MAX_BYTES = 30_000_000  # sized for the tiny CPU profile: ~30M byte tokens
+DEFAULT_VAL_DOCS = 64
+
+
+def _size(text: str) -> int:
+    """Accept 30000000, 3e7, 30MB, 30M, 2GB."""
+    t = text.strip().upper().removesuffix("B")
+    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 30000000, 3e7, 30MB)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--source", choices=SOURCES, default="local",
+                   help="local: the Python installation's own text files (offline); jsonl/txt: "
+                        "--input files; hub: HuggingFaceFW/fineweb-edu streaming (needs network)")
+    p.add_argument("--input", default=None,
+                   help="file or directory for jsonl/txt (for local: another root folder)")
+    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    p.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
+    p.add_argument("--max-bytes", type=_size, default=DEFAULT_MAX_BYTES,
+                   help="stop before exceeding this much UTF-8 text (all splits)")
+    p.add_argument("--docs-per-shard", type=int, default=None,
+                   help="documents per train shard (default: close shards at --shard-bytes)")
+    p.add_argument("--shard-bytes", type=_size, default=8_000_000,
+                   help="target text bytes per shard when --docs-per-shard is not given")
+    p.add_argument("--val-docs", type=int, default=None,
+                   help=f"held-out documents, the first ones of the stream (default "
+                        f"{DEFAULT_VAL_DOCS} unless --val-fraction is given; 0 = no val shard)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="instead: hold out documents whose id hashes below this fraction "
+                        "(capped by --val-docs when both are given)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the shards/manifest of a non-empty --out")
+    p.add_argument("--txt-split", choices=("file", "paragraph"), default="file",
+                   help="txt source: one document per file or per blank-line-separated block")
+    p.add_argument("--hub-name", default="sample-10BT", help="FineWeb-Edu config for --source hub")
+    p.add_argument("--hub-timeout", type=float, default=20.0,
+                   help="seconds to wait for the hub before failing (suggests --source local)")
+    p.add_argument("--count-tokenizer", default="byte", choices=("byte", "gpt2"),
+                   help="tokenizer whose token counts go into the manifest")
+    p.add_argument("--tiktoken-path", default=None,
+                   help="local gpt2.tiktoken file or cache dir (for --count-tokenizer gpt2)")
+    p.add_argument("--seed", type=int, default=0, help="order of the local corpus")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _progress(total_bytes: int | None, enabled: bool) -> tuple[Callable[[int, int], None],
+                                                                Callable[[], None]]:
+    """(update(docs, bytes), close()) with tqdm when installed, else a throttled stderr line."""
+    if not enabled:
+        return (lambda d, b: None), (lambda: None)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="documents -> shards",
+                   file=sys.stderr, mininterval=0.5)
+        state = {"bytes": 0}
+
+        def update(docs: int, nbytes: int) -> None:
+            bar.update(nbytes - state["bytes"])
+            state["bytes"] = nbytes
+            bar.set_postfix(docs=docs, refresh=False)
+
+        return update, bar.close
+    last = [0.0]
+
+    def update_plain(docs: int, nbytes: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.5:
+            last[0] = now
+            print(f"\r{docs} docs, {nbytes / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
+
+    return update_plain, lambda: print(file=sys.stderr)
+
+
+def summarize(manifest: dict, out: str, seconds: float) -> str:
+    t = manifest["totals"]
+    lines = [f"wrote {out} in {seconds:.1f}s (source: {manifest['source']}, token counts: "
+             f"{manifest['token_counter']})",
+             f"  train: {t['train_shards']} shards, {t['train_docs']} docs, {t['train_tokens']:,} tokens",
+             f"  val:   {len(manifest['val'])} shards, {t['val_docs']} docs, {t['val_tokens']:,} tokens"]
+    for e in manifest["train"] + manifest["val"]:
+        lines.append(f"    {e['path']:<32} {e['docs']:>6} docs {e['tokens']:>12,} tokens "
+                     f"{e['file_bytes'] / 1e6:7.2f} MB  sha256 {e['sha256'][:12]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_docs is not None and args.max_docs < 1:
+        raise SystemExit("--max-docs must be >= 1")
+    val_docs = args.val_docs
+    if val_docs is None and args.val_fraction is None:
+        val_docs = DEFAULT_VAL_DOCS
+    if val_docs is not None and val_docs < 0:
+        raise SystemExit("--val-docs must be >= 0")
+    counter = None if args.count_tokenizer == "byte" else \
+        get_tokenizer(args.count_tokenizer, tiktoken_path=args.tiktoken_path)
+    t0 = time.monotonic()
+    try:
+        docs = iter_source(args.source, args.input, max_docs=args.max_docs,
+                           max_bytes=args.max_bytes, txt_split=args.txt_split,
+                           hub_name=args.hub_name, hub_timeout_s=args.hub_timeout, seed=args.seed)
+        update, close = _progress(args.max_bytes, not args.no_progress)
+        try:
+            manifest = write_shards(docs, args.out, docs_per_shard=args.docs_per_shard,
+                                    shard_bytes=args.shard_bytes, val_docs=val_docs,
+                                    val_fraction=args.val_fraction, overwrite=args.overwrite,
+                                    tokenizer=counter, progress=update,
+                                    source=f"{args.source}:{args.input or args.hub_name}"
+                                    if args.source != "local" else "local:python-stdlib")
+        finally:
+            close()
+    except (FileNotFoundError, FileExistsError, ValueError, ConnectionError, ImportError) as exc:
+        print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 2
+    print(summarize(manifest, args.out, time.monotonic() - t0))
+    print(json.dumps({"out": str(Path(args.out).resolve()), **manifest["totals"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

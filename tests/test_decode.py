@@ -1,0 +1,159 @@
+"""KV cache + cached decoding: prefill-then-decode must equal a full prefill (spec invariant)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa import NSAAttention, TinyLM
+from nsa.layers.cache import NSAKVCache
+from nsa.layers.compression import num_compressed
+
+# l=8, d=4: compressed tokens are emitted at positions 7, 11, 15, ...; l_sel=8: a new selection
+# block every 8 tokens; w=16 < T so the window buffer compacts several times.
+NSA = dict(l=8, d=4, l_sel=8, n_sel=3, w=16)
+LAYER = dict(dim=32, n_heads=4, n_kv_groups=2, d_k=8, d_v=12, **NSA)
+MODEL = dict(vocab=61, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, **NSA)
+
+
+def make_layer(seed: int = 0, **over) -> NSAAttention:
+    torch.manual_seed(seed)
+    return NSAAttention(**{**LAYER, "backend": "torch", **over}).eval()
+
+
+def make_model(seed: int = 0, **over) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**{**MODEL, "backend": "torch", **over}).eval()
+
+
+# ----------------------------------------------------------------------------------- cache
+def test_cache_window_raw_and_emission_bookkeeping():
+    torch.manual_seed(0)
+    B, H, T = 2, 3, 70
+    k = torch.randn(B, T, H, 4)
+    v = torch.randn(B, T, H, 5)
+    cache = NSAKVCache(l=8, d=4, w=16, capacity=2)
+    emitted = []
+
+    def phi(blocks):  # [B, m, H, l, D] -> [B, m, H, D]; mean keeps the check simple
+        return blocks.mean(3)
+
+    cache.prefill(k[:, :3], v[:, :3], k[:, :3], v[:, :3], k[:, :3], v[:, :3],
+                  k[:, :0], v[:, :0])
+    t = 3
+    for n in (1, 1, 5, 1, 9, 1, 1, 17, 2, 29):  # ragged chunks, including multi-block ones
+        e = cache.append(k[:, t:t + n], v[:, t:t + n], k[:, t:t + n], v[:, t:t + n],
+                         k[:, t:t + n], v[:, t:t + n], phi, phi)
+        emitted.append(e)
+        t += n
+        kv = cache.views()
+        assert cache.length == t and kv["k_slc"].shape[1] == t
+        assert torch.equal(kv["k_slc"], k[:, :t]) and torch.equal(kv["v_slc"], v[:, :t])
+        # window: position order, covers at least the last w tokens, ends at t
+        p0, sw = cache.win_pos0, kv["k_win"].shape[1]
+        assert p0 + sw == t and p0 <= max(0, t - n - 16 + 1)
+        assert torch.equal(kv["k_win"], k[:, p0:t]) and torch.equal(kv["v_win"], v[:, p0:t])
+        # compressed tokens: exactly the complete blocks, equal to phi over the raw blocks
+        N = num_compressed(t, 8, 4)
+        assert cache.n_cmp == N
+        ref = torch.stack([k[:, i * 4: i * 4 + 8].mean(1) for i in range(N)], 1) if N else k[:, :0]
+        assert kv["k_cmp"].shape == (B, N, H, 4)
+        assert torch.allclose(kv["k_cmp"], ref, atol=1e-6)
+    assert sum(emitted) == num_compressed(T, 8, 4)
+    caps = cache.capacities()
+    assert caps["slc"] >= T and caps["win"] <= 2 * (16 + 29)  # window stays bounded
+
+
+def test_cache_rejects_misuse():
+    cache = NSAKVCache(l=8, d=4, w=16)
+    with pytest.raises(ValueError, match="empty"):
+        cache.views()
+    with pytest.raises(ValueError, match="w="):
+        NSAKVCache(l=8, d=4, w=0)
+
+
+# ------------------------------------------------------------------------------ layer level
+@pytest.mark.parametrize("chunks", [[5] + [1] * 55, [3, 1, 6, 1, 1, 13, 1, 30]])
+def test_layer_prefill_then_decode_equals_full(chunks):
+    layer = make_layer()
+    layer.record_stats = True
+    torch.manual_seed(1)
+    T = sum(chunks)
+    x = torch.randn(2, T, LAYER["dim"])
+    with torch.no_grad():
+        full = layer(x)
+        full_idx = layer.last_block_idx
+        cache = layer.new_cache(capacity=4)
+        outs, idx = [], []
+        t = 0
+        for i, n in enumerate(chunks):
+            step = layer.prefill if i == 0 else layer.decode
+            outs.append(step(x[:, t:t + n], cache))
+            idx.append(layer.last_block_idx)
+            t += n
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
+    assert torch.equal(torch.cat(idx, 1), full_idx)
+
+
+# ------------------------------------------------------------------------------ model level
+def test_model_prefill_then_decode_equals_full_and_cache_grows():
+    model = make_model()
+    model.set_record_stats(True)
+    torch.manual_seed(2)
+    T, T0 = 60, 5
+    ids = torch.randint(0, MODEL["vocab"], (2, T))
+    with torch.no_grad():
+        full = model(ids)
+        full_idx = [layer.last_block_idx for layer in model.nsa_layers()]
+        logits, caches = model.prefill(ids[:, :T0], capacity=4)
+        outs = [logits]
+        idx = [[layer.last_block_idx] for layer in model.nsa_layers()]
+        start_caps = [c.capacities()["slc"] for c in caches]
+        for t in range(T0, T):
+            outs.append(model.decode_step(ids[:, t:t + 1], caches))
+            for k, layer in enumerate(model.nsa_layers()):
+                idx[k].append(layer.last_block_idx)
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-4, rtol=1e-4)
+    for k in range(MODEL["n_layers"]):
+        assert torch.equal(torch.cat(idx[k], 1), full_idx[k])
+    for c, cap0 in zip(caches, start_caps):
+        assert c.length == T and c.capacities()["slc"] >= T > cap0  # grew past the initial size
+        assert c.n_cmp == num_compressed(T, NSA["l"], NSA["d"])
+
+
+def test_greedy_generate_equals_full_recompute_argmax():
+    model = make_model(seed=3)
+    torch.manual_seed(3)
+    prompt = torch.randint(0, MODEL["vocab"], (2, 6))
+    n_new = 30
+    out = model.generate(prompt, n_new)
+    assert out.shape == (2, 6 + n_new) and torch.equal(out[:, :6], prompt)
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n_new):
+            nxt = model(ids)[:, -1].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+    assert torch.equal(out, ids)
+
+
+def test_generate_eos_padding_and_sampling():
+    model = make_model(seed=4)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, MODEL["vocab"], (3, 4))
+    greedy = model.generate(prompt, 12)
+    eos = int(greedy[0, 4 + 3])  # the 4th generated token of row 0
+    out = model.generate(prompt, 12, eos_id=eos)
+    for b in range(3):
+        row, ref = out[b, 4:], greedy[b, 4:]
+        hits = (ref == eos).nonzero()
+        first = int(hits[0]) if len(hits) else 12
+        assert torch.equal(row[: first + 1], ref[: first + 1])  # same tokens up to the first eos
+        assert (row[first:] == eos).all()  # then eos padding (vacuous when no eos was produced)
+    # top_k=1 sampling is greedy whatever the temperature
+    assert torch.equal(model.generate(prompt, 8, temperature=1.5, top_k=1), greedy[:, :12])
+    gen = torch.Generator().manual_seed(0)
+    s = model.generate(prompt, 8, temperature=1.0, top_k=5, generator=gen)
+    assert s.shape == (3, 12) and int(s.min()) >= 0 and int(s.max()) < MODEL["vocab"]
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        model.generate(prompt, 2, temperature=1.0, top_k=0)
