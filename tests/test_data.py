@@ -92,6 +92,7 @@ def test_gpt2_style_tokenizer_from_local_files(tmp_path):
     (d / "encoder.json").write_text(json.dumps(table))
     tok2 = load_gpt2_tokenizer(d)
     assert tok2.encode(text) == ids
+    assert load_gpt2_tokenizer(d / "encoder.json").encode(text) == ids
     stream = tok2.encode_stream([text, text])
     assert stream.tolist() == ids + [tok2.eos_id] + ids + [tok2.eos_id]
 
@@ -253,6 +254,18 @@ def test_check_data_path_errors_name_the_file(tmp_path, case):
     msg = str(exc.value)
     assert str(culprit) in msg
     assert "prepare_data.py" in msg or "delete it" in msg
+
+
+def test_check_data_path_plain_parquet_directory(tmp_path):
+    # A FineWeb-Edu-like download: nested parquet files, no manifest, a val/ folder.
+    (tmp_path / "CC-MAIN-2024-10").mkdir()
+    (tmp_path / "val").mkdir()
+    a = _write(tmp_path / "CC-MAIN-2024-10" / "000_00000.parquet", pa.table({"text": ["a", "b"]}))
+    b = _write(tmp_path / "001_00000.parquet", pa.table({"text": ["c"], "score": [3.0]}))
+    v = _write(tmp_path / "val" / "000.parquet", pa.table({"text": ["held out"]}))
+    assert check_data_path(tmp_path) == sorted([str(a), str(b)])
+    assert find_val_shards(tmp_path) == [str(v)]
+    assert check_data_path(b) == [str(b)]
 
 
 def test_iter_packed_batches_matches_whole_stream(tmp_path):

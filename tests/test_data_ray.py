@@ -55,8 +55,10 @@ def test_build_datasets_rows(ray_local, small_data):
     seq_len = 127
     train_ds, val_ds = build_datasets(str(out), seq_len, "byte", shuffle_seed=0)
     assert val_ds is not None
-    rows = train_ds.take_all()
-    ids = np.stack([r["input_ids"] for r in rows])  # [n, seq_len+1]
+    # Iterate the way the train loop does (numpy batches of rows).
+    batches = list(train_ds.iter_batches(batch_size=4, batch_format="numpy"))
+    assert all(b["input_ids"].shape[1:] == (seq_len + 1,) for b in batches)
+    ids = np.concatenate([b["input_ids"] for b in batches])  # [n, seq_len+1]
     assert ids.dtype == np.int64 and ids.shape[1] == seq_len + 1
     train_bytes = sum(d["token_count"] + 1 for d in docs[4:])  # + one EOS per document
     # Each map batch drops < seq_len+1 tokens; there are at most a handful of batches.
@@ -75,9 +77,14 @@ def test_build_datasets_accepts_config_object(ray_local, small_data):
     from nsa.data.ray_data import build_datasets
 
     out, _ = small_data
-    cfg = SimpleNamespace(path=str(out), tokenizer="byte", val_path=None, tiktoken_path=None)
+    # Building is lazy (nothing executes here); the rows test above covers execution.
+    val_file = sorted(out.glob("val-*.parquet"))[0]
+    cfg = SimpleNamespace(path=str(out), tokenizer="byte", val_path=str(val_file),
+                          tiktoken_path=None, shuffle_seed=None)
     train_ds, val_ds = build_datasets(cfg, 63)
-    batch = next(iter(train_ds.iter_batches(batch_size=4, batch_format="numpy")))
-    assert batch["input_ids"].shape == (4, 64) and batch["input_ids"].dtype == np.int64
+    assert isinstance(train_ds, ray_local.data.Dataset)
+    assert isinstance(val_ds, ray_local.data.Dataset)
+    with pytest.raises(FileNotFoundError, match="tiktoken_path"):
+        build_datasets(SimpleNamespace(path=str(out), tokenizer="gpt2"), 63)
     with pytest.raises(FileNotFoundError, match="prepare_data.py"):
         build_datasets(str(out / "missing"), 63)

@@ -20,6 +20,7 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -260,8 +261,12 @@ def validate_shard(path: str | os.PathLike) -> int:
     return rows
 
 
-def _is_val(p: Path) -> bool:
-    return p.name.startswith("val") or "validation" in p.name
+_VAL_PART = re.compile(r"^(val|valid|validation)([-_.]|$)", re.IGNORECASE)
+
+
+def _is_val(p: Path, root: Path) -> bool:
+    """`val-00000.parquet`, `validation_0.parquet` or anything under a `val/` folder."""
+    return any(_VAL_PART.match(part) for part in p.relative_to(root).parts)
 
 
 def _listed(root: Path, manifest: dict[str, Any], split: str, verify_checksums: bool) -> list[Path]:
@@ -299,7 +304,7 @@ def check_data_path(path: str | os.PathLike, *, verify_checksums: bool = True) -
     if manifest is not None:
         files = _listed(p, manifest, "train", verify_checksums)
     else:
-        files = [f for f in _scan(p) if not _is_val(f)]
+        files = [f for f in _scan(p) if not _is_val(f, p)]
     if not files:
         raise FileNotFoundError(f"{p}: no train parquet files found; create them with "
                                 f"{PREPARE_HINT} --out {p}")
@@ -318,7 +323,7 @@ def find_val_shards(path: str | os.PathLike, *, verify_checksums: bool = True) -
                                 f"{PREPARE_HINT} --out {p}")
     manifest = read_manifest(p)
     files = _listed(p, manifest, "val", verify_checksums) if manifest is not None else \
-        [f for f in _scan(p) if _is_val(f)]
+        [f for f in _scan(p) if _is_val(f, p)]
     for f in files:
         validate_shard(f)
     return [str(f) for f in files]

@@ -23,6 +23,8 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from nsa.data.packing import concat_with_eos
+
 _R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 _VOCAB_BPE_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
 _ENCODER_JSON_URL = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"
@@ -133,10 +135,7 @@ class TiktokenTokenizer:
         return self._enc.encode_ordinary_batch(list(texts))
 
     def encode_stream(self, texts: Iterable[str]) -> np.ndarray:
-        token_lists = self.encode_batch(list(texts))
-        from nsa.data.packing import concat_with_eos  # local: packing imports this module's users
-
-        return concat_with_eos(token_lists, self.eos_id)
+        return concat_with_eos(self.encode_batch(list(texts)), self.eos_id)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._enc.decode([int(i) for i in ids])
@@ -223,10 +222,12 @@ def load_gpt2_tokenizer(tiktoken_path: str | os.PathLike | None) -> TiktokenToke
                 f"{_cache_name(_ENCODER_JSON_URL)}). {GPT2_HELP}")
         kind, file = found
     elif p.is_file():
-        kind, file = ("data_gym" if p.suffix == ".json" else "tiktoken"), p
+        kind, file = "tiktoken", p
     else:
         raise FileNotFoundError(f"tiktoken_path {str(p)!r} does not exist. {GPT2_HELP}")
     data = file.read_bytes()
+    if data.lstrip()[:1] == b"{":  # encoder.json content, whatever the file is called
+        kind = "data_gym"
     if kind == "tiktoken":
         ranks = parse_tiktoken_bpe(data, str(file))
         reference = hashlib.sha256(data).hexdigest() == _R50K_SHA256
