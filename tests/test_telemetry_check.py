@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from nsa.telemetry import CSVLogger, Heartbeat, run_checks
 from nsa.telemetry.check import main
@@ -69,7 +68,7 @@ def test_bad_runs_fail(tmp_path):
     gates = _make_run(tmp_path / "gates", entropy=0.1, collapse=0.6)
     st = _status(run_checks(gates))
     assert st["gate_entropy"] == "FAIL" and st["gate_collapse"] == "FAIL"
-    assert st["gate_entropy"] == "FAIL" and st["loss_improving"] == "PASS"
+    assert st["loss_improving"] == "PASS" and st["loss_finite"] == "PASS"
 
     slow = _make_run(tmp_path / "slow", fetch_p95=2500.0)
     st = _status(run_checks(slow, min_toks_per_s=5000))

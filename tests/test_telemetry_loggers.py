@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from nsa.telemetry import (CSVLogger, MetricLogger, MLflowLogger, MultiLogger, TensorBoardLogger, flatten_params,
-                           plot_training)
+from nsa.telemetry import (CSVLogger, MetricLogger, MLflowLogger, MultiLogger, TensorBoardLogger, build_loggers,
+                           flatten_params, plot_training)
 
 
 def _rows(path):
@@ -109,8 +109,32 @@ def test_mlflow_logger_sqlite(tmp_path):
             raise RuntimeError("diverged")
     assert lg2.experiment_id == lg.experiment_id
     assert client.get_run(lg2.run_id).info.status == "FAILED"
+    # asynchronous batches are all stored by the time close() returns
+    lg3 = MLflowLogger(uri, "nsa-test", run_name="lane-c", synchronous=False)
+    for step in range(20):
+        lg3.log({"loss": 1.0 / (step + 1)}, step)
+    lg3.close()
+    assert len(client.get_metric_history(lg3.run_id, "loss")) == 20
+    # continuing a run by id (a resumed job) appends to the same run
+    lg4 = MLflowLogger(uri, "nsa-test", run_id=lg3.run_id)
+    lg4.log({"loss": 0.01}, 20)
+    lg4.close()
+    assert len(client.get_metric_history(lg3.run_id, "loss")) == 21
     with pytest.raises(ValueError, match="tracking_uri"):
         MLflowLogger("", "x")
+
+
+def test_build_loggers_skips_broken_mlflow(tmp_path, caplog):
+    pytest.importorskip("mlflow")
+    with caplog.at_level(logging.WARNING):
+        multi = build_loggers(tmp_path, mlflow_tracking_uri="bogus://nowhere", params={"a": {"b": 1}})
+    assert [type(lg).__name__ for lg in multi.loggers] == ["CSVLogger"]
+    assert "MLflow logging disabled" in caplog.text
+    multi.log({"loss": 1.0}, 1)
+    multi.close()
+    assert _rows(tmp_path / "training.csv")[1][0]["loss"] == "1.0"
+    with pytest.raises(Exception):
+        build_loggers(tmp_path / "strict", csv_enabled=False, mlflow_tracking_uri="bogus://nowhere", strict=True)
 
 
 def test_plot_training(tmp_path):

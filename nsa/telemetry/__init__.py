@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .check import CheckResult, run_checks
 from .heartbeat import KINDS, Heartbeat, heartbeat_path, iter_heartbeat, read_heartbeat
 from .loggers import (CSVLogger, MetricLogger, MLflowLogger, MultiLogger, TensorBoardLogger, build_loggers,
                       flatten_params, plot_training)
 from .signals import ControlFiles, ControlFlags, install_signal_handlers, restore_signal_handlers
 from .watchdog import Watchdog, dump_stacks, make_stall_handler
 
+_CHECK_NAMES = ("CheckResult", "run_checks")
 _STATS_NAMES = ("gate_stats", "selection_stats", "layer_stats", "to_host", "RollingPercentiles",
                 "memory_mib", "mean_over_layers")
 
@@ -24,8 +24,7 @@ __all__ = [
     "ControlFiles", "ControlFlags", "install_signal_handlers", "restore_signal_handlers",
     "MetricLogger", "CSVLogger", "TensorBoardLogger", "MLflowLogger", "MultiLogger", "build_loggers",
     "flatten_params", "plot_training",
-    "CheckResult", "run_checks",
-    *_STATS_NAMES,
+    *_CHECK_NAMES, *_STATS_NAMES,
 ]
 
 
@@ -33,4 +32,7 @@ def __getattr__(name: str) -> Any:
     if name in _STATS_NAMES:
         from . import stats
         return getattr(stats, name)
+    if name in _CHECK_NAMES:  # lazy so `python -m nsa.telemetry.check` runs the module only once
+        from . import check
+        return getattr(check, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

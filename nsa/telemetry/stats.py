@@ -13,7 +13,7 @@ import bisect
 import math
 import os
 from collections import deque
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
