@@ -15,6 +15,15 @@ LAYER = dict(dim=32, n_heads=4, n_kv_groups=2, d_k=8, d_v=12, **NSA)
 MODEL = dict(vocab=61, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, **NSA)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_layer(seed: int = 0, **over) -> NSAAttention:
     torch.manual_seed(seed)
     return NSAAttention(**{**LAYER, "backend": "torch", **over}).eval()
@@ -28,39 +37,43 @@ def make_model(seed: int = 0, **over) -> TinyLM:
 # ----------------------------------------------------------------------------------- cache
 def test_cache_window_raw_and_emission_bookkeeping():
     torch.manual_seed(0)
-    B, H, T = 2, 3, 70
-    k = torch.randn(B, T, H, 4)
-    v = torch.randn(B, T, H, 5)
-    cache = NSAKVCache(l=8, d=4, w=16, capacity=2)
+    B, H, T, l, d, w = 2, 3, 70, 8, 4, 16
+    names = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
+    src = {n: torch.randn(B, T, H, 4 if n[0] == "k" else 5) for n in names}  # distinct streams
+    cache = NSAKVCache(l=l, d=d, w=w, capacity=2)
     emitted = []
 
-    def phi(blocks):  # [B, m, H, l, D] -> [B, m, H, D]; mean keeps the check simple
+    def phi(blocks):  # [B, m, H, l, D] -> [B, m, H, D]; the mean keeps the check simple
         return blocks.mean(3)
 
-    cache.prefill(k[:, :3], v[:, :3], k[:, :3], v[:, :3], k[:, :3], v[:, :3],
-                  k[:, :0], v[:, :0])
+    def block_means(x, N):
+        return torch.stack([x[:, i * d: i * d + l].mean(1) for i in range(N)], 1) if N else x[:, :0]
+
+    first = [src[n][:, :3] for n in names]
+    cache.prefill(*first, block_means(src["k_cmp"], 0), block_means(src["v_cmp"], 0))
     t = 3
     for n in (1, 1, 5, 1, 9, 1, 1, 17, 2, 29):  # ragged chunks, including multi-block ones
-        e = cache.append(k[:, t:t + n], v[:, t:t + n], k[:, t:t + n], v[:, t:t + n],
-                         k[:, t:t + n], v[:, t:t + n], phi, phi)
-        emitted.append(e)
+        emitted.append(cache.append(*[src[m][:, t:t + n] for m in names], phi, phi))
         t += n
         kv = cache.views()
-        assert cache.length == t and kv["k_slc"].shape[1] == t
-        assert torch.equal(kv["k_slc"], k[:, :t]) and torch.equal(kv["v_slc"], v[:, :t])
-        # window: position order, covers at least the last w tokens, ends at t
+        assert cache.length == t
+        for m in ("k_slc", "v_slc"):
+            assert torch.equal(kv[m], src[m][:, :t])
+        # window: in position order, ends at t, reaches back to the chunk's first query - w + 1
         p0, sw = cache.win_pos0, kv["k_win"].shape[1]
-        assert p0 + sw == t and p0 <= max(0, t - n - 16 + 1)
-        assert torch.equal(kv["k_win"], k[:, p0:t]) and torch.equal(kv["v_win"], v[:, p0:t])
-        # compressed tokens: exactly the complete blocks, equal to phi over the raw blocks
-        N = num_compressed(t, 8, 4)
+        assert p0 + sw == t and p0 <= max(0, t - n - w + 1)
+        for m in ("k_win", "v_win"):
+            assert torch.equal(kv[m], src[m][:, p0:t])
+        # compressed tokens: exactly the complete blocks, phi over the raw cmp stream
+        N = num_compressed(t, l, d)
         assert cache.n_cmp == N
-        ref = torch.stack([k[:, i * 4: i * 4 + 8].mean(1) for i in range(N)], 1) if N else k[:, :0]
-        assert kv["k_cmp"].shape == (B, N, H, 4)
-        assert torch.allclose(kv["k_cmp"], ref, atol=1e-6)
-    assert sum(emitted) == num_compressed(T, 8, 4)
+        assert torch.allclose(kv["k_cmp"], block_means(src["k_cmp"], N), atol=1e-6)
+        assert torch.allclose(kv["v_cmp"], block_means(src["v_cmp"], N), atol=1e-6)
+    assert sum(emitted) == num_compressed(T, l, d)
     caps = cache.capacities()
-    assert caps["slc"] >= T and caps["win"] <= 2 * (16 + 29)  # window stays bounded
+    assert caps["slc"] >= T
+    assert cache.win_pos0 > 0 and caps["win"] <= 2 * (w + 29)  # compacted, stays bounded
+    assert caps["raw_cmp"] <= 2 * (l + 29)
 
 
 def test_cache_rejects_misuse():
@@ -72,9 +85,13 @@ def test_cache_rejects_misuse():
 
 
 # ------------------------------------------------------------------------------ layer level
-@pytest.mark.parametrize("chunks", [[5] + [1] * 55, [3, 1, 6, 1, 1, 13, 1, 30]])
-def test_layer_prefill_then_decode_equals_full(chunks):
-    layer = make_layer()
+@pytest.mark.parametrize("chunks,compression,n_heads,first", [
+    ([5] + [1] * 55, "mlp", 4, "prefill"),                  # G = 2, token by token
+    ([3, 1, 6, 1, 1, 13, 1, 30], "linear", 6, "prefill"),  # G = 3, ragged multi-token chunks
+    ([1] * 20 + [21], "mean", 2, "decode"),                 # G = 1, no prefill at all
+])
+def test_layer_prefill_then_decode_equals_full(chunks, compression, n_heads, first):
+    layer = make_layer(compression=compression, n_heads=n_heads)
     layer.record_stats = True
     torch.manual_seed(1)
     T = sum(chunks)
@@ -86,15 +103,31 @@ def test_layer_prefill_then_decode_equals_full(chunks):
         outs, idx = [], []
         t = 0
         for i, n in enumerate(chunks):
-            step = layer.prefill if i == 0 else layer.decode
+            step = layer.prefill if (i == 0 and first == "prefill") else layer.decode
             outs.append(step(x[:, t:t + n], cache))
             idx.append(layer.last_block_idx)
             t += n
+    assert cache.length == T and cache.n_cmp == num_compressed(T, NSA["l"], NSA["d"])
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-4)
     assert torch.equal(torch.cat(idx, 1), full_idx)
 
 
 # ------------------------------------------------------------------------------ model level
+def capture_attention_outputs(model: TinyLM) -> list[list[torch.Tensor]]:
+    """Test hook: record every NSAAttention output (after W_O) per layer, in call order."""
+    records: list[list[torch.Tensor]] = []
+    for layer in model.nsa_layers():
+        rec: list[torch.Tensor] = []
+        records.append(rec)
+
+        def wrapped(o, gates, block_idx, _inner=layer._output, _rec=rec):
+            y = _inner(o, gates, block_idx)
+            _rec.append(y)
+            return y
+        layer._output = wrapped  # instance attribute shadows the method
+    return records
+
+
 def test_model_prefill_then_decode_equals_full_and_cache_grows():
     model = make_model()
     model.set_record_stats(True)
@@ -102,22 +135,28 @@ def test_model_prefill_then_decode_equals_full_and_cache_grows():
     T, T0 = 60, 5
     ids = torch.randint(0, MODEL["vocab"], (2, T))
     with torch.no_grad():
+        records = capture_attention_outputs(model)
         full = model(ids)
+        full_attn = [r.pop() for r in records]
         full_idx = [layer.last_block_idx for layer in model.nsa_layers()]
         logits, caches = model.prefill(ids[:, :T0], capacity=4)
         outs = [logits]
         idx = [[layer.last_block_idx] for layer in model.nsa_layers()]
-        start_caps = [c.capacities()["slc"] for c in caches]
+        start_caps = [c.capacities() for c in caches]
         for t in range(T0, T):
             outs.append(model.decode_step(ids[:, t:t + 1], caches))
             for k, layer in enumerate(model.nsa_layers()):
                 idx[k].append(layer.last_block_idx)
     assert torch.allclose(torch.cat(outs, 1), full, atol=1e-4, rtol=1e-4)
     for k in range(MODEL["n_layers"]):
+        assert len(records[k]) == 1 + T - T0  # one prefill call, then one call per token
+        assert torch.allclose(torch.cat(records[k], 1), full_attn[k], atol=1e-5, rtol=1e-4)
         assert torch.equal(torch.cat(idx[k], 1), full_idx[k])
     for c, cap0 in zip(caches, start_caps):
-        assert c.length == T and c.capacities()["slc"] >= T > cap0  # grew past the initial size
-        assert c.n_cmp == num_compressed(T, NSA["l"], NSA["d"])
+        assert c.length == T and c.n_cmp == num_compressed(T, NSA["l"], NSA["d"])
+        caps = c.capacities()
+        assert caps["slc"] >= T > cap0["slc"]  # grew (several doublings) past the initial size
+        assert caps["cmp"] >= c.n_cmp > cap0["cmp"]
 
 
 def test_greedy_generate_equals_full_recompute_argmax():

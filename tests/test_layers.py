@@ -14,6 +14,15 @@ from nsa.layers.rope import apply_rope
 CFG = dict(dim=32, n_heads=4, n_kv_groups=2, d_k=8, d_v=12, l=8, d=4, l_sel=8, n_sel=3, w=16)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_layer(seed: int = 0, **over) -> NSAAttention:
     torch.manual_seed(seed)
     kw = {**CFG, "backend": "torch", **over}
@@ -158,6 +167,7 @@ def test_full_coverage_window_equals_causal_attention(G):
     torch.manual_seed(5)
     x = torch.randn(2, 33, CFG["dim"])
     p = layer.project(x)
+    assert all(t.is_contiguous() for t in p)  # kernels get dense per-branch tensors
     ref = causal_attention(p.q, p.k_win, p.v_win).float()
     y = layer(x)
     assert torch.allclose(y, layer.o_proj(ref.reshape(2, 33, -1)), atol=1e-5)

@@ -13,6 +13,15 @@ NSA = dict(l=8, d=4, l_sel=8, n_sel=3, w=16)
 MODEL = dict(vocab=61, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, **NSA)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_model(seed: int = 0, **over) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**{**MODEL, "backend": "torch", **over})
@@ -97,6 +106,15 @@ def test_from_config_duck_typed_and_helpers():
         assert m.last_block_idx.shape == (2, 20, 3, 2)
     model.set_record_stats(False)
     assert not any(m.record_stats for m in layers)
+
+
+def test_from_config_with_project_dataclasses():
+    cfg = pytest.importorskip("nsa.config")
+    model = TinyLM.from_config(cfg.ModelConfig(dim=32, n_heads=4, n_kv_groups=2, d_k=8, d_v=8),
+                               cfg.NSAConfig(l=8, d=4, l_sel=8, n_sel=2, w=16, backend="torch"))
+    assert model.dim == 32 and model.nsa_layers()[0].w == 16
+    with torch.no_grad():
+        assert model(torch.randint(0, model.vocab, (1, 12))).shape == (1, 12, model.vocab)
 
 
 @pytest.mark.parametrize("T", [3, 7, 20])

@@ -117,11 +117,15 @@ class NSAAttention(nn.Module):
         """x [B, T, dim] -> q and per-branch raw k/v, RoPE'd at positions offset..offset+T-1."""
         B, T, _ = x.shape
         HQ, H, dk, dv = self.n_heads, self.n_kv_groups, self.d_k, self.d_v
-        qk_part, v_part = self.qkv_proj(x).split((self._split[0] + self._split[1], self._split[2]), -1)
-        # q and the three key streams share one RoPE call: [B, T, HQ + 3H, d_k]
-        qk = apply_rope(qk_part.view(B, T, HQ + 3 * H, dk), offset=offset, base=self.rope_base)
-        q, k_cmp, k_slc, k_win = qk.split((HQ, H, H, H), dim=2)
-        v_cmp, v_slc, v_win = v_part.view(B, T, 3 * H, dv).split((H, H, H), dim=2)
+        q_part, k_part, v_part = self.qkv_proj(x).split(self._split, dim=-1)
+        q = apply_rope(q_part.view(B, T, HQ, dk), offset=offset, base=self.rope_base)
+        # Branch-major layout [3, B, T, H, *] (one copy) so that every branch's k/v handed to the
+        # op is a contiguous [B, T, H, *] tensor: kernels index them with their own strides only.
+        k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
+        k = apply_rope(k, offset=offset, base=self.rope_base).view(3, B, T, H, dk)
+        v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
+        k_cmp, k_slc, k_win = k.unbind(0)
+        v_cmp, v_slc, v_win = v.unbind(0)
         return Projected(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
 
     def compute_gates(self, x: torch.Tensor) -> torch.Tensor:
