@@ -103,7 +103,7 @@ class RuntimeConfig:
     scaler_growth_interval: int = 2000
     scaler_growth_factor: float = 2.0
     scaler_backoff_factor: float = 0.5
-    fault: str = ""                      # test-only fault injection, e.g. "stall@3", "kill@4", "nan@2"
+    fault: str = ""                      # test-only fault injection, e.g. "stall@3", "kill@4", "nan@2", "halt@5"
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU)")
@@ -115,8 +115,8 @@ class RuntimeConfig:
         _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
         if self.fault:
             kind, _, at = self.fault.partition("@")
-            _require(kind in ("stall", "kill", "nan", "crash") and at.isdigit(),
-                     f"runtime.fault={self.fault!r}: expected '<stall|kill|nan|crash>@<step>'")
+            _require(kind in ("stall", "kill", "nan", "crash", "halt") and at.isdigit(),
+                     f"runtime.fault={self.fault!r}: expected '<stall|kill|nan|crash|halt>@<step>'")
 
 
 @dataclass
@@ -250,6 +250,9 @@ ENV_MAP: dict[str, tuple[str, Any]] = {
     "NSA_SCALER_GROWTH_INTERVAL": ("runtime.scaler_growth_interval", None),
     "NSA_SCALER_GROWTH_FACTOR": ("runtime.scaler_growth_factor", None),
     "NSA_SCALER_BACKOFF_FACTOR": ("runtime.scaler_backoff_factor", None),
+    # Not a runbook name: Ray's own variable, set for the driver by `ray job submit`. Reading it here
+    # (and only here) keeps "connect under ray job submit, else start a local instance" a config value.
+    "RAY_ADDRESS": ("runtime.ray_address", str),
 }
 RETIRED_ENV = ("NSA_PREFILL_BATCHED", "NSA_SEL_RANGES_V2", "NSA_SEL_RANGES_V2_MIN_S", "NSA_USE_SEL_PACK",
                "NSA_USE_SEL_MASK", "NSA_USE_SEL_VARLEN", "NSA_FORCE_PARITY", "NSA_STRICT_ASSERTS",

@@ -22,8 +22,9 @@ __all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "
 def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                   v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
                   l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
-                  scale: float | None = None,
-                  backend: str | KernelPolicy = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float | None = None, backend: str | KernelPolicy = "auto",
+                  tile: int | None = None,
+                  recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Sparse Attention over a full sequence (NSA_SPEC.md).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
@@ -31,6 +32,9 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     Query head hq uses KV head hq // (HQ // H). Returns (o [B,T,HQ,dv] in q.dtype,
     block_idx [B,T,H,n_sel] int64 ascending, -1 for unused slots). backend: "reference" | "torch"
     | "triton" | "auto" or a resolved KernelPolicy. Differentiable in q, every k/v and gates.
+    torch backend knobs: `tile` query-tile size (default 128 on CPU, 256 on CUDA); `recompute`
+    re-runs each tile in backward instead of keeping its intermediates (default: whenever there
+    is more than one tile; False trades O(T^2 / tile) saved memory for ~1/3 less attention time).
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
@@ -55,4 +59,5 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
             used = "torch"
     if used == "reference":
         return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
-    return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc)
+    return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc, tile=tile,
+                     checkpoint=recompute)

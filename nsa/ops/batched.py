@@ -16,11 +16,11 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .common import NSAParams, heads_major, heads_major_out, num_sel_blocks, visible_cmp
 from .compress import block_scores, cmp_attention
-from .select import select_blocks, slc_dense, slc_gather
+from .select import select_blocks, slc_dense, slc_gather, to_blocks
 from .window import win_attention
 
 DEFAULT_TILE = {"cpu": 128, "cuda": 256}
-DENSE_FACTOR = 2.0  # dense selected-block attention while keys <= DENSE_FACTOR * n_sel * l_sel
+DENSE_FACTOR = 4.0  # dense selected-block attention while keys <= DENSE_FACTOR * n_sel * l_sel
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,12 +28,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
-          k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, *,
-          t0: int, p: NSAParams, scale: float, G: int, win_pos0: int,
-          dense_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+          k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+          kb: torch.Tensor | None, vb: torch.Tensor | None, *, t0: int, p: NSAParams,
+          scale: float, G: int, win_pos0: int, dense_limit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One query tile at absolute positions [t0, t0 + tq).
 
-    q_t [B, tq, HQ, dk], g_t [B, tq, HQ, 3] -> (o [B, tq, HQ, dv] in q's dtype,
+    q_t [B, tq, HQ, dk], g_t [B, tq, HQ, 3]; kb/vb optional block copies of k_slc/v_slc
+    (select.to_blocks) for the gather path -> (o [B, tq, HQ, dv] in q's dtype,
     block_idx [B, tq, H, n_sel]).
     """
     B, tq, HQ, dk = q_t.shape
@@ -43,7 +44,7 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
         pos = torch.arange(t0, t1, device=q_t.device)
         q2 = heads_major(q_t, H, G)  # [B, H, G*tq, dk]
         n_vis = min(visible_cmp(t1 - 1, p.l, p.d), k_cmp.shape[1])
-        o_cmp, p_grp = cmp_attention(q2, k_cmp, v_cmp, pos, n_vis, p, scale, G, acc)
+        o_cmp, p_grp = cmp_attention(q2, k_cmp, v_cmp, pos, t0, n_vis, p, scale, G, acc)
         nb = num_sel_blocks(t1, p.l_sel)
         if p_grp is None:
             scores = torch.zeros(B, H, tq, nb, dtype=acc, device=q_t.device)
@@ -54,7 +55,7 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
             o_slc = heads_major_out(slc_dense(q2, k_slc, v_slc, idx, pos, t1, p, scale, G, acc))
         else:
             qg = q_t.reshape(B, tq, H, G, dk).permute(0, 2, 1, 3, 4)  # [B, H, tq, G, dk]
-            o_slc = slc_gather(qg, k_slc, v_slc, idx, pos, p, scale, acc)
+            o_slc = slc_gather(qg, k_slc, v_slc, idx, pos, p, scale, acc, kb, vb)
             o_slc = o_slc.permute(0, 2, 1, 3, 4).reshape(B, tq, HQ, -1)
         o_win = heads_major_out(win_attention(q2, k_win, v_win, pos, t0, t1, win_pos0, p.w,
                                               scale, G, acc))
@@ -87,12 +88,18 @@ def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
             x.requires_grad for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
         checkpoint = needs_grad and n_tiles > 1
     dense_limit = int(dense_factor * p.n_sel * p.l_sel)
+    kb = vb = None
+    S = k_slc.shape[1]
+    # block copies pay off when the gathered volume exceeds one pass over the cache (not decode)
+    if pos0 + Tq > dense_limit and Tq * p.n_sel * p.l_sel >= S:
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            kb, vb = to_blocks(k_slc, p.l_sel), to_blocks(v_slc, p.l_sel)
     outs, idxs = [], []
     for a in range(0, Tq, tile):
         b = min(a + tile, Tq)
         fn = partial(_tile, t0=pos0 + a, p=p, scale=scale, G=G, win_pos0=win_pos0,
                      dense_limit=dense_limit)
-        args = (q[:, a:b], gates[:, a:b], k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+        args = (q[:, a:b], gates[:, a:b], k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, kb, vb)
         if checkpoint:
             o, idx = _checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
         else:

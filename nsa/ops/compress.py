@@ -12,12 +12,12 @@ from .common import NSAParams, safe_softmax
 
 
 def cmp_attention(q2: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, pos: torch.Tensor,
-                  n_vis: int, p: NSAParams, scale: float, G: int,
+                  t0: int, n_vis: int, p: NSAParams, scale: float, G: int,
                   acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Compressed attention of a query tile.
 
     q2 [B, H, G*tq, dk] (any float dtype), k_cmp/v_cmp [B, N, H, dk|dv] (N >= n_vis),
-    pos [tq] absolute query positions, n_vis = blocks visible to the tile's last query.
+    pos [tq] absolute query positions (t0 = the first), n_vis = blocks visible to the last query.
     Returns o [B, H, G, tq, dv] (acc dtype; exactly 0 where nothing is visible) and the group-summed
     probabilities p_grp [B, H, tq, n_vis] (detached, acc dtype), or None when n_vis == 0.
     """
@@ -31,7 +31,10 @@ def cmp_attention(q2: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, po
     logits = (q2.to(acc) @ kc).view(B, H, G, tq, n_vis) * scale
     i = torch.arange(n_vis, device=pos.device)
     visible = (i[None, :] * p.d + (p.l - 1)) <= pos[:, None]  # [tq, n]
-    prob = safe_softmax(logits, visible)  # [B, H, G, tq, n]
+    if t0 >= p.l - 1:  # every query sees a block: the plain fused softmax is safe
+        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1)  # [B, H, G, tq, n]
+    else:
+        prob = safe_softmax(logits, visible)
     o = (prob.view(B, H, GT, n_vis) @ vc).view(B, H, G, tq, dv)
     return o, prob.detach().sum(2)
 

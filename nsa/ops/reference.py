@@ -39,12 +39,17 @@ def _softmax_attend(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.einsum("bhgl,bhlv->bhgv", p, v), p
 
 
-def reference_block_scores(p_cmp: torch.Tensor, n_blocks: int, p: NSAParams) -> torch.Tensor:
+def reference_block_scores(p_cmp: torch.Tensor, n_blocks: int, p: NSAParams,
+                           overlap: torch.Tensor | None = None) -> torch.Tensor:
     """Importance s[b, h, j] = sum_{heads g of group h} sum_i p_cmp[b,h,g,i] * overlap(i, j) / d.
 
     p_cmp [B, H, G, n] (probabilities over the n visible compressed tokens) -> [B, H, n_blocks] fp64.
+    `overlap` may pass a precomputed (larger) common.overlap_matrix to slice from.
     """
-    M = overlap_matrix(p_cmp.shape[-1], n_blocks, p.l, p.d, p.l_sel).to(p_cmp.device)
+    n = p_cmp.shape[-1]
+    if overlap is None:
+        overlap = overlap_matrix(n, n_blocks, p.l, p.d, p.l_sel)
+    M = overlap[:n, :n_blocks].to(device=p_cmp.device, dtype=torch.float64)
     return torch.einsum("bhgi,ij->bhj", p_cmp.double(), M) / p.d
 
 
@@ -96,6 +101,8 @@ def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     kc, vc, ks, vs, kw, vw = (x.double().permute(0, 2, 1, 3)
                               for x in (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     qd, gd = q.double(), gates.double()
+    S = pos0 + Tq
+    overlap = overlap_matrix(k_cmp.shape[1], S // l_sel + 1, l, d, l_sel).to(q.device)
     outs, idxs = [], []
     br = {"o_cmp": [], "o_slc": [], "o_win": [], "scores": []}
     for i in range(Tq):
@@ -106,7 +113,7 @@ def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
         n_blocks = t // l_sel + 1
         if n_vis > 0:
             o_cmp, p_cmp = _softmax_attend(qh, kc[:, :, :n_vis], vc[:, :, :n_vis], scale)
-            scores = reference_block_scores(p_cmp.detach(), n_blocks, p)
+            scores = reference_block_scores(p_cmp.detach(), n_blocks, p, overlap)
         else:
             o_cmp = qh.new_zeros(B, H, G, dv)
             scores = qh.new_zeros(B, H, n_blocks)

@@ -6,6 +6,19 @@ import torch
 from .common import FORCED_STEP, NSAParams, score_scale
 
 
+def _static_key(pos: torch.Tensor, nb: int, p: NSAParams) -> torch.Tensor:
+    """[tq, nb] int64 part of the selection key that does not depend on scores.
+
+    Eligible block j (j * l_sel <= t): forced priority * FORCED_STEP * nb + (nb - 1 - j) (the
+    lower index wins ties). Ineligible: a large negative offset, so the full key stays < 0.
+    """
+    j = torch.arange(nb, device=pos.device)
+    cur = (pos // p.l_sel)[:, None]  # [tq, 1]
+    prio = torch.where(j == cur, 3, torch.where(j == 0, 2, torch.where(j == cur - 1, 1, 0)))
+    key = prio * (FORCED_STEP * nb) + (nb - 1 - j)
+    return torch.where(j <= cur, key, -(2 ** 62))
+
+
 def select_blocks(scores: torch.Tensor, pos: torch.Tensor, p: NSAParams, G: int) -> torch.Tensor:
     """scores [B, H, tq, nb] raw importance (acc dtype) -> block_idx [B, H, tq, n_sel] int64.
 
@@ -14,12 +27,8 @@ def select_blocks(scores: torch.Tensor, pos: torch.Tensor, p: NSAParams, G: int)
     get negative keys and come back as -1. Ascending, -1 padding last.
     """
     nb = scores.shape[-1]
-    j = torch.arange(nb, device=pos.device)
-    cur = (pos // p.l_sel)[:, None]  # [tq, 1]
-    prio = torch.where(j == cur, 3, torch.where(j == 0, 2, torch.where(j == cur - 1, 1, 0)))
     grid = torch.round(scores * score_scale(G, p.l, p.d)).to(torch.int64)  # [B, H, tq, nb]
-    key = (grid + prio * FORCED_STEP) * nb + (nb - 1 - j)
-    key = torch.where(j <= cur, key, -1 - j)  # eligible iff j * l_sel <= t
+    key = grid * nb + _static_key(pos, nb, p)
     k = min(p.n_sel, nb)
     val, idx = key.topk(k, dim=-1)
     idx = torch.where(val >= 0, idx, nb).sort(-1).values  # invalid slots sort last
@@ -53,23 +62,51 @@ def slc_dense(q2: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: t
     return o.view(B, H, G, tq, -1).to(acc)
 
 
-def slc_gather(qg: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: torch.Tensor,
-               pos: torch.Tensor, p: NSAParams, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """Selected-block attention by gathering each query's n_sel * l_sel keys (memory ~ tq * n_sel * l_sel).
+def to_blocks(x: torch.Tensor, l_sel: int) -> torch.Tensor:
+    """[B, S, H, D] -> [B*H*nb, l_sel*D] block-contiguous copy (zero padded to nb*l_sel tokens).
 
-    qg [B, H, tq, G, dk]; k_slc/v_slc [B, S, H, *]; idx [B, H, tq, n_sel] -> [B, H, tq, G, dv] acc.
+    Lets slc_gather fetch whole selected blocks with one index_select (contiguous rows) instead
+    of a per-token gather; costs one O(S) copy per call, made once outside the tile loop.
     """
-    B, H, tq, G, _ = qg.shape
-    S = k_slc.shape[1]
-    offs = torch.arange(p.l_sel, device=idx.device)
-    tok = (idx.clamp_min(0)[..., None] * p.l_sel + offs).flatten(-2)  # [B, H, tq, K]
-    valid = ((idx >= 0)[..., None].expand(-1, -1, -1, -1, p.l_sel).flatten(-2)
-             & (tok <= pos[:, None]))  # [B, H, tq, K]
-    tok = tok.clamp_max(S - 1)
+    B, S, H, D = x.shape
+    nb = (S + l_sel - 1) // l_sel
+    x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * l_sel - S))
+    return x.view(B, nb, l_sel, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * nb, l_sel * D)
+
+
+def _gather_blocks(x: torch.Tensor, xb: torch.Tensor | None, idx: torch.Tensor,
+                   l_sel: int) -> torch.Tensor:
+    """Keys/values of the selected blocks: x [B, S, H, D], idx [B, H, tq, n] -> [B, H, tq, n*l_sel, D].
+
+    With the block copy xb (to_blocks) one contiguous row per block; without it (decode: few
+    queries, long cache) a per-token gather that reads only the selected tokens.
+    """
+    B, S, H, D = x.shape
+    Bi, Hi, tq, n = idx.shape
+    blk = idx.clamp_min(0)
+    if xb is not None:
+        nb = xb.shape[0] // (B * H)
+        rows = (torch.arange(B * H, device=idx.device).view(B, H, 1, 1) * nb + blk).flatten()
+        return xb.index_select(0, rows).view(B, H, tq, n * l_sel, D)
+    tok = (blk[..., None] * l_sel + torch.arange(l_sel, device=idx.device)).flatten(-2)
     bi = torch.arange(B, device=idx.device).view(B, 1, 1, 1)
     hi = torch.arange(H, device=idx.device).view(1, H, 1, 1)
-    ks = k_slc[bi, tok, hi]  # [B, H, tq, K, dk]
-    vs = v_slc[bi, tok, hi]  # [B, H, tq, K, dv]
+    return x[bi, tok.clamp_max(S - 1), hi]
+
+
+def slc_gather(qg: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: torch.Tensor,
+               pos: torch.Tensor, p: NSAParams, scale: float, acc: torch.dtype,
+               kb: torch.Tensor | None = None, vb: torch.Tensor | None = None) -> torch.Tensor:
+    """Selected-block attention by gathering each query's n_sel * l_sel keys (memory ~ tq * n_sel * l_sel).
+
+    qg [B, H, tq, G, dk]; k_slc/v_slc [B, S, H, *]; idx [B, H, tq, n_sel]; kb/vb optional block
+    copies (to_blocks). Returns [B, H, tq, G, dv] in acc dtype.
+    """
+    offs = torch.arange(p.l_sel, device=idx.device)
+    tok = idx[..., None] * p.l_sel + offs  # [B, H, tq, n_sel, l_sel]; < 0 for unused slots
+    valid = ((idx[..., None] >= 0) & (tok <= pos[:, None, None])).flatten(-2)  # [B, H, tq, K]
+    ks = _gather_blocks(k_slc, kb, idx, p.l_sel)  # [B, H, tq, K, dk]
+    vs = _gather_blocks(v_slc, vb, idx, p.l_sel)  # [B, H, tq, K, dv]
     logits = (qg @ ks.transpose(-1, -2)).to(acc) * scale  # [B, H, tq, G, K]
     prob = logits.masked_fill(~valid[:, :, :, None], float("-inf")).softmax(-1)
     return (prob.to(vs.dtype) @ vs).to(acc)

@@ -23,24 +23,31 @@ def triton_importable() -> bool:
     """True when the triton package can be imported (it is not imported here)."""
     try:
         return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["triton"] = None
         return False
 
 
 def triton_available() -> bool:
-    """True when the Triton kernels can run natively: triton importable and CUDA present."""
-    return triton_importable() and torch.cuda.is_available()
+    """True when the Triton kernels can run natively: CUDA present and triton imports."""
+    if not (torch.cuda.is_available() and triton_importable()):
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - a broken install means "not available"
+        return False
+    return True
 
 
 def _check(q: torch.Tensor, v_slc: torch.Tensor, gates: torch.Tensor) -> None:
+    """NotImplementedError (the dispatcher falls back to torch) for what the kernels do not cover."""
     if q.dtype not in _SUPPORTED:
-        raise ValueError(f"q has dtype {q.dtype}; the triton backend supports fp16/bf16/fp32 "
+        raise NotImplementedError(f"q has dtype {q.dtype}; the triton backend supports fp16/bf16/fp32 "
                          "(use backend='torch' or 'reference' for fp64)")
     if q.shape[-1] > MAX_HEAD_DIM or v_slc.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"d_k={q.shape[-1]} / d_v={v_slc.shape[-1]} exceed {MAX_HEAD_DIM}, the largest "
+        raise NotImplementedError(f"d_k={q.shape[-1]} / d_v={v_slc.shape[-1]} exceed {MAX_HEAD_DIM}, the largest "
                          "head dim of the triton backend; use backend='torch'")
     if gates.dtype not in _SUPPORTED:
-        raise ValueError(f"gates has dtype {gates.dtype}; use fp16/bf16/fp32")
+        raise NotImplementedError(f"gates has dtype {gates.dtype}; use fp16/bf16/fp32")
 
 
 def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,

@@ -10,3 +10,11 @@ def next_pow2(x: int) -> int:
 def row_block(gp: int, target: int) -> int:
     """Rows per program for a (tokens x heads) tile: a power of two >= 16 (tl.dot) and >= gp."""
     return max(16, target, gp)
+
+
+def dot_precision(dtype, is_cuda: bool) -> str:
+    """tl.dot input_precision: fp32 operands get ~fp32 accuracy on tensor cores (3 tf32 passes), so
+    fp32 callers see fp32 results (and fp32 block selection); it is moot for bf16/fp16 operands."""
+    if not is_cuda:
+        return "ieee"
+    return "tf32x3" if str(dtype) == "torch.float32" else "tf32"

@@ -19,9 +19,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2, row_block
+from ._utils import dot_precision, next_pow2, row_block
 
 LOG2E = 1.4426950408889634
+
+# Tile configs for head dims <= 128: (rows per program, keys per step, num_warps, num_stages).
+# Rows are (token, head) pairs. Chosen from compile-time register/spill reports for sm_90 and timings
+# (bench/bench_attention.py --sweep); module-level so the benchmark can try others.
+# H200, T=32k, HQ=64, H=4, d=128 (2026-11-22): fwd (128,64,8,3) 3.4 ms vs (128,64,8,2) 3.7; dK/dV
+# (32,128,8,2) 17.0 ms vs (16,32,4,2) 29.8 despite some register spilling; dq (128,32,8,2) 24.8 vs 30.1.
+FWD_TILE = (128, 64, 8, 3)
+DQ_TILE = (128, 32, 8, 2)
+DKDV_TILE = (32, 128, 8, 2)      # (query rows per step, keys per program, warps, stages)
+BIG_FWD_TILE = (64, 32, 8, 2)    # head dims in (128, 256]
+BIG_DQ_TILE = (32, 32, 8, 1)
+BIG_DKDV_TILE = (16, 32, 8, 1)
 
 
 @triton.jit
@@ -51,7 +63,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      T, N, H, scale_log2,
                      G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                      WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP  # tokens per program
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -81,7 +94,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
         ki64 = ki.to(tl.int64)
         k = tl.load(k_base + ki64[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BN, BDK]
-        s = tl.dot(q, tl.trans(k)) * scale_log2          # [R, BN], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2          # [R, BN], log2 units
         vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,7 +104,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + ki64[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]          # exactly 0 when nothing is visible
@@ -128,7 +141,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
                         G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                         WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                        HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr):
+                        HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr, DOT_PREC: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -158,12 +171,12 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(v_base + ki64[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)   # [R, BN]
-        dp = tl.dot(do, tl.trans(v))                          # [R, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)                          # [R, BN]
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     dq = dq * scale
     # dq buffers are contiguous [B, T, HQ, DK]; ACC_DQ adds the previous branches' fp32 dq
     dq_off = ((b * T + tok64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]
@@ -176,12 +189,16 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_, DV_,
                           sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
-                          T, N, H, scale_log2, scale,
+                          T, N, H, B, TPS, scale_log2, scale,
                           G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                           WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr):
-    """One program per (key tile, b, kv head); loops over the query-row tiles that can see it."""
+                          BLOCK_N: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                          SPLIT: tl.constexpr):
+    """One program per (key tile, b, kv head, query split); loops over the query-row tiles that can
+    see the key tile. SPLIT: split s only visits row tiles [s*TPS, (s+1)*TPS) and writes fp32
+    partials to DK_/DV_ laid out [n_split, B, N, H, d] (summed in a fixed order by the launcher), so
+    the long query range of early compressed keys is spread over many programs."""
     BT: tl.constexpr = BLOCK_R // GP
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -207,25 +224,36 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_, DV_,
     rows = tl.arange(0, BLOCK_R)
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
-    for m in range(t_lo // BT, t_hi // BT + 1):
+    m_lo = t_lo // BT
+    m_hi = t_hi // BT + 1
+    if SPLIT:
+        pid_s = tl.program_id(2)
+        m_lo = tl.maximum(m_lo, pid_s * TPS)
+        m_hi = tl.minimum(m_hi, pid_s * TPS + TPS)
+    for m in range(m_lo, m_hi):
         tok = m * BT + rows // GP
         row_ok = (tok < T) & (g < G)
         tok64 = tok.to(tl.int64)
         q, do, lse, delta = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,
                                            offs_dv, sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt,
                                            DK, DV, HAS_GATE)
-        sT = tl.dot(k, tl.trans(q)) * scale_log2                          # [BN, R]
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2                          # [BN, R]
         vis = _visible(pos[:, None], tok[None, :], STRIDE, WINDOW) & row_ok[None, :] & k_ok[:, None]
         pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
-        dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))                                      # [BN, R]
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)                                      # [BN, R]
         dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q)
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
     dk = dk * scale
-    tl.store(DK_ + b * skb + h * skh + ki64[:, None] * skt + offs_dk[None, :],
-             dk.to(DK_.dtype.element_ty), mask=k_ok[:, None] & (offs_dk[None, :] < DK))
-    tl.store(DV_ + b * svb + h * svh + ki64[:, None] * svt + offs_dv[None, :],
-             dv.to(DV_.dtype.element_ty), mask=k_ok[:, None] & (offs_dv[None, :] < DV))
+    if SPLIT:
+        row = ((tl.program_id(2) * B + b) * N + ki64) * H + h              # [BN] rows of the partials
+        tl.store(DK_ + row[:, None] * DK + offs_dk[None, :], dk, mask=k_ok[:, None] & (offs_dk[None, :] < DK))
+        tl.store(DV_ + row[:, None] * DV + offs_dv[None, :], dv, mask=k_ok[:, None] & (offs_dv[None, :] < DV))
+    else:
+        tl.store(DK_ + b * skb + h * skh + ki64[:, None] * skt + offs_dk[None, :],
+                 dk.to(DK_.dtype.element_ty), mask=k_ok[:, None] & (offs_dk[None, :] < DK))
+        tl.store(DV_ + b * svb + h * svh + ki64[:, None] * svt + offs_dv[None, :],
+                 dv.to(DV_.dtype.element_ty), mask=k_ok[:, None] & (offs_dv[None, :] < DV))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,8 +268,16 @@ def _geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return B, T, HQ, dk, N, H, dv, G
 
 
-def _num_warps(bdk: int, bdv: int) -> int:
-    return 8 if max(bdk, bdv) >= 128 else 4
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # interpreter: small, so that the tests exercise the split path
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2  # interpreter: small, so that the tests exercise the split path
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, offset: int,
@@ -252,14 +288,16 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, 
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     GP = next_pow2(G)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    block_r = row_block(GP, 64 if max(bdk, bdv) <= 128 else 32)
-    block_n = 64 if max(bdk, bdv) <= 128 else 32
+    big = max(bdk, bdv) > 128
+    br, block_n, warps, stages = BIG_FWD_TILE if big else FWD_TILE
+    block_r = row_block(GP, br)
     grid = (triton.cdiv(T, block_r // GP), B * H)
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         T, N, H, scale * LOG2E, G=G, GP=GP, STRIDE=stride, OFFSET=offset, WINDOW=window, DK=dk, DV=dv,
-        BDK=bdk, BDV=bdv, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=_num_warps(bdk, bdv), num_stages=2)
+        BDK=bdk, BDV=bdv, BLOCK_R=block_r, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype, q.is_cuda),
+        num_warps=warps, num_stages=stages)
     return o, lse
 
 
@@ -277,8 +315,6 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     # in place when accumulating in fp32: each element is read and written by the same program
     dq = dq_in if dq_in is not None and dq_dtype == torch.float32 else \
         torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
-    dkk = torch.empty_like(k)
-    dvv = torch.empty_like(v)
     GP = next_pow2(G)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     big = max(bdk, bdv) > 128
@@ -289,19 +325,37 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         assert gate.stride(1) == HQ * sgt and gate.stride(0) == T * HQ * sgt, "gate must be a [B,T,HQ,c] slice"
     lse = lse.contiguous()
     delta = delta.contiguous()
-    common = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-              v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt,
-              T, N, H, scale * LOG2E, scale)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
     meta = dict(G=G, GP=GP, STRIDE=stride, OFFSET=offset, WINDOW=window, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
-                HAS_GATE=has_gate, num_warps=_num_warps(bdk, bdv), num_stages=1)
-    block_r = row_block(GP, 32 if big else 64)
-    block_n = 32 if big else 64
+                HAS_GATE=has_gate, DOT_PREC=dot_precision(q.dtype, q.is_cuda))
+    br, bn, warps, stages = BIG_DQ_TILE if big else DQ_TILE
+    block_r = row_block(GP, br)
     _attn_bwd_dq_kernel[(triton.cdiv(T, block_r // GP), B * H)](
-        q, k, v, do, lse, delta, g_arg, dq, dq if dq_in is None else dq_in, *common, BLOCK_R=block_r,
-        BLOCK_N=block_n, ACC_DQ=dq_in is not None, **meta)
-    if N > 0:
-        block_r = row_block(GP, 32 if big else 64)
-        block_n = 32 if big else 64
-        _attn_bwd_dkdv_kernel[(triton.cdiv(N, block_n), B * H)](
-            q, k, v, do, lse, delta, g_arg, dkk, dvv, *common, BLOCK_R=block_r, BLOCK_N=block_n, **meta)
+        q, k, v, do, lse, delta, g_arg, dq, dq if dq_in is None else dq_in, *strides,
+        T, N, H, scale * LOG2E, scale, BLOCK_R=block_r, BLOCK_N=bn, ACC_DQ=dq_in is not None,
+        num_warps=warps, num_stages=stages, **meta)
+    dkk, dvv = torch.empty_like(k), torch.empty_like(v)
+    if N == 0:
+        return dq, dkk, dvv
+    br, block_n, warps, stages = BIG_DKDV_TILE if big else DKDV_TILE
+    block_r = row_block(GP, br)
+    n_tiles = triton.cdiv(N, block_n)
+    row_tiles = triton.cdiv(T, block_r // GP)
+    n_split = 1
+    if window == 0:  # early keys are seen by (almost) every query: split the query range
+        n_split = max(1, min(32, row_tiles, triton.cdiv(8 * _num_sms(q.device), n_tiles * B * H)))
+    tps = triton.cdiv(row_tiles, n_split)
+    n_split = triton.cdiv(row_tiles, tps)
+    if n_split > 1:
+        pk = torch.empty(n_split, B, N, H, dk, device=q.device, dtype=torch.float32)
+        pv = torch.empty(n_split, B, N, H, dv, device=q.device, dtype=torch.float32)
+    else:
+        pk, pv = dkk, dvv
+    _attn_bwd_dkdv_kernel[(n_tiles, B * H, n_split)](
+        q, k, v, do, lse, delta, g_arg, pk, pv, *strides, T, N, H, B, tps, scale * LOG2E, scale,
+        BLOCK_R=block_r, BLOCK_N=block_n, SPLIT=n_split > 1, num_warps=warps, num_stages=stages, **meta)
+    if n_split > 1:  # fixed-order reduction over the splits (deterministic)
+        dkk.copy_(pk.sum(0))
+        dvv.copy_(pv.sum(0))
     return dq, dkk, dvv

@@ -52,7 +52,7 @@ def _gate_bwd_kernel(DO, OC, OS, OW, DG, n_rows, DV: tl.constexpr, BDV: tl.const
 
 def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
     bdv = max(16, next_pow2(dv))
-    block = max(1, min(64, 8192 // bdv))
+    block = max(1, min(64, 2048 // bdv))   # small tiles: 3 operand tiles stay in registers
     return triton.cdiv(n_rows, block), bdv, block
 
 
@@ -82,7 +82,8 @@ class NSATritonFunction(torch.autograd.Function):
     """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
 
     @staticmethod
-    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l, d, l_sel, n_sel, w, scale):
+    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l, d, l_sel, n_sel, w, scale,
+                chunk):
         o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
         G = q.shape[2] // k_slc.shape[2]
         if k_cmp.shape[1] > 0:
@@ -96,7 +97,7 @@ class NSATritonFunction(torch.autograd.Function):
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx)
-        ctx.hp = (l, d, l_sel, w, scale)
+        ctx.hp = (l, d, l_sel, w, scale, chunk)
         ctx.mark_non_differentiable(block_idx)
         return o, block_idx
 
@@ -104,23 +105,29 @@ class NSATritonFunction(torch.autograd.Function):
     def backward(ctx, do, _dbi):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
          lse_cmp, lse_slc, lse_win, block_idx) = ctx.saved_tensors
-        l, d, l_sel, w, scale = ctx.hp
+        l, d, l_sel, w, scale, chunk = ctx.hp
         do = do.contiguous()
         dg = gate_grads(do, o_cmp, o_slc, o_win)                            # [B,T,HQ,3] fp32
         dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
                                 stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
         dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                               gates[..., 1], l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=torch.float32)
+                               gates[..., 1], l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
+                               dq_dtype=torch.float32)
         dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
                                 stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l, d, l_sel, n_sel, w, scale):
-    """Make layouts kernel-friendly and run the autograd.Function."""
+def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
+                     n_sel: int, w: int, scale: float, dkdv_chunk: int = 1024):
+    """Make layouts kernel-friendly and run the autograd.Function (inputs already validated).
+
+    dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
+    fp32 partials added in a fixed order); small values exercise that path in tests."""
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
     return NSATritonFunction.apply(unit(q), unit(k_cmp), unit(v_cmp), unit(k_slc), unit(v_slc), unit(k_win),
-                                   unit(v_win), gates.contiguous(), l, d, l_sel, n_sel, w, scale)
+                                   unit(v_win), gates.contiguous(), l, d, l_sel, n_sel, w, scale,
+                                   dkdv_chunk)

@@ -24,11 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_pow2, row_block
+from ._utils import dot_precision, next_pow2, row_block
 
 LOG2E = 1.4426950408889634
 SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
 FORCED_STEP = 2 ** (SCORE_BITS + 1)
+# num_warps of the per-token selection kernels (fwd, dq, dK/dV) and (query, head) rows per step of
+# the dK/dV kernel. H200, T=32k, HQ=64, H=4, d=128: fwd 4 warps 7.9 ms vs 8 warps 12.4; dK/dV 64 rows
+# 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5.
+SLC_WARPS = (4, 4, 8)
+SLC_DKDV_ROWS = 64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -40,7 +45,8 @@ def _scores_kernel(Q, KC, LSE, SC, sqb, sqt, sqh, skb, skt, skh,
                    T, N, H, NSB, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
                    LSEL: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, DOT_PREC: tl.constexpr,
+                   P_PREC: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     R: tl.constexpr = LSEL // STRIDE      # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE    # stride chunks per compression block
@@ -69,15 +75,18 @@ def _scores_kernel(Q, KC, LSE, SC, sqb, sqt, sqh, skb, skt, skh,
         k_ok = (ki >= 0) & (ki < N)
         k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2          # [R, BN]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2          # [R, BN]
         vis = ((ki * STRIDE + L_CMP - 1)[None, :] <= tok[:, None]) & k_ok[None, :] & row_ok[:, None]
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
+        p_tok = tl.sum(tl.reshape(p, [BT, GP, BN]), 1)   # [BT, BN] summed over the group's heads
         jj = j0 + cols                                   # [NBJ_PAD] absolute block ids
         lo = tl.maximum(ki[:, None], (jj * R)[None, :])
         hi = tl.minimum(ki[:, None] + LC - 1, (jj * R + R - 1)[None, :])
         cnt = tl.where((hi >= lo) & (cols < NBJ)[None, :], hi - lo + 1, 0).to(tl.float32)  # [BN, NBJ_PAD]
-        sblk = tl.dot(p, cnt, input_precision=DOT_PREC)  # [R, NBJ_PAD]
-        stok = tl.sum(tl.reshape(sblk, [BT, GP, NBJ_PAD]), 1)   # sum over the group's heads
+        if BT >= 16:   # many tokens per tile (small G): tensor cores, ~fp32 accurate
+            stok = tl.dot(p_tok, cnt, input_precision=P_PREC)       # [BT, NBJ_PAD]
+        else:          # few tokens: exact fp32 on CUDA cores, [BT, BN, NBJ_PAD] is small
+            stok = tl.sum(p_tok[:, :, None] * cnt[None, :, :], 1)
         mask = (ttok < T)[:, None] & (cols < NBJ)[None, :] & (jj < NSB)[None, :]
         tl.store(sc_base[:, None] + jj[None, :], stok, mask=mask)
 
@@ -98,15 +107,14 @@ def block_scores(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *,
     bdk = max(16, next_pow2(dk))
     block_r = row_block(GP, 64 if bdk <= 128 else 32)
     sc = torch.empty(B, H, T, nsb, device=q.device, dtype=torch.float32)
-    if q.is_cuda:
-        prec = "tf32x3" if exact else "tf32"
-    else:
-        prec = "ieee"
+    # p @ cnt needs ~fp32 accuracy for the selection to match fp32/fp64 paths: 3 tf32 passes on GPU
+    prec = ("tf32x3" if exact else "tf32") if q.is_cuda else "ieee"
     grid = (triton.cdiv(T, block_r // GP), B * H)
     _scores_kernel[grid](q, k_cmp, lse_cmp.contiguous(), sc, q.stride(0), q.stride(1), q.stride(2),
                          k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), T, N, H, nsb, scale * LOG2E,
                          G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, DK=dk, BDK=bdk, BLOCK_R=block_r,
-                         BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), DOT_PREC=prec,
+                         BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)),
+                         DOT_PREC=dot_precision(q.dtype, q.is_cuda), P_PREC=prec,
                          num_warps=8 if bdk >= 128 else 4, num_stages=2)
     return sc
 
@@ -177,7 +185,7 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
                     sob, sot, soh, sbb, sbt, sbh, T, H, scale_log2,
                     G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    BS: tl.constexpr):
+                    BS: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -197,13 +205,13 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
     bi_base = BI + b * sbb + t64 * sbt + h * sbh
     for slot in range(NSEL):
         j = tl.load(bi_base + slot)
-        for sub in range(0, LSEL, BS):
+        for sub in tl.static_range(0, LSEL, BS):   # unrolled: lets the slot loop pipeline
             kk = sub + tl.arange(0, BS)
             kp = j * LSEL + kk                                              # [BS] int64 positions
             k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
             k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
                         mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
             s = tl.where(k_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -212,7 +220,7 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                         mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -244,7 +252,8 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
                        T, H, scale_log2, scale,
                        G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                       BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr):
+                       BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
+                       DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -263,7 +272,7 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
     bi_base = BI + b * sbb + t64 * sbt + h * sbh
     for slot in range(NSEL):
         j = tl.load(bi_base + slot)
-        for sub in range(0, LSEL, BS):
+        for sub in tl.static_range(0, LSEL, BS):   # unrolled: lets the slot loop pipeline
             kk = sub + tl.arange(0, BS)
             kp = j * LSEL + kk
             k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
@@ -271,11 +280,11 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
                         mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
             v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                         mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
             p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, tl.trans(v))
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     dq = dq * scale
     dq_off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     dq_mask = row_ok[:, None] & (offs_dk[None, :] < DK)
@@ -289,10 +298,11 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                          DKO, DVO, XDK, XDV,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                          T, H, NSB, NSEG, scale_log2, scale,
-                         G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, CH: tl.constexpr,
-                         DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                         BS: tl.constexpr, HAS_GATE: tl.constexpr):
-    """One program per work item (segment = (b, h, block j), chunk c of its query list)."""
+                         G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
+                         CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
+    takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP."""
     w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
@@ -315,22 +325,35 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                 mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
     v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
                 mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
-    rows = tl.arange(0, GR)
-    row_ok = rows < G
-    hq = (h * G + rows).to(tl.int64)
+    QB: tl.constexpr = ROWS // GP                                           # queries per step
+    rows = tl.arange(0, ROWS)
+    g = rows % GP
+    hq = (h * G + g).to(tl.int64)
     dk = tl.zeros([BS, BDK], tl.float32)
     dv = tl.zeros([BS, BDV], tl.float32)
-    for idx in range(start, end):
-        t64 = tl.load(TOKS + idx)
-        q, do, lse, delta = _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
-                                          sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
-        sT = tl.dot(k, tl.trans(q)) * scale_log2                            # [BS, GR]
-        vis = (kp <= t64)[:, None] & k_ok[:, None] & row_ok[None, :]
+    for idx in range(start, end, QB):
+        qidx = idx + rows // GP
+        q_ok = qidx < end
+        t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)                      # [ROWS] token of each row
+        row_ok = q_ok & (g < G)
+        x_off = b * sqb + t64[:, None] * sqt + hq[:, None] * sqh
+        q = tl.load(Q + x_off + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        ridx = (b * T + t64) * (H * G) + hq
+        lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
+        if HAS_GATE:
+            gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
+            do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
+            delta = delta * gate
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # [BS, ROWS]
+        vis = (kp[:, None] <= t64[None, :]) & k_ok[:, None] & row_ok[None, :]
         pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
-        dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q)
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
@@ -384,10 +407,10 @@ def _slc_reduce_kernel(DKO, DVO, XDK, XDV, NCH, XOFF, T, H, NSB,
 # launchers
 
 
-def _slc_meta(G: int, dk: int, dv: int, l_sel: int) -> dict:
+def _slc_meta(q: torch.Tensor, G: int, dk: int, dv: int, l_sel: int) -> dict:
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     return dict(G=G, GR=row_block(next_pow2(G), 16), LSEL=l_sel, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
-                num_warps=8 if max(bdk, bdv) >= 256 else 4)
+                DOT_PREC=dot_precision(q.dtype, q.is_cuda))
 
 
 def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
@@ -397,12 +420,12 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
-    meta = _slc_meta(HQ // H, dk, dv, l_sel)
+    meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
     _slc_fwd_kernel[(T, B * H)](
         q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=2, **meta)
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=2, num_warps=SLC_WARPS[0], **meta)
     return o, lse
 
 
@@ -446,7 +469,7 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
-    meta = _slc_meta(HQ // H, dk, dv, l_sel)
+    meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
     has_gate = gate is not None
     g_arg = gate if has_gate else lse
     sgt = gate.stride(2) if has_gate else 1
@@ -461,7 +484,7 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
         q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
-        num_stages=1, **meta)
+        num_stages=1, num_warps=SLC_WARPS[1], **meta)
     inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
@@ -471,8 +494,9 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dkdv_kernel[(inv["w_max"],)](
         q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
         dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=1, **meta)
+        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=1, num_warps=SLC_WARPS[2], GP=next_pow2(HQ // H),
+        ROWS=max(SLC_DKDV_ROWS, next_pow2(HQ // H)), **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
-                                       num_warps=4)
+                                       num_warps=8)
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)

@@ -1,0 +1,416 @@
+"""The training loop of one worker, independent of Ray (Ray specifics live in nsa/train/ray_loop.py).
+
+``run_training(cfg, run_dir, env)`` drives everything; ``env`` (a ``LoopEnv``) supplies rank, device,
+data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier). Per step:
+
+    step_start hb -> faults -> fetch `accumulate` micro-batches (timed) -> train_step (no host sync)
+    -> progress hb -> [log step: ONE host transfer of loss/grad-norm/non-finite count]
+    -> [stats step: gate/selection stats transfer] -> [eval step] -> control decision (tiny CPU
+    all-reduce) -> [checkpoint + report] -> step_end hb -> watchdog kick -> stop if agreed
+
+Host syncs: only at log/stats/eval/checkpoint steps (deliberate, marked ``sync-ok``). Between log steps
+the heartbeat's loss/grad-norm are the last logged values; step/fetch times are host wall clock.
+Non-finite steps never change the weights (see nsa/train/step.py); with ``on_nonfinite=halt`` the loop
+stops at the next log step with an ``anomaly`` record and without a checkpoint.
+
+Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally). On resume
+the loop starts epoch ``epoch`` again and skips that many batches. That is exact when the dataset's
+order is reproducible (the trainer asks Ray Data for preserve_order; file order is shuffled with a fixed
+seed), except that Ray Data reshuffles the file order per execution, so a resumed epoch > 0 may visit
+files in another order than the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
+from nsa.train.checkpoint import (build_state, checkpoint_dir_name, list_checkpoints, load_checkpoint,
+                                  restore_training_state, save_checkpoint)
+from nsa.train.control import Control, Decision, Faults
+from nsa.train.precision import Precision, precision_from_config
+from nsa.train.reporting import RunReporter
+from nsa.train.schedule import build_optimizer, build_scheduler
+from nsa.train.step import eval_loss, train_step
+
+log = logging.getLogger(__name__)
+
+
+class LoopEnv(Protocol):
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: nn.Module) -> nn.Module: ...
+    def train_batches(self, epoch: int) -> Iterator[torch.Tensor]: ...   # one pass, [b, T+1] int64 on device
+    def val_batches(self, n: int) -> list[torch.Tensor]: ...
+    def resume_state(self) -> Optional[dict[str, Any]]: ...              # latest checkpoint of this run
+    def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------- data
+class BatchStream:
+    """Micro-batches from ``env.train_batches(epoch)``, looping over epochs, with a resumable position."""
+
+    def __init__(self, env: LoopEnv, epoch: int = 0, skip: int = 0) -> None:
+        self.env, self.epoch, self.batches_in_epoch, self._skip = env, epoch, 0, skip
+        self.samples = 0
+        self._it = self._gen()
+
+    def _gen(self) -> Iterator[torch.Tensor]:
+        while True:
+            produced = 0
+            for b in self.env.train_batches(self.epoch):
+                produced += 1
+                self.batches_in_epoch += 1
+                if self._skip > 0:      # resume: fast-forward to the checkpoint's position
+                    self._skip -= 1
+                    continue
+                yield b
+            if produced == 0:
+                raise ValueError(f"the training data produced no batch in epoch {self.epoch}: fewer rows per "
+                                 "worker than train.batch_size; lower train.batch_size/seq_len or add data")
+            self.epoch += 1
+            self.batches_in_epoch = 0
+
+    def next(self, n: int) -> tuple[list[torch.Tensor], float]:
+        """``n`` micro-batches and the seconds spent waiting for them."""
+        t0 = time.perf_counter()
+        out = [next(self._it) for _ in range(n)]
+        self.samples += sum(b.shape[0] for b in out)
+        return out, time.perf_counter() - t0
+
+    def position(self, world_size: int) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
+                "samples_seen": self.samples * world_size}
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+class IntervalMeter:
+    """Device-side sums between log steps; ``flush`` is the one host transfer of a log step."""
+
+    def __init__(self, device: torch.device) -> None:
+        z = lambda dt=torch.float32: torch.zeros((), dtype=dt, device=device)  # noqa: E731
+        self.loss_sum, self.n_finite, self.nonfinite_total = z(), z(), z()
+        self.last_loss, self.last_gn = z(), z()
+        self.steps = 0
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+        self.loss_sum += torch.where(finite, loss, torch.zeros_like(loss))
+        self.n_finite += finite.float()
+        self.nonfinite_total += (~finite).float()
+        self.last_loss, self.last_gn = loss, grad_norm
+        self.steps += 1
+
+    def flush(self) -> dict[str, float]:
+        v = torch.stack([self.loss_sum, self.n_finite, self.nonfinite_total, self.last_loss, self.last_gn])
+        loss_sum, n_finite, nonfinite, last_loss, last_gn = v.cpu().tolist()  # sync-ok: once per log step
+        self.loss_sum.zero_()
+        self.n_finite.zero_()
+        self.steps = 0
+        mean = loss_sum / n_finite if n_finite else math.nan
+        return {"loss": mean, "loss_last": last_loss, "grad_norm": last_gn, "nonfinite_total": nonfinite}
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2 ** 32)
+    torch.manual_seed(seed)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _kernel_policy(cfg: Any, device: torch.device, prec: Precision) -> str:
+    try:
+        from nsa.ops import KernelPolicy
+        return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend))
+    except Exception as exc:  # describing the policy must never stop training
+        return f"unavailable: {exc}"
+
+
+def _fallbacks() -> dict[str, int]:
+    try:
+        from nsa.ops import fallback_counts
+        return dict(fallback_counts())
+    except Exception:
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------- loop
+class Trainer:
+    """State of one worker's run. ``run()`` returns the summary written to metrics.json."""
+
+    def __init__(self, cfg: Any, run_dir: Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+                 resume_from: Optional[str] = None) -> None:
+        self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
+        self.rank, self.world, self.device = env.rank, env.world_size, env.device
+        t, r = cfg.train, cfg.runtime
+        self.t0 = time.time()
+        _seed_all(r.seed)                                   # identical init on every rank
+        if r.detect_anomaly:
+            torch.autograd.set_detect_anomaly(True)
+        self.prec = precision_from_config(r, self.device)
+        from nsa.model import TinyLM
+        model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
+        self.opt = build_optimizer(model, t)
+        self.sched = build_scheduler(self.opt, t)
+        state = env.resume_state()
+        self.resumed_from = "ray" if state is not None else None
+        if state is None and resume_from:
+            state = load_checkpoint(resume_from)
+            self.resumed_from = str(resume_from)
+        self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
+        if state is not None:
+            self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
+                                               scaler=self.prec.scaler)
+            pos = state["data"]
+            del state
+        self.start_step = self.step
+        _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
+        self.model = env.prepare_model(model)
+        self.core = _unwrap(self.model)
+        self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
+        self.data.samples = pos["samples_seen"] // max(1, self.world)
+        self.saved = {s for s, _ in list_checkpoints(self.run_dir)}   # never overwrite any of these
+        self.saved.add(self.step)
+        self.rep = RunReporter(cfg, self.run_dir, self.rank, self.world, self.device, mlflow_uri=mlflow_uri,
+                               resume_step=self.step if self.resumed_from else None)
+        self.ctl = Control(self.run_dir, self.rank, self.world, self.device)
+        self.faults = Faults(r.fault, self.run_dir, self.rank, self.world)
+        self.meter = IntervalMeter(self.device)
+        self.last: dict[str, float] = {"loss": math.nan, "grad_norm": math.nan, "val_loss": math.nan}
+        self.first_loss = math.nan
+        self.nonfinite_seen = 0.0
+        self.tokens = 0
+        self.checkpoints: list[int] = []
+        self.lr_used = float(self.sched.get_last_lr()[0])
+        self.first_ms: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ helpers
+    def _hb_due(self, step: int) -> bool:
+        every = self.cfg.logging.heartbeat_every
+        return every == 1 or step % every == 0 or step == 1 or step == self.cfg.train.steps
+
+    def _lr(self) -> float:
+        """The lr the current/last step used (captured before the scheduler advanced)."""
+        return self.lr_used
+
+    def _save(self, step: int, reason: str) -> None:
+        """Rank 0 writes the checkpoint to a temp dir; every rank calls report (Ray's barrier)."""
+        metrics = {"step": step, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
+                   "checkpoint_reason": reason}
+        name = checkpoint_dir_name(step)
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            state = build_state(model=self.core, optimizer=self.opt, scheduler=self.sched,
+                                scaler=self.prec.scaler, step=step, data=self.data.position(self.world),
+                                config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
+            with tempfile.TemporaryDirectory(prefix="nsa_ckpt_") as d:
+                save_checkpoint(d, state)
+                del state
+                self.env.report(metrics, Path(d), name)
+        else:
+            self.env.report(metrics, None, name)
+        self.saved.add(step)
+        self.checkpoints.append(step)
+        self.rep.heartbeat("checkpoint", step, reason=reason, dir=name,
+                           seconds=round(time.perf_counter() - t0, 3))
+
+    def _log(self, step: int, res_tokens: int, extra: dict[str, float]) -> dict[str, float]:
+        host = self.meter.flush()
+        self.last["loss"], self.last["grad_norm"] = host["loss"], host["grad_norm"]
+        if math.isnan(self.first_loss):
+            self.first_loss = host["loss"]
+        new_bad = host["nonfinite_total"] - self.nonfinite_seen
+        self.nonfinite_seen = host["nonfinite_total"]
+        mem = self.rep.memory()
+        tim = self.rep.timing_fields()
+        metrics = {"loss": host["loss"], "lr": self._lr(), "grad_norm": host["grad_norm"],
+                   "toks_per_s": res_tokens * self.world / max(1e-9, self._typical_step_ms() / 1e3),
+                   "step_ms": tim["step_ms_p50"], "step_ms_p95": tim["step_ms_p95"],
+                   "fetch_ms_p50": tim["fetch_ms_p50"], "fetch_ms_p95": tim["fetch_ms_p95"],
+                   "mem_mib": mem["mem_mib"], "nonfinite_steps": host["nonfinite_total"],
+                   "epoch": self.data.epoch, **extra}
+        self.rep.log_train(metrics, step)
+        if new_bad > 0:
+            self.rep.heartbeat("anomaly", step, what="non-finite loss or grad norm", new_nonfinite_steps=new_bad,
+                               loss_last=host["loss_last"], grad_norm=host["grad_norm"],
+                               policy=self.cfg.train.on_nonfinite)
+            if self.cfg.train.on_nonfinite == "halt":
+                self.ctl.request_anomaly_halt()
+        if self.rank == 0:
+            print(self._progress_line(step, metrics, extra), flush=True)
+        return metrics
+
+    def _progress_line(self, step: int, m: dict[str, float], extra: dict[str, float]) -> str:
+        tim = self.rep.timing_fields()
+        if math.isfinite(tim["step_ms_p50"]):
+            times = (f"step {tim['step_ms_p50']:.0f}ms (p95 {tim['step_ms_p95']:.0f}) | "
+                     f"fetch {tim['fetch_ms_p50']:.1f}ms (p95 {tim['fetch_ms_p95']:.1f})")
+        else:   # only the warm-up step so far
+            times = (f"first step {self.first_ms.get('first_step_ms', math.nan):.0f}ms "
+                     f"(fetch {self.first_ms.get('first_fetch_ms', math.nan):.0f}ms)")
+        val = f" | val {extra['val_loss']:.4f}" if "val_loss" in extra else ""
+        return (f"step {step}/{self.cfg.train.steps} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | "
+                f"{m['toks_per_s']:.0f} tok/s | {times} | gnorm {m['grad_norm']:.3f} | mem {m['mem_mib']:.0f}MiB{val}")
+
+    def _typical_step_ms(self) -> float:
+        p50 = self.rep.step_ms.p50
+        return p50 if math.isfinite(p50) else self.first_ms.get("first_step_ms", math.nan)
+
+    def _stats(self) -> dict[str, float]:
+        stats = layer_stats(self.core, l_sel=self.cfg.nsa.l_sel)
+        host = to_host(stats) if stats else {}  # sync-ok: every logging.stats_every steps
+        self.core.set_record_stats(False)
+        return host
+
+    def _eval(self, val: list[torch.Tensor]) -> float:
+        v = eval_loss(self.model, val, self.prec)
+        return float(v)  # sync-ok: eval steps only
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> dict[str, Any]:
+        cfg, t = self.cfg, self.cfg.train
+        self.rep.write_env(_kernel_policy(cfg, self.device, self.prec))
+        self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
+                           resumed_from=self.resumed_from, precision=self.prec.name,
+                           data_position=self.data.position(self.world))
+        if self.rank == 0:
+            print(self.prec.describe() + f"; world_size={self.world}; start step {self.step}", flush=True)
+        val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
+        wd = self.wd = Watchdog(t.stall_seconds,
+                                make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()
+        status, reason = "completed", ""
+        try:
+            status, reason = self._steps(val)
+        except BaseException as exc:
+            self.rep.heartbeat("halt", self.step, status="failed", error=f"{type(exc).__name__}: {exc}"[:500])
+            self.rep.finish(self._summary("failed", str(exc)[:500], wd), "FAILED")
+            raise
+        finally:
+            wd.stop()
+            self.ctl.close()
+        summary = self._summary(status, reason, wd)
+        self.rep.heartbeat("end", self.step, status=status, reason=reason)
+        self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")
+        return summary
+
+    def _steps(self, val: list[torch.Tensor]) -> tuple[str, str]:
+        cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
+        total, status, reason = t.steps, "completed", ""
+        tokens_step = 0
+        while self.step < total:
+            step = self.step + 1
+            t_start = time.perf_counter()
+            hb = self._hb_due(step)
+            if hb:
+                self.rep.heartbeat("step_start", step)
+            poison = self.faults.before_step(step, t.stall_seconds, sys.stdout.flush)
+            # the first step after (re)start pays data pipeline start-up, allocator warm-up and kernel
+            # JIT/autotuning (minutes for Triton on a cold cache): not a stall, so the watchdog pauses
+            with self.wd.paused() if step == self.start_step + 1 else contextlib.nullcontext():
+                micro, fetch_s = self.data.next(t.accumulate)
+                stats_due = lg.stats_every > 0 and step % lg.stats_every == 0
+                self.core.set_record_stats(stats_due)
+                self.lr_used = float(self.sched.get_last_lr()[0])
+                res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
+                                 poison=poison)
+            self.step = step
+            tokens_step = res.tokens
+            self.tokens += res.tokens * self.world
+            self.meter.add(res.loss, res.grad_norm, res.finite)
+            step_ms = (time.perf_counter() - t_start) * 1e3
+            if step > self.start_step + 1:      # the first step after (re)start pays data/model warm-up:
+                self.rep.step_ms.add(step_ms)   # reported once as first_step_ms/first_fetch_ms, kept out
+                self.rep.fetch_ms.add(fetch_s * 1e3)  # of the rolling p50/p95
+            else:
+                self.first_ms = {"first_step_ms": step_ms, "first_fetch_ms": fetch_s * 1e3}
+            if hb:
+                self.rep.heartbeat("progress", step, loss=self.last["loss"], lr=self._lr(),
+                                   grad_norm=self.last["grad_norm"], step_ms=round(step_ms, 3),
+                                   fetch_ms=round(fetch_s * 1e3, 3),
+                                   toks_per_s=res.tokens * self.world / max(1e-9, step_ms / 1e3),
+                                   **self.rep.timing_fields(), **self.rep.memory())
+            dec = self._end_of_step(step, val, tokens_step, stats_due)
+            if hb:
+                self.rep.heartbeat("step_end", step, loss=self.last["loss"], lr=self._lr(),
+                                   grad_norm=self.last["grad_norm"],
+                                   step_ms=round((time.perf_counter() - t_start) * 1e3, 3),
+                                   compute_ms=round(step_ms - fetch_s * 1e3, 3), fetch_ms=round(fetch_s * 1e3, 3),
+                                   **self.rep.timing_fields(), **self.rep.memory(), fallbacks=_fallbacks())
+            self.wd.kick()
+            if dec.stop:
+                status = "anomaly" if dec.anomaly else ("terminated" if dec.terminate else "halted")
+                reason = ("non-finite loss (train.on_nonfinite=halt)" if dec.anomaly
+                          else (self.ctl.stop_reason or "halt requested on another rank"))
+                self.rep.heartbeat("halt", step, status=status, reason=reason,
+                                   checkpoint=None if dec.anomaly else checkpoint_dir_name(step))
+                if self.rank == 0:
+                    print(f"stopping at step {step}: {status} ({reason})", flush=True)
+                break
+        return status, reason
+
+    def _end_of_step(self, step: int, val: list[torch.Tensor], tokens_step: int, stats_due: bool) -> Decision:
+        t, lg = self.cfg.train, self.cfg.logging
+        final = step == t.steps
+        eval_due = bool(val) and ((t.eval_every > 0 and step % t.eval_every == 0) or final)
+        log_due = step % lg.log_every == 0 or final or eval_due or self.step == self.start_step + 1
+        extra: dict[str, float] = {}
+        if stats_due:
+            stats = self._stats()
+            extra.update(stats)
+            self.rep.heartbeat("progress", step, stats=stats)
+        if eval_due:
+            self.last["val_loss"] = self._eval(val)
+            extra["val_loss"] = self.last["val_loss"]
+            self.rep.log_val({"val_loss": self.last["val_loss"],
+                              "val_ppl": math.exp(min(self.last["val_loss"], 50.0))}, step)
+            self.rep.heartbeat("eval", step, val_loss=self.last["val_loss"])
+        if log_due:
+            self._log(step, tokens_step, extra)
+        fired = self.faults.armed and self.faults.kind == "halt" and step == self.faults.at
+        self.faults.after_step(step)
+        dec = self.ctl.decide(force_poll=fired or final)
+        if step not in self.saved and not dec.anomaly:
+            why = ("final" if final else "save_every" if t.save_every and step % t.save_every == 0 else
+                   "halt" if dec.halt else "terminate" if dec.terminate else "request" if dec.checkpoint else "")
+            if why:
+                self._save(step, why)
+                return dec
+        if eval_due:
+            self.env.report({"step": step, "loss": self.last["loss"], "val_loss": self.last["val_loss"]}, None, None)
+        return dec
+
+    def _summary(self, status: str, reason: str, wd: Watchdog) -> dict[str, Any]:
+        wall = time.time() - self.t0
+        tim = self.rep.timing_fields()
+        return {
+            "status": status, "reason": reason, "run_dir": str(self.run_dir), "step": self.step,
+            "total_steps": self.cfg.train.steps, "start_step": self.start_step, "resumed_from": self.resumed_from,
+            "final_loss": self.last["loss"], "first_logged_loss": self.first_loss,
+            "final_val_loss": self.last["val_loss"], "final_grad_norm": self.last["grad_norm"],
+            "nonfinite_steps": self.nonfinite_seen, "tokens_seen_this_session": self.tokens,
+            "wall_s": wall, "toks_per_s": self.tokens / wall if wall > 0 else math.nan, **tim,
+            **self.first_ms, "stalls": wd.stall_count, "checkpoints": self.checkpoints, "world_size": self.world,
+            "data_position": self.data.position(self.world), "mlflow_run_id": self.rep.mlflow_run_id,
+            "fallbacks": _fallbacks(), "precision": self.prec.name, "device": str(self.device),
+        }
+
+
+def run_training(cfg: Any, run_dir: str | Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+                 resume_from: Optional[str] = None) -> dict[str, Any]:
+    """Train one worker's share; returns the summary (also written to metrics.json by rank 0)."""
+    return Trainer(cfg, Path(run_dir), env, mlflow_uri=mlflow_uri, resume_from=resume_from).run()

@@ -1,0 +1,91 @@
+"""Ray Train glue: ``train_loop_per_worker(config)`` for ``TorchTrainer``. The only nsa module that imports
+ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
+
+``config`` (built by pipelines/builder.py): {"cfg": RunConfig.to_dict(), "run_dir": abs path,
+"mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
+
+Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
+NCCL on GPU, set up by TorchTrainer); train data from ``get_dataset_shard("train").iter_torch_batches``
+(one call per epoch); the val set is not split (every rank evaluates the same first
+``train.eval_batches`` batches, fetched once); resume from ``ray.train.get_checkpoint()``; checkpoints
+and eval metrics through ``ray.train.report`` (a barrier: every rank calls it at the same steps, only
+rank 0 attaches a checkpoint).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import ray.train
+import ray.train.torch
+import torch
+from torch import nn
+
+from nsa.config import config_from_dict
+from nsa.train.checkpoint import load_checkpoint
+from nsa.train.loop import run_training
+
+
+class RayEnv:
+    """LoopEnv backed by the Ray Train worker context."""
+
+    def __init__(self, cfg: Any) -> None:
+        ctx = ray.train.get_context()
+        self.rank = ctx.get_world_rank()
+        self.world_size = ctx.get_world_size()
+        self.device = ray.train.torch.get_device() if cfg.runtime.use_gpu else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._batch_size = cfg.train.batch_size
+        self._prefetch = cfg.data.prefetch_batches
+        self._train = ray.train.get_dataset_shard("train")
+        try:
+            self._val = ray.train.get_dataset_shard("val")
+        except (KeyError, ValueError):
+            self._val = None
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if self.world_size <= 1:
+            return model
+        return ray.train.torch.prepare_model(model, move_to_device=self.device)
+
+    def _iter(self, shard: Any) -> Iterator[torch.Tensor]:
+        for b in shard.iter_torch_batches(batch_size=self._batch_size, prefetch_batches=self._prefetch,
+                                          dtypes=torch.int64, device=self.device, drop_last=True,
+                                          pin_memory=self.device.type == "cuda"):
+            yield b["input_ids"]                                      # [b, T+1] int64
+
+    def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        return self._iter(self._train)
+
+    def val_batches(self, n: int) -> list[torch.Tensor]:
+        if self._val is None or n <= 0:
+            return []
+        out = []
+        for b in self._iter(self._val):
+            out.append(b)
+            if len(out) >= n:
+                break
+        return out
+
+    def resume_state(self) -> Optional[dict[str, Any]]:
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return None
+        with ckpt.as_directory() as d:
+            return load_checkpoint(d)
+
+    def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None:
+        ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir is not None else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Entry point run by every Ray Train worker."""
+    torch.set_num_threads(int(config.get("torch_threads", 1)))
+    logging.getLogger("ray.train").setLevel(logging.WARNING)   # one "Reporting training result" line per report
+    cfg = config_from_dict(config["cfg"])
+    env = RayEnv(cfg)
+    run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
+                 resume_from=config.get("resume_from"))

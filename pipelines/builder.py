@@ -1,0 +1,436 @@
+"""The one place that turns a RunConfig into a Ray ``TorchTrainer`` (DESIGN principle 7), plus the driver
+steps every entry point shares: validate inputs, prepare the run directory, connect to Ray, launch.
+
+    cfg, sources = resolve_config(...)
+    validate_inputs(cfg)                      # config/data/checkpoint errors before any worker starts
+    run_dir = prepare_run(cfg, sources)       # logging.root/<name>/ + config.yaml; sets logging.name
+    connect_ray(cfg)                          # RAY_ADDRESS (ray job submit) -> connect; else local instance
+    trainer = build_trainer(cfg, run_dir, make_datasets(cfg))
+    trainer.fit()
+or all of it: ``launch(cfg, sources, title)``.
+
+Storage: ``RunConfig(storage_path=<logging.root>, name=<logging.name>)`` makes Ray's run directory the
+same directory as ours, so Ray's checkpoints land in ``<run dir>/checkpoint_<step:08d>/`` beside the
+heartbeats and CSVs, and relaunching with the same ``logging.name`` resumes (Ray resumes by name).
+On several nodes ``logging.root`` must be shared storage. Relative paths are relative to the working
+directory (under ``ray job submit`` that is the job's uploaded copy: use absolute paths for runs and
+data you want to keep).
+
+Environment for Ray (documented choices): ``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` (plain worker prints, as
+RAY_NOTES measured) always; ``RAY_AUTH_MODE=disabled`` only when this process starts a local instance
+(token auth on a private single-machine instance only gets in the way of ``ray job submit``); both are
+``setdefault`` so an explicit value wins. A local instance gets the ``nsa`` package via
+``runtime_env={"py_modules": [nsa]}``; on a cluster use ``ray job submit --working-dir .``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:          # importable as `builder` from tests, lanes and the entry points alike
+    sys.path.insert(0, _HERE)
+
+from _cli import REPO_ROOT, UserError  # noqa: E402,F401  (_cli also puts the repo root on sys.path)
+
+from nsa.config import DataConfig, RunConfig, dump_yaml  # noqa: E402
+from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint  # noqa: E402
+
+DEFAULT_DATA_PATH = DataConfig.path
+MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the train workers (RAY_NOTES)
+
+
+def _setenv_default(name: str, value: str) -> None:
+    os.environ.setdefault(name, value)
+
+
+# ------------------------------------------------------------------------------------------ validation
+def _abs(p: str) -> str:
+    return str(Path(p).expanduser().resolve())
+
+
+def prepare_local_corpus(out: Path) -> None:
+    """Build the default shard directory from the offline local corpus (the data helper's API)."""
+    from nsa.data.shards import write_shards
+    from nsa.data.sources import iter_source
+    print(f"data: {out} is missing and data.auto_prepare=true: building it from the offline local corpus "
+          "(Python installation's own text files, ~30 MB) ...", flush=True)
+    t0 = time.time()
+    manifest = write_shards(iter_source("local", None, max_bytes=30_000_000, seed=0), out, val_docs=64,
+                            source="local:python-stdlib")
+    t = manifest["totals"]
+    print(f"data: wrote {t['train_shards']} train shards ({t['train_tokens']:,} tokens) + val in "
+          f"{time.time() - t0:.1f}s", flush=True)
+
+
+def _check_model_compat(cfg: RunConfig, ckpt_cfg: dict[str, Any], where: str) -> None:
+    mine = cfg.to_dict()
+    diffs = [f"{s}.{k}: checkpoint {ckpt_cfg.get(s, {}).get(k)!r}, config {v!r}"
+             for s in ("model", "nsa") for k, v in mine[s].items()
+             if k not in ("backend", "allow_flash_attn", "grad_checkpointing") and ckpt_cfg.get(s, {}).get(k) != v]
+    if diffs:
+        raise UserError(f"{where} was trained with another model shape: " + "; ".join(diffs) +
+                        " (use the checkpoint's values or start a fresh run)")
+
+
+def validate_inputs(cfg: RunConfig) -> None:
+    """Everything checkable before Ray starts. Makes paths absolute in ``cfg``. Raises UserError &co."""
+    from nsa.data.tokenizers import get_tokenizer
+    cfg.logging.root = _abs(cfg.logging.root)
+    try:
+        get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise UserError(f"data.tokenizer={cfg.data.tokenizer!r}: {e}") from None
+    if cfg.data.source == "parquet":
+        path = Path(cfg.data.path).expanduser()
+        if not path.exists() and cfg.data.auto_prepare and cfg.data.path == DEFAULT_DATA_PATH:
+            prepare_local_corpus(path.resolve())
+        cfg.data.path = _abs(cfg.data.path)
+        from nsa.data.shards import check_data_path, find_val_shards
+        try:
+            check_data_path(cfg.data.path)
+            if cfg.data.val_path:
+                cfg.data.val_path = _abs(cfg.data.val_path)
+                (check_data_path if not Path(cfg.data.val_path).is_dir() else find_val_shards)(cfg.data.val_path)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise UserError(f"data.path: {e}") from None
+    if cfg.train.resume_from:
+        cfg.train.resume_from = _abs(cfg.train.resume_from)
+        f, step = verify_checkpoint(cfg.train.resume_from)
+        _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"train.resume_from={f}")
+        print(f"resume_from: {f} (step {step})", flush=True)
+    if cfg.runtime.use_gpu is False and cfg.runtime.num_workers == -1:
+        raise UserError("runtime.num_workers=-1 means one worker per GPU but runtime.use_gpu=false; "
+                        "set runtime.num_workers to a count")
+
+
+# ------------------------------------------------------------------------------------------ run dir
+def _unique_name(prefix: str) -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def prepare_run(cfg: RunConfig, sources: Optional[dict[str, str]] = None, prefix: str = "run") -> Path:
+    """Create ``logging.root/<name>/`` and write config.yaml. A None name becomes a fresh unique one
+    (stored into ``cfg.logging.name``); an existing run dir with checkpoints is resumed (train.resume=auto)
+    or refused (train.resume=never). A stale ``.HALT`` from an earlier halt is moved aside."""
+    root = Path(_abs(cfg.logging.root))
+    cfg.logging.root = str(root)
+    if cfg.logging.name is None:
+        cfg.logging.name = _unique_name(prefix)
+    run_dir = root / cfg.logging.name
+    found = list_checkpoints(run_dir)
+    if found:
+        if cfg.train.resume == "never":
+            raise UserError(f"run dir {run_dir} already has checkpoints (latest step {found[-1][0]}) and "
+                            "train.resume=never: choose another logging.name or set train.resume=auto")
+        f, step = verify_checkpoint(found[-1][1])   # corrupt -> CheckpointError naming the file
+        _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"run {cfg.logging.name}")
+        print(f"resume: run {cfg.logging.name} has checkpoints; continuing from step {step} ({f.parent.name})",
+              flush=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    halt = run_dir / ".HALT"
+    if halt.exists():
+        moved = run_dir / f".HALT.consumed-{int(time.time())}"
+        halt.rename(moved)
+        print(f"note: moved stale {halt.name} of an earlier halt to {moved.name}", flush=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg, sources))
+    return run_dir
+
+
+def mlflow_uri(cfg: RunConfig) -> Optional[str]:
+    """Absolute tracking URI (Ray workers run in other directories): default sqlite under logging.root."""
+    if not cfg.logging.mlflow:
+        return None
+    if cfg.logging.mlflow_uri:
+        return cfg.logging.mlflow_uri
+    return f"sqlite:///{Path(_abs(cfg.logging.root)) / 'mlflow.db'}"
+
+
+# ------------------------------------------------------------------------------------------ ray
+def connect_ray(cfg: RunConfig) -> str:
+    """Connect to ``runtime.ray_address`` (set from RAY_ADDRESS under ``ray job submit``), else start a
+    local instance with ``runtime.ray_num_cpus`` logical CPUs (None: all cores). Idempotent."""
+    import ray
+    _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    if ray.is_initialized():
+        return "ray: using the already initialized instance"
+    if cfg.runtime.ray_address:
+        ray.init(address=cfg.runtime.ray_address, logging_level="WARNING", log_to_driver=True)
+        return f"ray: connected to {cfg.runtime.ray_address}"
+    _setenv_default("RAY_AUTH_MODE", "disabled")
+    start_local_ray(cfg.runtime.ray_num_cpus)
+    return f"ray: started a local instance ({ray.cluster_resources().get('CPU', 0):g} CPUs)"
+
+
+def start_local_ray(num_cpus: Optional[int] = None) -> None:
+    import ray
+    import nsa
+    _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    _setenv_default("RAY_AUTH_MODE", "disabled")
+    # logging_config applies to every Ray worker/actor of this job: ERROR hides Ray Train's per-report INFO
+    # lines and the PlacementGroupCleaner's warning loop (it polls the state API, which needs the
+    # dashboard we do not start); our progress lines are prints and heartbeats, not log records.
+    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
+             logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
+             runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]})
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    import ray
+    return [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+
+
+def resolve_num_workers(cfg: RunConfig) -> int:
+    n = cfg.runtime.num_workers
+    if n != -1:
+        return n
+    import ray
+    gpus = int(ray.cluster_resources().get("GPU", 0) // max(cfg.runtime.gpus_per_worker, 1e-9))
+    if gpus < 1:
+        raise UserError("runtime.num_workers=-1 (one worker per GPU) but the Ray cluster has no GPU")
+    return gpus
+
+
+def worker_resources(cfg: RunConfig) -> dict[str, float]:
+    res = {"CPU": float(cfg.runtime.cpus_per_worker)}
+    if cfg.runtime.use_gpu:
+        res["GPU"] = float(cfg.runtime.gpus_per_worker)
+    return res
+
+
+def check_resources(cfg: RunConfig, n: int) -> None:
+    """Fail fast if the worker group cannot be placed: Ray would retry an unplaceable group forever."""
+    if n == 0:
+        return
+    import ray
+    per = worker_resources(cfg)
+    total = ray.cluster_resources()
+    nodes = _alive_nodes()
+    for key, amount in per.items():
+        need, have = n * amount, total.get(key, 0.0)
+        if need > have + 1e-9:
+            knob = "runtime.cpus_per_worker" if key == "CPU" else "runtime.gpus_per_worker"
+            raise UserError(f"runtime.num_workers={n} x {knob}={amount:g} needs {need:g} {key}, the Ray cluster "
+                            f"has {have:g}: lower runtime.num_workers or {knob}")
+    fits = [min(int(node.get(k, 0.0) // v) if v > 0 else n for k, v in per.items()) for node in nodes]
+    strategy = cfg.runtime.placement_strategy
+    ok = {"STRICT_PACK": max(fits, default=0) >= n, "STRICT_SPREAD": sum(f >= 1 for f in fits) >= n}.get(
+        strategy, sum(fits) >= n)
+    if not ok:
+        raise UserError(f"{n} workers of {per} cannot be placed with placement_strategy={strategy} on nodes "
+                        f"{[{k: node.get(k, 0) for k in per} for node in nodes]}")
+    free_cpu = total.get("CPU", 0.0) - n * per["CPU"]
+    if cfg.data.source == "parquet" and free_cpu < MIN_FREE_DATA_CPUS:
+        raise UserError(f"the train workers would take {n * per['CPU']:g} of {total.get('CPU', 0):g} CPUs, leaving "
+                        f"{free_cpu:g} for Ray Data's read/tokenize tasks, which then never produce a batch (the "
+                        "2-core deadlock): lower runtime.cpus_per_worker (e.g. 0.5) or raise runtime.ray_num_cpus")
+
+
+def _synthetic(batch: dict[str, Any], seq_len: int, vocab: int, seed: int) -> dict[str, Any]:
+    import numpy as np
+    ids = batch["id"]
+    rng = np.random.default_rng([seed, int(ids[0])])
+    return {"input_ids": rng.integers(0, vocab, size=(len(ids), seq_len + 1), dtype=np.int64)}
+
+
+def val_rows(cfg: RunConfig) -> Any:
+    """The fixed held-out rows: the first ``eval_batches * batch_size`` packed rows of the val shards
+    (int64 [n, seq_len+1], or None without val data). Built once in the driver, so every evaluation of a
+    run (and of every run on the same data) sees the same tokens and no worker runs a read pipeline."""
+    import numpy as np
+    t, d = cfg.train, cfg.data
+    n = t.eval_batches * t.batch_size
+    if n <= 0:
+        return None
+    if d.source == "synthetic":
+        return _synthetic({"id": np.arange(n)}, t.seq_len, 256 if d.tokenizer == "byte" else cfg.model.vocab, 2)[
+            "input_ids"]
+    from nsa.data.ray_data import iter_packed_batches
+    from nsa.data.shards import check_data_path, find_val_shards
+    if d.val_path:
+        files = find_val_shards(d.val_path) if Path(d.val_path).is_dir() else check_data_path(d.val_path)
+    else:
+        files = find_val_shards(d.path) if Path(d.path).is_dir() else []
+    if not files:
+        return None
+    rows = []
+    for b in iter_packed_batches(files, t.seq_len, d.tokenizer, 1, tiktoken_path=d.tiktoken_path):
+        rows.append(b)
+        if len(rows) >= n:
+            break
+    if len(rows) < t.batch_size:
+        print(f"note: the val shards hold {len(rows)} rows of {t.seq_len + 1} tokens, fewer than one batch: "
+              "no validation", flush=True)
+        return None
+    return np.concatenate(rows)
+
+
+def make_datasets(cfg: RunConfig) -> dict[str, Any]:
+    """{"train": ds, "val": ds?} of rows {"input_ids": int64[seq_len+1]}: train is a streaming Ray Data
+    pipeline (read parquet -> tokenize + pack), split across workers; val is the small fixed in-memory
+    set of ``val_rows`` (not split: every rank evaluates the same rows)."""
+    import ray.data
+    ctx = ray.data.DataContext.get_current()          # travels with the datasets to the split coordinator
+    ctx.enable_progress_bars = False                  # tqdm bars interleave badly with progress lines
+    ctx.print_on_execution_start = False
+    t = cfg.train
+    if cfg.data.source == "synthetic":
+        vocab = 256 if cfg.data.tokenizer == "byte" else cfg.model.vocab
+        train = ray.data.range(max(4096, 8 * t.batch_size * t.accumulate)).map_batches(
+            _synthetic, batch_format="numpy", fn_kwargs={"seq_len": t.seq_len, "vocab": vocab, "seed": 1})
+    else:
+        from nsa.data.ray_data import build_datasets
+        train, _ = build_datasets(cfg.data, t.seq_len)     # its lazy val pipeline is replaced by val_rows
+    out = {"train": train}
+    rows = val_rows(cfg)
+    if rows is not None:
+        out["val"] = ray.data.from_items([{"input_ids": r} for r in rows])
+    return out
+
+
+def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> Any:
+    """The TorchTrainer used by every entry point (train, prod_50k, smoke, lanes). Needs Ray connected."""
+    from ray.data import ExecutionOptions
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, ScalingConfig
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train.torch import TorchTrainer
+    from nsa.train.ray_loop import train_loop_per_worker
+    n = resolve_num_workers(cfg)
+    check_resources(cfg, n)
+    run_dir = Path(run_dir).resolve()
+    opts = ExecutionOptions(preserve_order=True)   # reproducible stream -> exact data resume (nsa/train/loop.py)
+    loop_config = {"cfg": cfg.to_dict(), "run_dir": str(run_dir), "mlflow_uri": mlflow_uri(cfg),
+                   "resume_from": cfg.train.resume_from, "torch_threads": max(1, int(cfg.runtime.cpus_per_worker))}
+    return TorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_config,
+        scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.runtime.use_gpu,
+                                     resources_per_worker=worker_resources(cfg),
+                                     placement_strategy=cfg.runtime.placement_strategy),
+        run_config=RayRunConfig(name=run_dir.name, storage_path=str(run_dir.parent),
+                                failure_config=FailureConfig(max_failures=cfg.runtime.max_failures),
+                                checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
+                                logging_config=LoggingConfig(log_level="WARNING")),
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"], execution_options=opts))
+
+
+# ------------------------------------------------------------------------------------------ launch
+@dataclass
+class Outcome:
+    run_dir: Path
+    summary: dict[str, Any]
+    exit_code: int
+    wall_s: float
+
+
+class _DriverSignals:
+    """In the driver: SIGTERM -> run_dir/.HALT (checkpoint + stop), SIGUSR2 -> .CHECKPOINT, SIGUSR1 -> stacks."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.prev, self.terms = run_dir, {}, 0
+
+    def __enter__(self) -> "_DriverSignals":
+        handlers = {"SIGTERM": self._term, "SIGUSR2": self._usr2, "SIGUSR1": self._usr1}
+        for name, h in handlers.items():
+            try:
+                self.prev[name] = signal.signal(getattr(signal, name), h)
+            except (ValueError, AttributeError):   # not the main thread / platform without it
+                pass
+        return self
+
+    def _term(self, *_: Any) -> None:
+        self.terms += 1
+        if self.terms > 1:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        (self.run_dir / ".HALT").write_text(f"SIGTERM to driver pid {os.getpid()}\n")
+        print("driver: SIGTERM -> .HALT written; workers checkpoint and stop at the next step "
+              "(send SIGTERM again to abort now)", flush=True)
+
+    def _usr2(self, *_: Any) -> None:
+        (self.run_dir / ".CHECKPOINT").write_text("SIGUSR2 to driver\n")
+
+    def _usr1(self, *_: Any) -> None:
+        from nsa.telemetry import dump_stacks
+        print(f"driver: stacks in {dump_stacks(self.run_dir, reason='SIGUSR1 driver')}", flush=True)
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, h in self.prev.items():
+            signal.signal(getattr(signal, name), h)
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.4f}" if isinstance(x, float) and math.isfinite(x) else str(x)
+
+
+def print_summary(run_dir: Path, summary: dict[str, Any], cfg: RunConfig, wall: float) -> None:
+    ck = list_checkpoints(run_dir)
+    print(f"== {summary.get('status', '?')} at step {summary.get('step')}/{summary.get('total_steps')} "
+          f"in {wall:.1f}s" + (f" ({summary['reason']})" if summary.get("reason") else ""))
+    print(f"run dir:      {run_dir}")
+    print(f"final loss:   {_fmt(summary.get('final_loss'))} (first logged {_fmt(summary.get('first_logged_loss'))})"
+          f"   val loss: {_fmt(summary.get('final_val_loss'))}")
+    print(f"throughput:   {_fmt(summary.get('toks_per_s'))} tok/s; step p50/p95 "
+          f"{_fmt(summary.get('step_ms_p50'))}/{_fmt(summary.get('step_ms_p95'))} ms; fetch p50/p95 "
+          f"{_fmt(summary.get('fetch_ms_p50'))}/{_fmt(summary.get('fetch_ms_p95'))} ms")
+    if ck:
+        print(f"checkpoint:   {ck[-1][1]}")
+    if summary.get("status") in ("halted", "terminated"):
+        print(f"resume with:  logging.name={run_dir.name} logging.root={run_dir.parent}")
+    uri = mlflow_uri(cfg)
+    if uri:
+        print(f"mlflow:       mlflow ui --backend-store-uri {uri}")
+    if cfg.logging.tensorboard:
+        print(f"tensorboard:  tensorboard --logdir {run_dir / 'tb'}", flush=True)
+
+
+def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quiet: bool = False) -> Outcome:
+    """Validate, prepare the run dir, connect Ray, fit, summarise. Raises UserError for user errors."""
+    t0 = time.time()
+    validate_inputs(cfg)
+    run_dir = prepare_run(cfg, sources, prefix=prefix)
+    print(f"run dir: {run_dir}", flush=True)
+    print(connect_ray(cfg), flush=True)
+    trainer = build_trainer(cfg, run_dir, make_datasets(cfg))
+    code, summary = 0, {}
+    with _DriverSignals(run_dir):
+        try:
+            trainer.fit()
+        except Exception as e:  # TrainingFailedError & co: one readable line, details are in the run dir
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            print(f"error: training failed: {type(e).__name__}: {first[:400]}\n"
+                  f"  see {run_dir}/heartbeat_rank*.jsonl and the Ray logs above", flush=True)
+            code = 1
+    mfile = run_dir / "metrics.json"
+    if mfile.is_file():
+        summary = json.loads(mfile.read_text())
+    if not code and summary.get("status") in ("anomaly", "failed"):
+        code = 1
+    if not summary:
+        summary = {"status": "failed" if code else "unknown", "step": None, "total_steps": cfg.train.steps}
+        code = code or 1
+    wall = time.time() - t0
+    if not quiet:
+        print_summary(run_dir, summary, cfg, wall)
+    return Outcome(run_dir=run_dir, summary=summary, exit_code=code, wall_s=wall)
+
+
+def replace_cfg(cfg: RunConfig, **sections: dict[str, Any]) -> RunConfig:
+    """A copy of ``cfg`` with some fields changed, e.g. replace_cfg(cfg, train={"steps": 2})."""
+    from nsa.config import config_from_dict
+    d = cfg.to_dict()
+    for s, kv in sections.items():
+        d[s].update(kv)
+    return config_from_dict(d)
+
+
+__all__ = ["validate_inputs", "prepare_run", "connect_ray", "start_local_ray", "make_datasets", "build_trainer",
+           "check_resources", "resolve_num_workers", "mlflow_uri", "launch", "Outcome", "replace_cfg"]

@@ -1,0 +1,33 @@
+#!/usr/bin/env python
+"""The production run: 125M NSA TinyLM, seq 2048, bf16, gradient checkpointing, 50k steps, DDP on GPUs.
+
+    ray job submit --working-dir . -- python pipelines/prod_50k.py             # on a Ray cluster
+    ray job submit --working-dir . -- python pipelines/prod_50k.py logging.root=/shared/runs \\
+        data.path=/shared/fineweb_edu logging.name=prod-1                     # resumable by name
+    python pipelines/prod_50k.py runtime.num_workers=1                        # local GPU box, local Ray
+
+Under `ray job submit` (RAY_ADDRESS set) it connects to the cluster; otherwise it starts a local Ray
+instance. runtime.num_workers=-1 (the profile's value) = one worker per GPU of the cluster. Before any
+worker starts it checks the config, the data path (data/fineweb_edu by default: prepare it with
+pipelines/prepare_data.py --source hub|jsonl --out ...), any checkpoint to resume, and that the requested
+GPUs/CPUs fit the cluster. Same exit codes as train.py.
+"""
+from __future__ import annotations
+
+from _cli import build_parser, load_config, main_entry, print_header
+from builder import launch
+
+DEFAULT_PROFILE = "pipelines/configs/prod_50k.yaml"
+
+
+def main() -> int:
+    args = build_parser("prod_50k.py", __doc__.split("\n")[1], DEFAULT_PROFILE).parse_args()
+    cfg, sources = load_config(args)
+    print_header("prod_50k", cfg, sources, args.config)
+    if args.print_config:
+        return 0
+    return launch(cfg, sources, prefix="prod50k").exit_code
+
+
+if __name__ == "__main__":
+    main_entry(main)

@@ -1,0 +1,55 @@
+"""Shared fixtures: ONE local Ray instance per test session (started lazily, only by tests that ask for
+it) and a small real-text data set prepared once per session from the offline local corpus."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINES = REPO / "pipelines"
+TINY_PROFILE = str(PIPELINES / "configs" / "tiny_cpu.yaml")
+for p in (str(REPO), str(PIPELINES)):        # `import builder` / `import _cli` like the entry points do
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray instance with 4 logical CPUs (2 workers x 0.5 CPU + Ray Data tasks fit on 2 cores)."""
+    ray = pytest.importorskip("ray")
+    import builder
+    started = not ray.is_initialized()
+    if started:
+        builder.start_local_ray(num_cpus=4)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """~1.5 MB of real text (Python stdlib sources/docs) as train shards + a val shard."""
+    from nsa.data.shards import write_shards
+    from nsa.data.sources import iter_source
+    out = tmp_path_factory.mktemp("pipeline_data") / "tiny"
+    write_shards(iter_source("local", None, max_bytes=1_500_000, seed=0), out, val_docs=8, shard_bytes=600_000)
+    return out
+
+
+def tiny_overrides(data: Path, root: Path, **extra: object) -> list[str]:
+    """The tiny profile shrunk for tests: seq 64, log every step, no TensorBoard/MLflow unless asked."""
+    base = {"data.path": str(data), "logging.root": str(root), "train.seq_len": 64, "train.batch_size": 8,
+            "train.warmup_steps": 5, "train.eval_batches": 2, "logging.log_every": 1,
+            "logging.stats_every": 10, "logging.tensorboard": False, "logging.mlflow": False}
+    base.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_ray_env():
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    yield

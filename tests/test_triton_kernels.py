@@ -1,0 +1,198 @@
+"""Triton NSA kernels against nsa.ops.reference: forward, block_idx and every gradient.
+
+Without CUDA the kernels run on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1 must be
+set before triton is imported, hence the top of this module); with CUDA they run natively. Shapes are
+tiny and awkward (T not a multiple of any block, T < l, G = 1/2/3/16, d_k != d_v, l_sel not a power
+of two, n_sel below the number of forced blocks) because the interpreter runs each program in Python.
+Every output buffer the kernels allocate is NaN-poisoned, so an unwritten element fails.
+bf16 is covered by tests/test_triton_gpu.py (the interpreter's bf16 tl.dot is unreliable).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+triton = pytest.importorskip("triton")
+
+from nsa.ops import common  # noqa: E402
+from nsa.ops.reference import (nsa_reference, reference_block_scores,  # noqa: E402
+                               reference_select_one)
+from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
+from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+
+
+@pytest.fixture(autouse=True)
+def poison_allocations(monkeypatch):
+    """torch.empty / empty_like return NaN-filled floats and -7 filled ints inside these tests."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def fill(x):  # only what the kernels allocate (triton's launcher may allocate uint8 scratch)
+        if x.is_floating_point():
+            return x.fill_(float("nan"))
+        return x.fill_(-7) if x.dtype in (torch.int32, torch.int64) else x
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_like(*a, **k)))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, HQ, H, dk, dv, l, d, dtype, seed, gate_mode="rand"):
+    g = torch.Generator().manual_seed(seed)
+    N = common.num_cmp_tokens(T, l, d)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(DEV, dtype)
+
+    x = dict(q=r(B, T, HQ, dk), k_cmp=r(B, N, H, dk), v_cmp=r(B, N, H, dv), k_slc=r(B, T, H, dk),
+             v_slc=r(B, T, H, dv), k_win=r(B, T, H, dk), v_win=r(B, T, H, dv))
+    gates = torch.rand(B, T, HQ, 3, generator=g).to(DEV, dtype)
+    if gate_mode != "rand":  # one-hot gates isolate a branch
+        gates = torch.zeros_like(gates)
+        gates[..., ("cmp", "slc", "win").index(gate_mode)] = 1.0
+    x["gates"] = gates
+    return {k: v.requires_grad_() for k, v in x.items()}
+
+
+def tol(dtype) -> float:
+    if dtype == torch.float16:
+        return 5e-3
+    return 5e-3 if DEV == "cuda" else 1e-5   # fp32 dots are tf32 on the GPU
+
+
+# B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w, dtype, gate_mode, chunk
+CASES = {
+    "g2_dk16_dv32": (1, 77, 4, 2, 16, 32, 8, 4, 16, 3, 24, torch.float32, "rand", 1024),
+    "g1_dk32_dv16_chunked": (1, 50, 2, 2, 32, 16, 16, 8, 16, 4, 16, torch.float32, "rand", 4),
+    "g16_nsel1": (1, 40, 16, 1, 16, 16, 8, 8, 8, 1, 8, torch.float32, "rand", 1024),
+    "g3_lsel24_slc_only": (1, 61, 6, 2, 16, 16, 12, 4, 24, 3, 20, torch.float32, "slc", 7),
+    "t_below_l": (2, 6, 4, 2, 16, 16, 8, 4, 8, 2, 4, torch.float32, "rand", 1024),
+    "fp16_g2": (1, 45, 4, 2, 32, 32, 8, 4, 16, 3, 16, torch.float16, "rand", 1024),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_backward_match_reference(case):
+    B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w, dtype, gate_mode, chunk = CASES[case]
+    x = make_inputs(B, T, HQ, H, dk, dv, l, d, dtype, seed=hash(case) % 1000, gate_mode=gate_mode)
+    args = [x[n] for n in NAMES]
+    kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
+    o, bi = nsa_triton_apply(*args, **kw, scale=dk ** -0.5, dkdv_chunk=chunk)
+    # the reference in fp64 on the same (rounded) inputs
+    ref_args = [a.detach().double().cpu().requires_grad_() for a in args]
+    ro, rbi = nsa_reference(*ref_args, **kw)
+    assert bi.dtype == torch.int64 and bi.shape == (B, T, H, n_sel)
+    assert torch.equal(bi.cpu(), rbi), "selected blocks differ from the reference"
+    assert torch.isfinite(o).all()
+    assert rel_err(o, ro) <= tol(dtype)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
+    grads = torch.autograd.grad(o, args, do, allow_unused=False)
+    rgrads = torch.autograd.grad(ro, ref_args, do.double().cpu(), allow_unused=True)
+    for name, gk, gr, a in zip(NAMES, grads, rgrads, ref_args):
+        gr = torch.zeros_like(a) if gr is None else gr   # e.g. k_cmp is empty when T < l
+        assert gk.shape == gr.shape and gk.dtype == x[name].dtype, name
+        assert torch.isfinite(gk).all(), f"non-finite d{name}"
+        if gr.numel() and gr.norm() > 0:
+            assert rel_err(gk, gr) <= tol(dtype) * 2, f"d{name}: {rel_err(gk, gr):.2e}"
+        else:
+            assert gk.abs().max().item() == 0 if gk.numel() else True
+
+
+def test_block_idx_long_sequence():
+    """T = 200: many eligible blocks, so the top-n ranking (not only forced blocks) decides."""
+    B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 1, 203, 2, 1, 16, 16, 8, 4, 8, 5, 8
+    x = make_inputs(B, T, HQ, H, dk, dv, l, d, torch.float32, seed=3)
+    args = [x[n].detach() for n in NAMES]
+    kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
+    with torch.no_grad():
+        o, bi = nsa_attention_triton(*args, **kw)
+        ro, rbi = nsa_reference(*[a.double().cpu() for a in args], **kw)
+    assert torch.equal(bi.cpu(), rbi)
+    assert rel_err(o, ro) <= tol(torch.float32)
+    # the ranking really chose non-forced blocks somewhere
+    cur = torch.arange(T) // l_sel
+    forced = (rbi[0, :, 0, :, None] == torch.stack([cur, cur * 0, cur - 1], -1)[:, None, :]).any(-1)
+    assert ((rbi[0, :, 0] >= 0) & ~forced).any()
+
+
+def test_block_scores_kernel_matches_reference():
+    B, T, HQ, H, dk, l, d, l_sel = 1, 150, 6, 2, 16, 12, 4, 8
+    G = HQ // H
+    p = common.NSAParams(l, d, l_sel, 4, 16)
+    x = make_inputs(B, T, HQ, H, dk, dk, l, d, torch.float32, seed=11)
+    q, kc = x["q"].detach(), x["k_cmp"].detach()
+    scale = dk ** -0.5
+    # lse of the compressed branch in fp64 ([B, T, HQ]); -inf where nothing is visible
+    logits = torch.einsum("bthk,bnhk->bthn", q.double().cpu(),
+                          kc.double().cpu().repeat_interleave(G, 2)) * scale
+    vis = (torch.arange(kc.shape[1]) * d + l - 1)[None, :] <= torch.arange(T)[:, None]   # [T, N]
+    logits = logits.masked_fill(~vis[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    sc = tsel.block_scores(q, kc, lse.float().to(DEV), l=l, d=d, l_sel=l_sel, scale=scale)
+    assert sc.shape == (B, H, T, triton.cdiv(T, l_sel))
+    probs = torch.nan_to_num(torch.exp(logits - lse[..., None]))                          # [B,T,HQ,N]
+    for t in (0, l - 1, l, 37, 64, 99, T - 1):
+        nb = t // l_sel + 1
+        n_vis = common.visible_cmp(t, l, d)
+        pc = probs[:, t, :, :n_vis].reshape(B, H, G, n_vis)
+        ref = reference_block_scores(pc, nb, p)
+        got = sc[:, :, t, :nb].double().cpu()
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7), t
+
+
+def test_topn_kernel_ties_forced_and_padding():
+    """Exact ties, all-zero rows, n_sel > eligible blocks and n_sel < forced blocks."""
+    B, H, T, l, d, l_sel, G = 1, 3, 70, 8, 4, 8, 2
+    nsb = triton.cdiv(T, l_sel)
+    gen = torch.Generator().manual_seed(5)
+    sc = torch.rand(B, H, T, nsb, generator=gen)
+    sc[0, 1] = torch.randint(0, 3, (T, nsb), generator=gen).float() / 7.0   # many exact ties
+    sc[0, 2] = 0.0                                                              # everything tied
+    for n_sel in (1, 2, 4, 12):
+        p = common.NSAParams(l, d, l_sel, n_sel, 16)
+        bi = tsel.select_topn(sc.to(DEV), G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel).cpu()
+        for h in range(H):
+            for t in range(T):
+                want = reference_select_one(sc[0, h, t].double().tolist(), t, p, G)
+                assert bi[0, t, h].tolist() == want, (n_sel, h, t)
+
+
+def test_poisoning_is_active():
+    assert torch.empty(3).isnan().all() and (torch.empty(2, dtype=torch.int64) == -7).all()
+
+
+def test_triton_available_reports_device():
+    assert triton_available() == torch.cuda.is_available()
+
+
+def test_unsupported_dtype_and_bad_shapes():
+    x = make_inputs(1, 20, 2, 1, 16, 16, 8, 4, torch.float32, seed=1)
+    args = [x[n].detach() for n in NAMES]
+    with pytest.raises(NotImplementedError, match="dtype"):
+        nsa_attention_triton(*[a.double() for a in args[:7]], args[7], l=8, d=4, l_sel=8, n_sel=2, w=8)
+    with pytest.raises(ValueError, match="k_cmp"):
+        nsa_attention_triton(*args, l=8, d=2, l_sel=8, n_sel=2, w=8)   # wrong N for this d
+    with pytest.raises(ValueError, match="l_sel"):
+        nsa_attention_triton(*args, l=8, d=4, l_sel=6, n_sel=2, w=8)
+
+
+def test_package_imports_without_triton():
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['triton'] = None; import nsa.ops.triton as t; "
+            "assert not t.triton_importable() and not t.triton_available(); print('ok')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
