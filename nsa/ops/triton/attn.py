@@ -310,6 +310,9 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     do per row (dO_branch = gate * do), in which case delta must be rowsum(do*O) and is scaled too.
     dq_in: optional contiguous fp32 [B,T,HQ,dk] added to dq (accumulation across branches).
     Returns (dq contiguous in dq_dtype (default q's), dk, dv in k's/v's dtypes)."""
+    # dK/dV are written with k's/v's strides, so k/v must be dense (a strided view of a larger
+    # buffer would make torch.empty_like allocate a different layout and the kernel write out of bounds)
+    k, v = k.contiguous(), v.contiguous()
     B, T, HQ, dk, N, H, dv, G = _geometry(q, k, v)
     dq_dtype = dq_dtype or q.dtype
     # in place when accumulating in fp32: each element is read and written by the same program
