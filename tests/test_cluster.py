@@ -239,12 +239,44 @@ def test_mlflow_manifest_matches_the_rayjob_uri():
     assert _claims(dep["spec"]["template"]) == {"nsa-shared"}
 
 
+def _source_files() -> list[Path]:
+    """Files a job needs from the checkout (relative paths)."""
+    files = [p for d in ("nsa", "pipelines", "cluster", "lanes") for p in (ROOT / d).rglob("*")
+             if p.is_file() and "__pycache__" not in p.parts]
+    return [p.relative_to(ROOT) for p in files]
+
+
 def test_runtime_env_yaml_is_accepted_by_ray():
     from ray.runtime_env import RuntimeEnv
     env = yaml.safe_load((ROOT / "cluster" / "runtime_env.yaml").read_text())
     RuntimeEnv(**env)
     assert "working_dir" not in env, "--working-dir . on the command line provides it"
-    assert {"runs/", "data/", ".git"} <= set(env["excludes"])
+
+
+@pytest.mark.parametrize("where", ["runtime_env.yaml", "rayjob.yaml"])
+def test_upload_excludes_keep_the_package(where):
+    """gitignore-style excludes: "data/" would also drop nsa/data/ (it did, in a first end-to-end run)."""
+    from ray._private.runtime_env.packaging import _get_excludes   # the matcher Ray's upload uses
+    if where == "rayjob.yaml":
+        excludes = yaml.safe_load(_one(KUBE / "rayjob.yaml", "RayJob")["spec"]["runtimeEnvYAML"])["excludes"]
+    else:
+        excludes = yaml.safe_load((ROOT / "cluster" / "runtime_env.yaml").read_text())["excludes"]
+    excluded = _get_excludes(ROOT, excludes)
+    dropped = [str(p) for p in _source_files() if excluded(ROOT / p)]
+    assert not dropped, f"{where} excludes would drop package files: {dropped[:5]}"
+    for top in ("runs", "data"):      # ... while the big root folders stay out of the upload
+        assert excluded(ROOT / top / "x.parquet"), top
+
+
+def test_rsync_excludes_keep_the_package(launcher):
+    """rsync: a pattern without '/' matches a name at any depth; a leading '/' anchors it at the root."""
+    import fnmatch
+    for pattern in launcher["rsync_exclude"]:
+        for rel in _source_files():
+            parts = rel.parts[:1] if pattern.startswith("/") else rel.parts
+            hit = [p for p in parts if fnmatch.fnmatch(p, pattern.lstrip("/"))]
+            assert not hit, f"rsync_exclude {pattern!r} would drop {rel}"
+    assert {"/runs", "/data"} <= set(launcher["rsync_exclude"])
 
 
 # ------------------------------------------------------------------------------------------ scripts
@@ -310,6 +342,7 @@ def test_fetch_copies_logs_and_only_the_newest_checkpoint(fake_head, tmp_path):
     for step in (10, 20):
         (run / f"checkpoint_{step:08d}").mkdir(parents=True)
         (run / f"checkpoint_{step:08d}" / "checkpoint.pt").write_bytes(b"w" * step)
+    (run / "checkpoint_manager_snapshot.json").write_text("{}")   # Ray Train's file, sorts after the dirs
     (run / "config.yaml").write_text("train: {steps: 20}\n")
     (run / "heartbeat_rank0.jsonl").write_text('{"kind": "end"}\n')
     dest = tmp_path / "local"

@@ -18,11 +18,12 @@ if [[ "${3:-}" == "--all" ]]; then
   exit
 fi
 # The head writes the small files and the name of the newest checkpoint into a staging folder on shared
-# storage; copying a folder back avoids parsing remote command output.
+# storage; copying a folder back avoids parsing remote command output. Only checkpoint_<digits>/ folders
+# count: Ray Train keeps a checkpoint_manager_snapshot.json file beside them.
 stage="$run_dir/.fetch"
 on_head "rm -rf $stage && mkdir -p $stage &&
   find $run_dir -maxdepth 1 -type f \( -name '*.yaml' -o -name '*.csv' -o -name '*.json' -o -name '*.jsonl' -o -name '*.txt' \) -exec cp {} $stage/ \; &&
-  (ls -d $run_dir/checkpoint_* 2>/dev/null | sort | tail -n 1 | xargs -r -n 1 basename > $stage/LATEST_CHECKPOINT)"
+  (ls -d $run_dir/checkpoint_[0-9]*/ 2>/dev/null | sort | tail -n 1 | xargs -r -n 1 basename > $stage/LATEST_CHECKPOINT)"
 copy_from_head "$stage/" "$dest/"
 latest="$(cat "$dest/LATEST_CHECKPOINT" 2>/dev/null || true)"
 if [[ -z "$latest" ]]; then

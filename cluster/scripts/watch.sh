@@ -20,5 +20,5 @@ lines="${2:-5}"
 [[ "$lines" =~ ^[0-9]+$ ]] || die "lines='$lines' must be a number (or --follow)"
 on_head "ls $run_dir/heartbeat_rank*.jsonl | sed 's|.*/||' | tr '\n' ' '; echo;
   tail -n $lines $run_dir/heartbeat_rank0.jsonl; echo;
-  ls -d $run_dir/checkpoint_* 2>/dev/null | tail -n 2;
+  ls -d $run_dir/checkpoint_[0-9]*/ 2>/dev/null | tail -n 2;
   python -m nsa.telemetry.check $run_dir"
