@@ -108,3 +108,13 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
                        text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 1, p.stderr
     assert "no_stall_or_anomaly" in p.stdout and "overall: FAIL" in p.stdout
+
+
+def test_nan_placeholder_in_progress_record_is_not_a_nonfinite_loss(tmp_path):
+    # the trainer's first `progress` record carries loss=NaN before any loss was measured
+    _make_run(tmp_path)
+    Heartbeat(tmp_path, rank=0).write("progress", 1, loss=float("nan"))
+    assert _status(run_checks(tmp_path))["loss_finite"] == "PASS"
+    # a NaN in a completed step still fails
+    Heartbeat(tmp_path, rank=0).write("step_end", 2, loss=float("nan"))
+    assert _status(run_checks(tmp_path))["loss_finite"] == "FAIL"

@@ -109,7 +109,9 @@ def _recent_median(values: Sequence[float]) -> float:
 def _check_loss_finite(data: _RunData) -> CheckResult:
     losses = _column(data.rows, "loss")
     for rec in data.heartbeats.values() if data.rows_source == "training.csv" else ():
-        losses += [(r.get("step", -1), r["loss"]) for r in rec if isinstance(r.get("loss"), float)]
+        # only completed steps carry a measured loss; progress/start records may hold a NaN placeholder
+        losses += [(r.get("step", -1), r["loss"]) for r in rec
+                   if r.get("kind") == "step_end" and isinstance(r.get("loss"), float)]
     if not losses:
         return CheckResult("loss_finite", SKIP, "no loss values")
     bad = [(s, v) for s, v in losses if not math.isfinite(v)]
