@@ -2,23 +2,16 @@
 """A/B lanes as one Ray Tune grid: base profile x lane overrides -> the pipeline's one TorchTrainer per lane.
 
     python lanes/ab_grid.py                                   # the default lanes of lanes/lanes.yaml
-    python lanes/ab_grid.py --only baseline,conservative --steps 20
-    python lanes/ab_grid.py --base pipelines/configs/tiny_cpu.yaml --max-concurrent 1 train.lr=1e-3
+    python lanes/ab_grid.py --only baseline,conservative --steps 20 train.lr=1e-3
     python lanes/ab_grid.py --list                            # the lanes and why each exists
 
-Each lane's config = profile < NSA_* env < lanes.yaml defaults < --steps/--stall-seconds < the lane's overrides
-< key=value (resolved and validated in the driver, so a bad lane fails before Ray starts). The grid runs as
-a Tuner over ``tune.grid_search(lane names)``; each trial builds its trainer with ``builder.build_trainer``
-(a RunConfig carrying ``TuneReportCallback``) and fits it. The training loop opens one MLflow run per lane
-(run name = lane, experiment ``<profile experiment>-lanes``); the grid tags it ``lane``/``grid``.
-
-Hangs: the worker's watchdog (``train.stall_seconds``, ``--stall-seconds``) writes a ``stall`` heartbeat with
-a stack dump; a lane with a stall record is FAILED. If it also makes no progress for ``--hang-grace`` more
-seconds, the trial gives up on it (its actor exits, taking the lane's controller and workers with it) so one
-hung lane cannot hold the grid (Tune has no per-trial timeout, RAY_NOTES).
-
-Output: one line per lane, a summary table, ``<grid dir>/lanes_summary.{json,md}`` and the ``mlflow ui``
-command. Exit codes: 0 all lanes completed (or --allow-failures), 1 a lane failed, 2 bad input.
+Lane config = profile < NSA_* env < lanes.yaml defaults < --steps/--stall-seconds < lane overrides < key=value,
+resolved and validated in the driver. A Tuner over ``grid_search(lane names)`` runs one trial per lane, which
+fits ``builder.build_trainer(..., callbacks=[TuneReportCallback()])``. The loop opens one MLflow run per lane;
+the grid tags it ``lane``/``grid``. A lane whose worker watchdog recorded a stall is FAILED; one that does not
+recover within ``--hang-grace`` is abandoned so it cannot hold the grid. Writes ``<grid dir>/lanes_summary.
+{json,md}``. Exit codes: 0 all lanes completed (or --allow-failures), 1 a lane failed, 2 bad input.
+Details: lanes/README.md.
 """
 from __future__ import annotations
 
@@ -30,7 +23,7 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -43,10 +36,13 @@ for _p in (str(REPO_ROOT), str(PIPELINES)):      # `import builder` like the ent
 import yaml  # noqa: E402
 
 from nsa.config import ConfigError, RunConfig, config_from_dict, parse_overrides, resolve_config  # noqa: E402
+from nsa.train.reporting import write_json  # noqa: E402
 
 DEFAULT_BASE = "pipelines/configs/tiny_cpu.yaml"
 DEFAULT_LANES = str(Path(__file__).resolve().parent / "lanes.yaml")
 TRIAL_CPU = 0.01          # the trial's driver only waits on fit(); Tune refuses a request of 0 resources
+SILENCE_FLOOR_S = 120.0   # hang_verdict rule (2) never fires sooner: worker start-up is silent and slow
+DATA_TASK_CPUS = 1.0      # what one Ray Data read/map task asks for (Ray's default; builder sets none)
 LANE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used as a directory and MLflow run name
 PINNED = ("logging.root", "logging.name", "logging.experiment", "logging.mlflow_uri", "train.resume")
 RESULT_FILE = "lane_result.json"
@@ -140,11 +136,7 @@ def select_lanes(lanes: dict[str, Lane], only: Optional[Sequence[str]]) -> list[
     unknown = [n for n in only if n not in lanes]
     if unknown:
         raise LaneError(f"unknown lane(s) {unknown}; known lanes: {', '.join(lanes)} (see --list)")
-    seen: list[str] = []
-    for n in only:
-        if n not in seen:
-            seen.append(n)
-    return [lanes[n] for n in seen]
+    return [lanes[n] for n in dict.fromkeys(only)]
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -221,14 +213,15 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
     """Everything checkable without Ray: lanes file, selection, every lane's config, grid paths."""
     import builder
     defaults, lanes = load_lanes(args.lanes)
-    chosen = select_lanes(lanes, _split_names(args.only))
+    chosen = select_lanes(lanes, [n.strip() for n in (args.only or "").split(",") if n.strip()])
     try:
         cli = parse_overrides(list(args.overrides))
     except ConfigError as e:
         raise LaneError(f"key=value overrides: {e}") from None
     if "logging.name" in cli:
         raise LaneError("logging.name: lanes are named after themselves; name the grid with --name")
-    base = _resolve_profile(args.base)
+    from _cli import resolve_profile
+    base = resolve_profile(args.base)
     try:
         base_cfg, _ = resolve_config(base, [f"{k}={v}" for k, v in cli.items()])
     except ConfigError as e:
@@ -257,27 +250,19 @@ def plan_grid(args: argparse.Namespace) -> GridPlan:
                     allow_failures=args.allow_failures)
 
 
-def _split_names(only: Optional[str]) -> list[str]:
-    return [n.strip() for n in (only or "").split(",") if n.strip()]
-
-
-def _resolve_profile(path: str) -> str:
-    from _cli import resolve_profile
-    return resolve_profile(path)
-
-
 # ------------------------------------------------------------------------------------------ resources
 def lane_demand(cfg: RunConfig) -> dict[str, float]:
-    """Logical resources one running lane holds: its workers, its trial driver, and room for Ray Data."""
+    """Logical resources one running lane holds: its worker group plus its trial's driver."""
     import builder
-    n = builder.resolve_num_workers(cfg)
-    per = builder.worker_resources(cfg)
-    return {"CPU": n * per["CPU"] + TRIAL_CPU + builder.MIN_FREE_DATA_CPUS, "GPU": n * per.get("GPU", 0.0)}
+    n, per = builder.resolve_num_workers(cfg), builder.worker_resources(cfg)
+    return {"CPU": n * per["CPU"] + TRIAL_CPU, "GPU": n * per.get("GPU", 0.0)}
 
 
 def size_concurrency(plan: GridPlan, requested: Optional[int]) -> int:
-    """Check every lane fits the cluster and how many fit at once. An unplaceable worker group is retried
-    forever by Ray, so a plan that does not fit is refused here, before fit()."""
+    """Check every lane fits the cluster and how many fit at once, leaving Ray Data its CPU share (the
+    2-core deadlock). An unplaceable worker group is retried forever by Ray, so refuse that before fit().
+    The default also stays within the local cores when this process started the Ray instance."""
+    import os
     import builder
     import ray
     total = ray.cluster_resources()
@@ -287,22 +272,22 @@ def size_concurrency(plan: GridPlan, requested: Optional[int]) -> int:
         except ValueError as e:
             raise LaneError(f"lane {lc.lane.name!r}: {e}") from None
     need = {k: max(lane_demand(lc.cfg)[k] for lc in plan.lanes) for k in ("CPU", "GPU")}
-    fits = [int((total.get(k, 0.0) + 1e-9) // v) for k, v in need.items() if v > 0]
-    fit = max(0, min(fits))
+    # the lanes' Ray Data tasks share what the worker groups leave; each task needs DATA_TASK_CPUS at once,
+    # so less than that left free deadlocks every lane at its first batch (seen with 2 lanes on 2 CPUs)
+    keep = max(builder.MIN_FREE_DATA_CPUS, DATA_TASK_CPUS)
+    free = {"CPU": total.get("CPU", 0.0) - keep, "GPU": total.get("GPU", 0.0)}
+    fit = max(0, min(int((free[k] + 1e-9) // v) for k, v in need.items() if v > 0))
+    room = (f"each lane holds up to {need['CPU']:g} CPU" + (f" and {need['GPU']:g} GPU" if need["GPU"] else "")
+            + f"; the cluster has {total.get('CPU', 0):g} CPU, {keep:g} of them kept for Ray Data tasks")
     if fit < 1:
-        raise LaneError(f"one lane needs {need['CPU']:g} CPU (workers + {TRIAL_CPU:g} trial + "
-                        f"{builder.MIN_FREE_DATA_CPUS:g} for Ray Data) but the cluster has {total.get('CPU', 0):g}: "
-                        "lower runtime.cpus_per_worker or raise runtime.ray_num_cpus")
+        raise LaneError(f"no lane fits: {room}; lower runtime.cpus_per_worker or raise runtime.ray_num_cpus")
     if requested is not None:
-        if requested < 1:
-            raise LaneError(f"--max-concurrent={requested} must be >= 1")
-        if requested > fit:
-            raise LaneError(f"--max-concurrent={requested}: each lane holds up to {need['CPU']:g} CPU"
-                            + (f" and {need['GPU']:g} GPU" if need["GPU"] else "")
-                            + f", the cluster has {total.get('CPU', 0):g} CPU: at most {fit} lanes fit at once "
-                            f"(use --max-concurrent {fit} or lower runtime.cpus_per_worker)")
+        if not 1 <= requested <= fit:
+            raise LaneError(f"--max-concurrent={requested}: {room}, so 1 to {fit} lanes fit at once "
+                            "(lower runtime.cpus_per_worker to fit more)")
         return requested
-    return max(1, min(fit, len(plan.lanes)))
+    local_cap = (os.cpu_count() or 1) if not plan.base_cfg.runtime.ray_address else fit
+    return max(1, min(fit, len(plan.lanes), local_cap))
 
 
 # ------------------------------------------------------------------------------------------ lane records
@@ -315,21 +300,31 @@ def _read_json(path: Path) -> Optional[dict[str, Any]]:
 
 def stall_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every ``stall`` heartbeat the lane's watchdogs wrote (all ranks)."""
+    return [r for r in read_heartbeats(run_dir) if r.get("kind") == "stall"]
+
+
+def read_heartbeats(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of every rank's heartbeat file, oldest first."""
     from nsa.telemetry import read_heartbeat
-    out = []
-    for f in sorted(Path(run_dir).glob("heartbeat_rank*.jsonl")):
-        out += [r for r in read_heartbeat(f) if r.get("kind") == "stall"]
-    return sorted(out, key=lambda r: r.get("ts", 0.0))
+    recs = [r for f in Path(run_dir).glob("heartbeat_rank*.jsonl") for r in read_heartbeat(f)]
+    return sorted(recs, key=lambda r: r.get("ts", 0.0))
 
 
 def describe_stall(rec: dict[str, Any]) -> str:
     secs = rec.get("seconds_since_kick")
-    return (f"stalled at step {rec.get('step')} on rank {rec.get('rank')} (no step_end for "
+    return (f"stalled after step {rec.get('step')} on rank {rec.get('rank')} (no step_end for "
             f"{secs if secs is None else round(float(secs), 1)}s; stacks: {rec.get('stack_dump')})")
 
 
 def _num(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _steady_toks_per_s(summary: dict[str, Any]) -> Optional[float]:
+    """Tokens per second of a typical step (p50 step time), not diluted by start-up like the run average."""
+    steps = (summary.get("step") or 0) - (summary.get("start_step") or 0)
+    ms, tokens = _num(summary.get("step_ms_p50")), _num(summary.get("tokens_seen_this_session"))
+    return tokens / steps / (ms / 1e3) if steps > 0 and ms and tokens else _num(summary.get("toks_per_s"))
 
 
 def lane_record(lane: str, why: str, run_dir: Path, error: Optional[str], wall_s: Optional[float]) -> dict[str, Any]:
@@ -348,73 +343,60 @@ def lane_record(lane: str, why: str, run_dir: Path, error: Optional[str], wall_s
         "lane": lane, "why": why, "status": "FAILED" if problems else "COMPLETED",
         "error": "; ".join(problems), "step": summary.get("step"), "total_steps": summary.get("total_steps"),
         "final_loss": _num(summary.get("final_loss")), "first_loss": _num(summary.get("first_logged_loss")),
-        "val_loss": _num(summary.get("final_val_loss")), "toks_per_s": _num(summary.get("toks_per_s")),
-        "step_ms_p50": _num(summary.get("step_ms_p50")), "train_wall_s": _num(summary.get("wall_s")),
+        "val_loss": _num(summary.get("final_val_loss")), "toks_per_s": _steady_toks_per_s(summary),
+        "toks_per_s_avg": _num(summary.get("toks_per_s")), "step_ms_p50": _num(summary.get("step_ms_p50")),
+        "train_wall_s": _num(summary.get("wall_s")),
         "wall_s": wall_s, "stalls": stalls, "run_dir": str(run_dir), "mlflow_run_id": mlflow_id,
     }
 
 
 # ------------------------------------------------------------------------------------------ the trial
-class LaneMonitor:
-    """Beside fit() in the trial: tags the lane's MLflow run as soon as the loop opens it, and declares the
-    lane hung when the worker's watchdog wrote a stall record and no step_end followed within ``grace``."""
+def hang_verdict(recs: list[dict[str, Any]], grace: float, stall_s: float, since: float, now: float) -> Optional[str]:
+    """Whether the grid should give up on a lane, from its heartbeats (oldest first). Hung when (1) the
+    worker's watchdog wrote a stall record and no step_end/end followed within ``grace`` s, or (2) no
+    heartbeat at all came for ``stall_s + grace`` s (at least SILENCE_FLOOR_S; ``since`` = lane start when
+    there is none yet): the watchdog is paused during the first data fetch, so a data deadlock at start-up
+    writes no stall record. ``grace`` <= 0 disables both."""
+    if grace <= 0:
+        return None
+    last_ts = recs[-1].get("ts", 0.0) if recs else since
+    if now - last_ts > max(stall_s + grace, SILENCE_FLOOR_S):
+        where = f"{recs[-1].get('kind')} of step {recs[-1].get('step')}" if recs else "the lane started"
+        return (f"hung: no heartbeat for {now - last_ts:.0f}s since {where} (> train.stall_seconds + "
+                "--hang-grace), lane ended by the grid")
+    stall = next((r for r in reversed(recs) if r.get("kind") == "stall"), None)
+    if stall is None or now - stall["ts"] <= grace:
+        return None
+    if any(r.get("kind") in ("step_end", "end") and r.get("ts", 0.0) > stall["ts"] for r in recs):
+        return None
+    return f"hung: no step_end {grace:g}s after the watchdog's stall record, lane ended by the grid (--hang-grace)"
 
-    def __init__(self, run_dir: Path, uri: Optional[str], tags: dict[str, str], grace: float,
-                 poll_s: float = 1.0) -> None:
-        self.run_dir, self.uri, self.tags, self.grace, self.poll_s = run_dir, uri, tags, grace, poll_s
-        self.hung: Optional[str] = None
-        self._tagged = uri is None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lane-monitor", daemon=True)
 
-    def start(self) -> "LaneMonitor":
-        self._thread.start()
-        return self
+def _tag_lane_run(run_dir: Path, uri: Optional[str], tags: dict[str, str]) -> bool:
+    """Tag the lane's MLflow run once the loop has opened it (mlflow_run.json). True when done."""
+    run_id = (_read_json(run_dir / "mlflow_run.json") or {}).get("run_id") if uri else None
+    if not run_id:
+        return uri is None
+    try:
+        set_tags(uri, run_id, tags)
+        return True
+    except Exception as e:  # noqa: BLE001 - tagging never fails a lane; the driver tags again at the end
+        print(f"lane tags not set yet: {e}", flush=True)
+        return False
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5.0)
-        self._tag()
 
-    def _tag(self) -> None:
-        run_id = None if self._tagged else (_read_json(self.run_dir / "mlflow_run.json") or {}).get("run_id")
-        if run_id:
-            try:
-                set_tags(self.uri, run_id, self.tags)
-                self._tagged = True
-            except Exception as e:  # tagging must never fail a lane; the driver tags again at the end
-                print(f"lane monitor: MLflow tags not set yet: {e}", flush=True)
-
-    def _check_hang(self) -> None:
-        from nsa.telemetry import read_heartbeat
-        recs = sorted((r for f in self.run_dir.glob("heartbeat_rank*.jsonl") for r in read_heartbeat(f)),
-                      key=lambda r: r.get("ts", 0.0))
-        last_stall = next((r for r in reversed(recs) if r.get("kind") == "stall"), None)
-        if last_stall is None or self.grace <= 0:
-            return
-        moved = any(r.get("kind") in ("step_end", "end") and r.get("ts", 0) > last_stall["ts"] for r in recs)
-        if not moved and time.time() - last_stall["ts"] > self.grace:
-            self.hung = (f"hung: no progress {self.grace:g}s after the watchdog's stall record, lane ended "
-                         f"by the grid (--hang-grace); " + describe_stall(last_stall))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._tag()
-            try:
-                self._check_hang()
-            except OSError:
-                pass
-            if self.hung:
-                return
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _first_line(e: BaseException) -> str:
-    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    text = next((ln.strip() for ln in ANSI.sub("", str(e)).splitlines() if ln.strip()), "")
     return f"{type(e).__name__}: {text[:400]}"
 
 
-def _fit_watched(trainer: Any, monitor: LaneMonitor) -> Optional[str]:
-    """fit() in a thread so a hung lane can be abandoned; returns the error line or None."""
+def _fit_watched(trainer: Any, run_dir: Path, uri: Optional[str], tags: dict[str, str], grace: float,
+                 stall_s: float) -> Optional[str]:
+    """fit() in a thread while this one tags the MLflow run and watches for a hang (then the lane is
+    abandoned: the trial's actor exits and takes the lane's controller and workers with it)."""
     box: dict[str, BaseException] = {}
 
     def target() -> None:
@@ -424,11 +406,17 @@ def _fit_watched(trainer: Any, monitor: LaneMonitor) -> Optional[str]:
             box["error"] = e
 
     th = threading.Thread(target=target, name="lane-fit", daemon=True)
+    t0, tagged = time.time(), False
     th.start()
     while th.is_alive():
         th.join(1.0)
-        if monitor.hung:
-            return monitor.hung
+        tagged = tagged or _tag_lane_run(run_dir, uri, tags)
+        try:
+            hung = hang_verdict(read_heartbeats(run_dir), grace, stall_s, t0, time.time())
+        except OSError:
+            hung = None
+        if hung:
+            return hung
     return _first_line(box["error"]) if "error" in box else None
 
 
@@ -445,20 +433,15 @@ def _lane_trial(config: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]:
     run_dir = Path(cfg.logging.root) / str(cfg.logging.name)
     trial_id = tune.get_context().get_trial_id()
     tags = lane_tags(plan, lane, trial_id)
-    monitor = LaneMonitor(run_dir, plan["mlflow_uri"], tags, plan["hang_grace"])
-    error: Optional[str] = None
     try:
         builder.prepare_run(cfg, spec["sources"])
         print(f"lane {lane}: trial {trial_id}, run dir {run_dir}", flush=True)
-        monitor.start()
-        trainer = builder.build_trainer(cfg, run_dir, builder.make_datasets(cfg))
-        # build_trainer has no callbacks parameter yet: add Tune's reporter to its RunConfig before fit()
-        trainer.run_config.callbacks = [*(trainer.run_config.callbacks or []), TuneReportCallback()]
-        error = _fit_watched(trainer, monitor)
+        trainer = builder.build_trainer(cfg, run_dir, builder.make_datasets(cfg), callbacks=[TuneReportCallback()])
+        error = _fit_watched(trainer, run_dir, plan["mlflow_uri"], tags, plan["hang_grace"],
+                             cfg.train.stall_seconds)
     except Exception as e:  # noqa: BLE001 - the lane's verdict carries it
         error = _first_line(e)
-    finally:
-        monitor.stop()
+    _tag_lane_run(run_dir, plan["mlflow_uri"], tags)
     rec = lane_record(lane, spec["why"], run_dir, error, time.time() - t0)
     write_json(run_dir / RESULT_FILE, rec)
     print(f"lane {lane}: {rec['status']} in {rec['wall_s']:.0f}s" + (f" ({rec['error']})" if rec["error"] else ""),
@@ -510,19 +493,7 @@ def finalize_mlflow(plan: GridPlan, records: list[dict[str, Any]]) -> None:
             client.set_terminated(rec["mlflow_run_id"], status="FAILED")
 
 
-def _init_mlflow_store(uri: Optional[str]) -> None:
-    """Create the SQLite tables once, here: two lanes creating a fresh store at once could race."""
-    if uri:
-        from mlflow import MlflowClient
-        MlflowClient(uri).search_experiments(max_results=1)
-
-
 # ------------------------------------------------------------------------------------------ run + report
-def write_json(path: Path, obj: Any) -> None:
-    from nsa.train.reporting import write_json as _write
-    _write(path, obj)
-
-
 def _trial_name(trial: Any) -> str:
     return f"{trial.config['lane']}_{trial.trial_id}"
 
@@ -608,7 +579,9 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
     print(builder.connect_ray(plan.base_cfg), flush=True)
     plan.max_concurrent = size_concurrency(plan, max_concurrent)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
-    _init_mlflow_store(plan.mlflow_uri)
+    if plan.mlflow_uri:    # create the SQLite tables here: two lanes creating a fresh store at once could race
+        from mlflow import MlflowClient
+        MlflowClient(plan.mlflow_uri).search_experiments(max_results=1)
     print(f"grid {plan.grid_id}: {len(plan.lanes)} lanes ({', '.join(lc.lane.name for lc in plan.lanes)}), "
           f"{plan.max_concurrent} at a time, dir {plan.grid_dir}", flush=True)
     records = collect(plan, run_tuner(plan))
@@ -650,8 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_lanes(path: str) -> None:
-    _, lanes = load_lanes(path)
-    for ln in lanes.values():
+    for ln in load_lanes(path)[1].values():
         extra = ("" if ln.default else " [not default]") + (f" [max_steps {ln.max_steps}]" if ln.max_steps else "")
         print(f"{ln.name:<14} {ln.why}{extra}\n{'':<14} {json.dumps(ln.overrides)}")
 
