@@ -1,0 +1,317 @@
+"""Benchmark: one NSA decode step (one new token per sequence) against a dense SDPA decode step over
+the same cache, at paper sizes (l=32, d=16, l_sel=64, n_sel=16, w=512; HQ=64, H=4, d_k=d_v=128,
+bf16), contexts 8k..64k, batch 1 and 16.
+
+NSA: the Triton decode kernel, eager through nsa.ops.nsa_decode (host-int position, validation
+included) and CUDA-graph captured (device position tensor over capacity buffers, replayed).
+Dense: F.scaled_dot_product_attention with enable_gqa over the [B, S, H, d] cache (transposed
+views, no copies), each of cuDNN / flash / efficient / math that accepts the shape, eager and
+graph-captured; the fastest is the reference. Times are medians of CUDA-event-timed runs. "cold":
+L2 is flushed (a 512 MiB write) before every timed call, as in a real model where other layers
+evict this layer's cache; "hot": back-to-back calls (inner loop of 10), the cache may sit in L2.
+
+    python bench/bench_decode.py [--S 8192 16384 32768 65536] [--B 1 16] [--breakdown] [--sweep]
+
+Prints a table and writes bench/out/decode_<date>.json (and a copy under $OUT or --copy-to).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nsa.ops import nsa_decode  # noqa: E402
+from nsa.ops.common import num_cmp_tokens  # noqa: E402
+from nsa.ops.triton import decode as tdec  # noqa: E402
+
+HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
+_FLUSH: torch.Tensor | None = None
+
+
+def _flush_l2() -> None:
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(512 * 2 ** 20, dtype=torch.uint8, device="cuda")
+    _FLUSH.fill_(1)
+
+
+def time_cold(fn, reps: int) -> float:
+    """Median microseconds of one fn() call, L2 flushed before each."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        _flush_l2()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times) * 1e3
+
+
+def time_hot(fn, reps: int, inner: int = 10) -> float:
+    """Median microseconds per call over reps runs of `inner` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(5, reps // 5)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        times.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in times) * 1e3 / inner
+
+
+def graphed(fn):
+    """Capture fn() once (after a warm-up on a side stream) and return the replay callable."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def make_cache(B, S, HQ, H, dk, dv, dtype=torch.bfloat16):
+    """One decode step's inputs at context S: the query at position S - 1 and the cache before it."""
+    N = num_cmp_tokens(S, HP["l"], HP["d"])
+    r = lambda *s: torch.randn(*s, device="cuda", dtype=dtype)  # noqa: E731
+    w = min(HP["w"], S)
+    return dict(q=r(B, 1, HQ, dk), k_cmp=r(B, N, H, dk), v_cmp=r(B, N, H, dv), k_slc=r(B, S, H, dk),
+                v_slc=r(B, S, H, dv), k_win=r(B, w, H, dk), v_win=r(B, w, H, dv),
+                gates=torch.rand(B, 1, HQ, 3, device="cuda", dtype=dtype), win_pos0=S - w)
+
+
+def bench_nsa(c, S, reps, sweeping: bool = False):
+    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+    args = [c[n] for n in names]
+    res = {}
+
+    def eager():
+        return nsa_decode(*args, pos0=S - 1, win_pos0=c["win_pos0"], **HP, backend="triton")
+
+    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
+    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    sc = c["q"].shape[-1] ** -0.5
+
+    def device_pos():
+        return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=sc, **HP)
+
+    if not sweeping:
+        res["eager_cold_us"] = time_cold(eager, reps)
+        res["eager_hot_us"] = time_hot(eager, reps)
+    replay = graphed(device_pos)
+    res["graph_cold_us"] = time_cold(replay, reps)
+    if not sweeping:
+        res["graph_hot_us"] = time_hot(replay, reps)
+    return res
+
+
+def check_against_torch(c, S) -> dict:
+    """The kernel (current knobs, device positions) against the fp32 torch path on the same cache."""
+    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+    args = [c[n] for n in names]
+    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
+    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    o, bi = tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP)
+    ro, rbi = nsa_decode(*[x.float() for x in args], pos0=S - 1, win_pos0=c["win_pos0"], **HP,
+                         backend="torch")
+    return {"block_idx_rows_equal": (bi == rbi).all(-1).float().mean().item(),
+            "o_rel_err": ((o.float() - ro).norm() / ro.norm()).item()}
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+    names = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")  # math: expands K/V, far slower
+    return {n.split("_")[0].lower(): getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)}
+
+
+def bench_dense(c, reps):
+    """SDPA decode over the same cache: q [B, HQ, 1, dk], k/v [B, H, S, d] views of [B, S, H, d]."""
+    from torch.nn.attention import sdpa_kernel
+    q, k, v = c["q"].transpose(1, 2), c["k_slc"].transpose(1, 2), c["v_slc"].transpose(1, 2)
+    out = {}
+    for name, be in _sdpa_backends().items():
+        def call(be=be):
+            with sdpa_kernel(be):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            r = {"eager_cold_us": time_cold(call, reps), "eager_hot_us": time_hot(call, reps)}
+            replay = graphed(call)
+            r["graph_cold_us"] = time_cold(replay, reps)
+            r["graph_hot_us"] = time_hot(replay, reps)
+            out[name] = r
+        except Exception as exc:  # noqa: BLE001 - a backend that refuses this shape is skipped
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        torch.cuda.synchronize()
+    ok = {k: v for k, v in out.items() if "error" not in v}
+    best = {m: min(ok, key=lambda k: ok[k][m]) for m in ("eager_cold_us", "graph_cold_us", "eager_hot_us")}
+    return {"all": out, "best": {m: {"backend": k, "us": ok[k][m]} for m, k in best.items()}}
+
+
+def breakdown(c, S, iters: int = 20) -> dict:
+    """Per-kernel device microseconds (torch.profiler, L2 warm) and registers / spills per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    args = [c[n] for n in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")]
+    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
+    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+
+    def call():
+        return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP)
+
+    call()
+    torch.cuda.synchronize()
+    out = {}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    for evt in prof.key_averages():
+        tot = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.key.startswith("_") and evt.count:
+            out[evt.key] = round(tot / evt.count, 2)
+    for name, k in tdec.LAST_LAUNCH.items():
+        out[f"{name}_regs_spills"] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
+    return out
+
+
+_BASE = dict(cmp_tile=64, per_sm=4, cmp_warps=4, cmp_stages=3, slc_warps=8, slc_stages=2, topn_warps=16)
+SWEEP = [dict(_BASE),
+         dict(_BASE, slc_warps=4),
+         dict(_BASE, per_sm=8, slc_warps=4),
+         dict(_BASE, per_sm=16, slc_warps=4),
+         dict(_BASE, per_sm=16, cmp_stages=2, slc_warps=4),
+         dict(_BASE, per_sm=16, slc_warps=4, topn_warps=8),
+         dict(_BASE, per_sm=64, cmp_stages=2, slc_warps=4),
+         dict(_BASE, cmp_tile=32, per_sm=16, slc_warps=4)]
+
+
+def sweep(c, S, reps):
+    """Every SWEEP setting of tdec.TUNE: graph replay, cold L2 (us). TUNE is restored afterwards."""
+    out = {}
+    saved = dict(tdec.TUNE)
+    for cfg in SWEEP:
+        tdec.TUNE.update(cfg)
+        key = ",".join(f"{k}={v}" for k, v in cfg.items())
+        try:
+            out[key] = bench_nsa(c, S, reps, sweeping=True)["graph_cold_us"]
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
+            out[key] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        print(f"  sweep S={S} B={c['q'].shape[0]} {key}: {out[key]}", flush=True)
+    tdec.TUNE.clear()
+    tdec.TUNE.update(saved)
+    return out
+
+
+def pick_best(sweeps: dict, dense: dict) -> dict:
+    """The SWEEP setting with the best geometric mean of dense/NSA over the swept batch sizes."""
+    def score(i):
+        key = ",".join(f"{k}={v}" for k, v in SWEEP[i].items())
+        tot = 1.0
+        for B, res in sweeps.items():
+            if not isinstance(res[key], float):
+                return 0.0
+            tot *= dense[B] / res[key]
+        return tot
+    return SWEEP[max(range(len(SWEEP)), key=score)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--S", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--B", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--HQ", type=int, default=64)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--dk", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--sweep", action="store_true",
+                    help="time the SWEEP launch knobs at the largest S first and use the best for the table")
+    ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    ap.add_argument("--copy-to", default=os.environ.get("OUT"), help="also copy the JSON here")
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore", category=UserWarning)  # SDPA's "kernel not used because" notes
+    import triton
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__,
+              "date": dt.datetime.now().isoformat(timespec="seconds"), "hparams": HP,
+              "shape": dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv, dtype="bf16"), "runs": []}
+    if a.sweep:  # first: choose the launch knobs at the largest S, then time the table with them
+        S = max(a.S)
+        sweeps, dense_ref = {}, {}
+        for B in a.B:
+            c = make_cache(B, S, a.HQ, a.H, a.dk, a.dv)
+            sweeps[B] = sweep(c, S, a.reps)
+            dense_ref[B] = bench_dense(c, a.reps)["best"]["graph_cold_us"]["us"]
+            del c
+            torch.cuda.empty_cache()
+        best = pick_best(sweeps, dense_ref)
+        tdec.TUNE.update(best)
+        result["sweep"] = {"S": S, "us": {str(B): v for B, v in sweeps.items()}, "chosen": best}
+        print(f"chosen launch knobs: {best}", flush=True)
+    result["tune"] = dict(tdec.TUNE)
+    for B in a.B:
+        c = make_cache(B, min(a.S), a.HQ, a.H, a.dk, a.dv)
+        result[f"check_B{B}_S{min(a.S)}"] = chk = check_against_torch(c, min(a.S))
+        print(f"check vs torch fp32 B={B} S={min(a.S)}: {chk}", flush=True)
+        del c
+    rows = []
+    for B in a.B:
+        for S in a.S:
+            c = make_cache(B, S, a.HQ, a.H, a.dk, a.dv)
+            nsa = bench_nsa(c, S, a.reps)
+            dense = bench_dense(c, a.reps)
+            run = {"B": B, "S": S, "nsa": nsa, "dense": dense}
+            if a.breakdown and S == max(a.S):
+                run["breakdown"] = breakdown(c, S)
+                print(f"  breakdown B={B} S={S}: {run['breakdown']}", flush=True)
+            result["runs"].append(run)
+            de, dg = dense["best"]["eager_cold_us"], dense["best"]["graph_cold_us"]
+            rows.append((B, S, nsa["eager_cold_us"], nsa["graph_cold_us"], nsa["graph_hot_us"], de["us"],
+                         de["backend"], dg["us"], de["us"] / nsa["graph_cold_us"],
+                         dg["us"] / nsa["graph_cold_us"], de["us"] / nsa["eager_cold_us"]))
+            print(f"B={B} S={S}: nsa {nsa} dense best {dense['best']}", flush=True)
+            del c
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"decode_{dt.date.today().isoformat()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    if a.copy_to:
+        os.makedirs(a.copy_to, exist_ok=True)
+        shutil.copy(path, a.copy_to)
+    print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
+    print(f"launch knobs: {result['tune']}")
+    print("microseconds per decode step (median, cold L2); x = dense / NSA")
+    print(f"{'B':>3} {'S':>6} {'nsa eager':>10} {'nsa graph':>10} {'(hot)':>7} {'dense':>8} {'backend':>8} "
+          f"{'dense graph':>11} {'x graph':>8} {'x vs dense graph':>16} {'x eager':>8}")
+    for r in rows:
+        print(f"{r[0]:>3} {r[1]:>6} {r[2]:>10.1f} {r[3]:>10.1f} {r[4]:>7.1f} {r[5]:>8.1f} {r[6]:>8} "
+              f"{r[7]:>11.1f} {r[8]:>8.2f} {r[9]:>16.2f} {r[10]:>8.2f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
