@@ -182,3 +182,16 @@ def test_tiles_and_checkpointing_do_not_change_results():
         assert torch.equal(idx, outs[0][1])
         assert rel_rms(o, outs[0][0]) <= 1e-6
         assert all(rel_rms(a, b) <= 1e-6 for a, b in zip(gs, outs[0][2]))
+
+
+def test_non_contiguous_inputs():
+    """Views with odd strides (as a layer's split/unbind produces) give the contiguous result."""
+    xs = make_inputs(2, 64, 4, 2, 8, 8, l=8, d=4, seed=12)
+    p = NSAParams(8, 4, 8, 2, 10)
+    ref = nsa_torch(*xs, p=p, scale=8 ** -0.5, tile=16, dense_factor=0.0)
+    # batch-minor storage: every input is a non-contiguous [B, T, H, D] view
+    odd = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in xs]
+    assert not any(x.is_contiguous() for x in odd)
+    out = nsa_torch(*odd, p=p, scale=8 ** -0.5, tile=16, dense_factor=0.0)
+    assert torch.equal(out[1], ref[1])
+    assert (out[0] - ref[0]).abs().max().item() <= 1e-6

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nsa.ops import nsa_attention, nsa_decode
+from nsa.ops.batched import DENSE_FACTOR
 from nsa.ops.testing import decode_views, make_inputs
 
 L, D, L_SEL, N_SEL, W = 16, 8, 16, 3, 12
@@ -88,3 +89,17 @@ def test_decode_too_few_compressed_tokens(full):
     views[1], views[2] = views[1][:, :2], views[2][:, :2]
     with pytest.raises(ValueError, match="k_cmp"):
         nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP)
+
+
+def test_decode_long_cache_uses_token_gather_path():
+    """S > the dense limit (DENSE_FACTOR * n_sel * l_sel) and few queries: per-token gather."""
+    hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=6)
+    limit = int(DENSE_FACTOR["cpu"] * hp["n_sel"] * hp["l_sel"])
+    T = limit + 40
+    xs = make_inputs(2, T, 4, 2, 8, 8, l=8, d=4, seed=13, q_scale=2.0)
+    o, idx = nsa_attention(*xs, **hp, backend="torch")
+    for t, tq in ((limit + 5, 1), (limit + 22, 1), (T - 1, 1), (limit + 30, 3)):
+        views, pos0, win_pos0 = decode_views(xs, t, tq, 6, 8, 4)
+        od, id_ = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **hp)
+        assert torch.equal(id_, idx[:, t:t + tq])
+        assert (od - o[:, t:t + tq]).abs().max().item() <= 1e-5

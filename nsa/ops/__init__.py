@@ -32,9 +32,11 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     Query head hq uses KV head hq // (HQ // H). Returns (o [B,T,HQ,dv] in q.dtype,
     block_idx [B,T,H,n_sel] int64 ascending, -1 for unused slots). backend: "reference" | "torch"
     | "triton" | "auto" or a resolved KernelPolicy. Differentiable in q, every k/v and gates.
-    torch backend knobs: `tile` query-tile size (default 128 on CPU, 256 on CUDA); `recompute`
-    re-runs each tile in backward instead of keeping its intermediates (default: whenever there
-    is more than one tile; False trades O(T^2 / tile) saved memory for ~1/3 less attention time).
+    torch backend knobs: `tile` query-tile size (default 128 on CPU; on CUDA up to 1024 within an
+    element budget, batched.auto_tile); `recompute` re-runs each tile in backward instead of keeping
+    its intermediates (default: whenever there is more than one tile, so backward memory is linear
+    in T). recompute=False keeps every tile's logits (quadratic in T) for ~1.5-2x less op time;
+    use it when the caller already checkpoints the layer.
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
@@ -61,3 +63,4 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
         return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
     return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc, tile=tile,
                      checkpoint=recompute)
+

@@ -14,13 +14,28 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from .common import NSAParams, heads_major, heads_major_out, num_sel_blocks, visible_cmp
+from .common import (NSAParams, heads_major, heads_major_out, num_cmp_tokens, num_sel_blocks,
+                     visible_cmp)
 from .compress import block_scores, cmp_attention
 from .select import select_blocks, slc_dense, slc_gather, to_blocks
 from .window import win_attention
 
-DEFAULT_TILE = {"cpu": 128, "cuda": 256}
-DENSE_FACTOR = 4.0  # dense selected-block attention while keys <= DENSE_FACTOR * n_sel * l_sel
+# block-masked dense selected-block attention while keys <= factor * n_sel * l_sel, per-query
+# gather beyond; CPU: dense measured faster up to 8 * 1024 keys (2 cores, fp32, T = 8k)
+DENSE_FACTOR = {"cpu": 8.0, "cuda": 4.0}
+CPU_TILE = 128  # measured best-or-tied on 2 cores (T = 2k..8k)
+# GPU: fewer, larger tiles (the torch path is launch-bound), within a per-tile element budget
+CUDA_TILE_BUDGET, CUDA_TILE_MIN, CUDA_TILE_MAX = 2 ** 27, 64, 1024
+
+
+def auto_tile(device_type: str, B: int, HQ: int, S: int, p: NSAParams, dense_limit: int) -> int:
+    """Query-tile size: fixed on CPU; on CUDA the largest multiple of 64 (<= 1024) whose fp32
+    logits, B * HQ * tile * keys_per_row, stay under CUDA_TILE_BUDGET elements."""
+    if device_type != "cuda":
+        return CPU_TILE
+    keys = num_cmp_tokens(S, p.l, p.d) + min(S, dense_limit) + min(S, p.w)
+    tile = CUDA_TILE_BUDGET // max(1, B * HQ * keys)
+    return int(min(CUDA_TILE_MAX, max(CUDA_TILE_MIN, tile // 64 * 64)))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -42,7 +57,9 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
     acc = _acc_dtype(q_t.dtype)
     with torch.autocast(device_type=q_t.device.type, enabled=False):
         pos = torch.arange(t0, t1, device=q_t.device)
-        q2 = heads_major(q_t, H, G)  # [B, H, G*tq, dk]
+        # fold the softmax scale into q where that loses nothing (q already in the acc dtype)
+        qs, scale = (q_t * scale, 1.0) if q_t.dtype == acc else (q_t, scale)
+        q2 = heads_major(qs, H, G)  # [B, H, G*tq, dk]
         n_vis = min(visible_cmp(t1 - 1, p.l, p.d), k_cmp.shape[1])
         o_cmp, p_grp = cmp_attention(q2, k_cmp, v_cmp, pos, t0, n_vis, p, scale, G, acc)
         nb = num_sel_blocks(t1, p.l_sel)
@@ -54,7 +71,7 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
         if t1 <= dense_limit:
             o_slc = heads_major_out(slc_dense(q2, k_slc, v_slc, idx, pos, t1, p, scale, G, acc))
         else:
-            qg = q_t.reshape(B, tq, H, G, dk).permute(0, 2, 1, 3, 4)  # [B, H, tq, G, dk]
+            qg = qs.reshape(B, tq, H, G, dk).permute(0, 2, 1, 3, 4)  # [B, H, tq, G, dk]
             o_slc = slc_gather(qg, k_slc, v_slc, idx, pos, p, scale, acc, kb, vb)
             o_slc = o_slc.permute(0, 2, 1, 3, 4).reshape(B, tq, HQ, -1)
         o_win = heads_major_out(win_attention(q2, k_win, v_win, pos, t0, t1, win_pos0, p.w,
@@ -67,7 +84,7 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
 def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
               v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
               p: NSAParams, scale: float, pos0: int = 0, win_pos0: int = 0, tile: int | None = None,
-              dense_factor: float = DENSE_FACTOR,
+              dense_factor: float | None = None,
               checkpoint: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled NSA over queries at absolute positions pos0 .. pos0 + Tq - 1 (inputs already validated).
 
@@ -78,16 +95,18 @@ def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     """
     B, Tq, HQ, _ = q.shape
     G = HQ // k_slc.shape[2]
+    if dense_factor is None:
+        dense_factor = DENSE_FACTOR.get(q.device.type, 4.0)
+    dense_limit = int(dense_factor * p.n_sel * p.l_sel)
     if tile is None:
-        tile = DEFAULT_TILE.get(q.device.type, 128)
-    if tile < 1:
-        raise ValueError(f"tile must be >= 1, got {tile}")
+        tile = auto_tile(q.device.type, B, HQ, pos0 + Tq, p, dense_limit)
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile must be a positive int or None, got {tile!r}")
     n_tiles = (Tq + tile - 1) // tile
     if checkpoint is None:
         needs_grad = torch.is_grad_enabled() and any(
             x.requires_grad for x in (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates))
         checkpoint = needs_grad and n_tiles > 1
-    dense_limit = int(dense_factor * p.n_sel * p.l_sel)
     kb = vb = None
     S = k_slc.shape[1]
     # block copies pay off when the gathered volume exceeds one pass over the cache (not decode)

@@ -105,12 +105,14 @@ _NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
 
 
 def validate_inputs(tensors: dict[str, torch.Tensor], p: NSAParams, *, pos0: int = 0,
-                    win_pos0: int = 0, decode: bool = False) -> tuple[int, int, int, int, int, int]:
+                    win_pos0: int = 0, decode: bool = False,
+                    check_lengths: bool = True) -> tuple[int, int, int, int, int, int]:
     """Check shapes/dtypes/devices of the op's inputs; return (B, Tq, HQ, H, dk, dv).
 
     Prefill (decode=False): q/gates/k_slc/v_slc/k_win/v_win share T, and k_cmp/v_cmp hold exactly
     num_cmp_tokens(T) tokens. Decode: queries sit at pos0.., k_slc/v_slc hold S = pos0 + Tq tokens,
     the window buffer starts at win_pos0 and ends at S, k_cmp holds at least the visible tokens.
+    check_lengths=False skips the token-count checks (device-side positions: capacity buffers).
     """
     for name in _NAMES:
         x = tensors[name]
@@ -145,7 +147,8 @@ def validate_inputs(tensors: dict[str, torch.Tensor], p: NSAParams, *, pos0: int
         if x.shape[3] != want:
             kind = "d_k (q's last dim)" if name.startswith("k") else "d_v (v_slc's last dim)"
             raise ValueError(f"{name} has last dim {x.shape[3]} but {kind} is {want}")
-    _validate_lengths(tensors, p, Tq, pos0, win_pos0, decode)
+    if check_lengths:
+        _validate_lengths(tensors, p, Tq, pos0, win_pos0, decode)
     return B, Tq, HQ, H, dk, dv
 
 
@@ -200,3 +203,28 @@ def heads_major_out(o: torch.Tensor) -> torch.Tensor:
     """[B, H, G, tq, D] -> [B, tq, H*G, D]."""
     B, H, G, tq, D = o.shape
     return o.permute(0, 3, 1, 2, 4).reshape(B, tq, H * G, D)
+
+
+
+def mask_bias(blocked: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Additive mask in `acc`: 0 where allowed, -inf where `blocked`.
+
+    Added in place to the logits instead of masked_fill: the add's backward is the identity (the
+    softmax already gives 0 gradient where p = 0), where masked_fill's backward is another pass.
+    """
+    zero = torch.zeros((), dtype=acc, device=blocked.device)
+    return torch.where(blocked, zero - float("inf"), zero)
+
+
+def masked_probs(scores: torch.Tensor, scale: float, bias: torch.Tensor,
+                 acc: torch.dtype) -> torch.Tensor:
+    """softmax(scale * scores + bias) in `acc`; every row must keep at least one finite entry.
+
+    `scores` is a fresh matmul output: cast (if needed), scaling and masking happen in place
+    (autograd allows it, matmul saves its inputs, not its output), so one full-size tensor plus the
+    probabilities exist per branch. Callers pass scale=1 when q was pre-scaled.
+    """
+    x = scores if scores.dtype == acc else scores.to(acc)
+    if scale != 1.0:
+        x = x.mul_(scale)
+    return x.add_(bias).softmax(-1)

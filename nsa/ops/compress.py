@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import NSAParams, safe_softmax
+from .common import NSAParams, mask_bias, masked_probs, safe_softmax
 
 
 def cmp_attention(q2: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, pos: torch.Tensor,
@@ -16,7 +16,7 @@ def cmp_attention(q2: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, po
                   acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Compressed attention of a query tile.
 
-    q2 [B, H, G*tq, dk] (any float dtype), k_cmp/v_cmp [B, N, H, dk|dv] (N >= n_vis),
+    q2 [B, H, G*tq, dk] (any float dtype; `scale` is what remains to apply), k_cmp/v_cmp [B, N, H, dk|dv] (N >= n_vis),
     pos [tq] absolute query positions (t0 = the first), n_vis = blocks visible to the last query.
     Returns o [B, H, G, tq, dv] (acc dtype; exactly 0 where nothing is visible) and the group-summed
     probabilities p_grp [B, H, tq, n_vis] (detached, acc dtype), or None when n_vis == 0.
@@ -28,13 +28,13 @@ def cmp_attention(q2: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, po
         return q2.new_zeros(B, H, G, tq, dv, dtype=acc), None
     kc = k_cmp[:, :n_vis].permute(0, 2, 3, 1).to(acc)  # [B, H, dk, n]
     vc = v_cmp[:, :n_vis].permute(0, 2, 1, 3).to(acc)  # [B, H, n, dv]
-    logits = (q2.to(acc) @ kc).view(B, H, G, tq, n_vis) * scale
+    logits = (q2.to(acc) @ kc).view(B, H, G, tq, n_vis)
     i = torch.arange(n_vis, device=pos.device)
     visible = (i[None, :] * p.d + (p.l - 1)) <= pos[:, None]  # [tq, n]
     if t0 >= p.l - 1:  # every query sees a block: the plain fused softmax is safe
-        prob = logits.masked_fill(~visible, float("-inf")).softmax(-1)  # [B, H, G, tq, n]
+        prob = masked_probs(logits, scale, mask_bias(~visible, acc), acc)  # [B, H, G, tq, n]
     else:
-        prob = safe_softmax(logits, visible)
+        prob = safe_softmax(logits * scale, visible)
     o = (prob.view(B, H, GT, n_vis) @ vc).view(B, H, G, tq, dv)
     return o, prob.detach().sum(2)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import (FORCED_STEP, NSAParams, num_sel_blocks, overlap_matrix, safe_scale,
-                     score_scale, validate_inputs, visible_cmp)
+from .common import (FORCED_STEP, NSAParams, overlap_matrix, safe_scale, score_scale,
+                     validate_inputs, visible_cmp)
 
 __all__ = ["nsa_reference", "reference_block_scores", "reference_select_blocks",
            "reference_select_one", "causal_attention"]
@@ -94,7 +94,8 @@ def nsa_reference(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                    v_win=v_win, gates=gates)
-    B, Tq, HQ, H, dk, dv = validate_inputs(tensors, p, pos0=pos0, win_pos0=win_pos0, decode=pos0 > 0)
+    # decode-style (lenient N) checks: nsa_attention has already applied the strict prefill ones
+    B, Tq, HQ, H, dk, dv = validate_inputs(tensors, p, pos0=pos0, win_pos0=win_pos0, decode=True)
     G = HQ // H
     scale = safe_scale(scale, dk)
     # fp64, head-major: [B, H, L, d*]

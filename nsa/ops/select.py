@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import FORCED_STEP, NSAParams, score_scale
+from .common import FORCED_STEP, NSAParams, mask_bias, masked_probs, score_scale
 
 
 def _static_key(pos: torch.Tensor, nb: int, p: NSAParams) -> torch.Tensor:
@@ -51,13 +51,12 @@ def slc_dense(q2: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: t
     nb = (t_end + p.l_sel - 1) // p.l_sel
     ks = k_slc[:, :t_end].permute(0, 2, 3, 1)  # [B, H, dk, L]
     vs = v_slc[:, :t_end].permute(0, 2, 1, 3)  # [B, H, L, dv]
-    blk = torch.zeros(B, H, tq, nb + 1, dtype=torch.bool, device=idx.device)
-    blk.scatter_(-1, torch.where(idx < 0, nb, idx), True)  # -1 slots land in the spare column
+    blk = torch.full((B, H, tq, nb + 1), float("-inf"), dtype=acc, device=idx.device)
+    blk.scatter_(-1, torch.where(idx < 0, nb, idx), 0.0)  # -1 slots land in the spare column
     tok_blk = torch.arange(t_end, device=idx.device) // p.l_sel  # [L]
-    causal = torch.arange(t_end, device=idx.device)[None, :] <= pos[:, None]  # [tq, L]
-    mask = blk[..., tok_blk] & causal  # [B, H, tq, L]
-    logits = (q2 @ ks).view(B, H, G, tq, t_end).to(acc) * scale
-    prob = logits.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1)
+    future = torch.arange(t_end, device=idx.device)[None, :] > pos[:, None]  # [tq, L]
+    bias = blk[..., tok_blk] + mask_bias(future, acc)  # [B, H, tq, L]: 0 = selected and <= t
+    prob = masked_probs((q2 @ ks).view(B, H, G, tq, t_end), scale, bias[:, :, None], acc)
     o = prob.to(vs.dtype).view(B, H, GT, t_end) @ vs
     return o.view(B, H, G, tq, -1).to(acc)
 
@@ -71,18 +70,18 @@ def to_blocks(x: torch.Tensor, l_sel: int) -> torch.Tensor:
     B, S, H, D = x.shape
     nb = (S + l_sel - 1) // l_sel
     x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, nb * l_sel - S))
-    return x.view(B, nb, l_sel, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * nb, l_sel * D)
+    return x.reshape(B, nb, l_sel, H, D).permute(0, 3, 1, 2, 4).reshape(B * H * nb, l_sel * D)
 
 
 def _gather_blocks(x: torch.Tensor, xb: torch.Tensor | None, idx: torch.Tensor,
                    l_sel: int) -> torch.Tensor:
-    """Keys/values of the selected blocks: x [B, S, H, D], idx [B, H, tq, n] -> [B, H, tq, n*l_sel, D].
+    """Selected blocks' rows: x [B, S, H, D], idx [B, H, tq, n] -> [B, H, tq, n * l_sel, D].
 
     With the block copy xb (to_blocks) one contiguous row per block; without it (decode: few
     queries, long cache) a per-token gather that reads only the selected tokens.
     """
     B, S, H, D = x.shape
-    Bi, Hi, tq, n = idx.shape
+    tq, n = idx.shape[2:]
     blk = idx.clamp_min(0)
     if xb is not None:
         nb = xb.shape[0] // (B * H)
@@ -97,16 +96,17 @@ def _gather_blocks(x: torch.Tensor, xb: torch.Tensor | None, idx: torch.Tensor,
 def slc_gather(qg: torch.Tensor, k_slc: torch.Tensor, v_slc: torch.Tensor, idx: torch.Tensor,
                pos: torch.Tensor, p: NSAParams, scale: float, acc: torch.dtype,
                kb: torch.Tensor | None = None, vb: torch.Tensor | None = None) -> torch.Tensor:
-    """Selected-block attention by gathering each query's n_sel * l_sel keys (memory ~ tq * n_sel * l_sel).
+    """Selected-block attention over each query's gathered n_sel * l_sel keys.
 
+    Memory per tile ~ tq * n_sel * l_sel * (dk + dv) per KV head, independent of T.
     qg [B, H, tq, G, dk]; k_slc/v_slc [B, S, H, *]; idx [B, H, tq, n_sel]; kb/vb optional block
     copies (to_blocks). Returns [B, H, tq, G, dv] in acc dtype.
     """
     offs = torch.arange(p.l_sel, device=idx.device)
     tok = idx[..., None] * p.l_sel + offs  # [B, H, tq, n_sel, l_sel]; < 0 for unused slots
-    valid = ((idx[..., None] >= 0) & (tok <= pos[:, None, None])).flatten(-2)  # [B, H, tq, K]
+    blocked = ((idx[..., None] < 0) | (tok > pos[:, None, None])).flatten(-2)  # [B, H, tq, K]
     ks = _gather_blocks(k_slc, kb, idx, p.l_sel)  # [B, H, tq, K, dk]
     vs = _gather_blocks(v_slc, vb, idx, p.l_sel)  # [B, H, tq, K, dv]
-    logits = (qg @ ks.transpose(-1, -2)).to(acc) * scale  # [B, H, tq, G, K]
-    prob = logits.masked_fill(~valid[:, :, :, None], float("-inf")).softmax(-1)
+    logits = qg @ ks.transpose(-1, -2)  # [B, H, tq, G, K]
+    prob = masked_probs(logits, scale, mask_bias(blocked, acc)[:, :, :, None], acc)
     return (prob.to(vs.dtype) @ vs).to(acc)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import mask_bias, masked_probs
+
 
 def win_attention(q2: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, pos: torch.Tensor,
                   t0: int, t1: int, win_pos0: int, w: int, scale: float, G: int,
@@ -19,8 +21,7 @@ def win_attention(q2: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, po
     vw = v_win[:, lo - win_pos0: t1 - win_pos0].permute(0, 2, 1, 3)  # [B, H, L, dv]
     L = t1 - lo
     kpos = torch.arange(lo, t1, device=pos.device)
-    band = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - w)  # [tq, L]
-    logits = (q2 @ kw).view(B, H, G, tq, L).to(acc) * scale
-    prob = logits.masked_fill(~band, float("-inf")).softmax(-1)
+    outside = (kpos[None, :] > pos[:, None]) | (kpos[None, :] <= pos[:, None] - w)  # [tq, L]
+    prob = masked_probs((q2 @ kw).view(B, H, G, tq, L), scale, mask_bias(outside, acc), acc)
     o = prob.to(vw.dtype).view(B, H, GT, L) @ vw
     return o.view(B, H, G, tq, -1).to(acc)
