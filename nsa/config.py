@@ -386,6 +386,12 @@ def resolve_config(yaml_path: str | None = None, overrides: list[str] | None = N
     return cfg, sources
 
 
+def extra_output_dir(env: Mapping[str, str] | None = None) -> str | None:
+    """``$OUT``: a folder that device-run harnesses collect (bench scripts copy their JSON there)."""
+    env = os.environ if env is None else env
+    return env.get("OUT") or None
+
+
 def config_from_dict(d: Mapping[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from `to_dict()` output (checkpoints, Ray loop config)."""
     secs = {}

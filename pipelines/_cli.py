@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, get_type_hints
+from typing import Callable, NoReturn, Optional, get_type_hints
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:       # `python pipelines/x.py` from a checkout without pip install -e .
@@ -67,7 +67,7 @@ def load_config(args: argparse.Namespace) -> tuple[RunConfig, dict[str, str]]:
         raise UserError(f"config: {e}") from None
 
 
-def die(msg: str, code: int = EXIT_USAGE) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+def die(msg: str, code: int = EXIT_USAGE) -> NoReturn:
     print(f"error: {msg}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -98,6 +98,3 @@ def print_header(title: str, cfg: RunConfig, sources: dict[str, str], profile: O
 def main_entry(fn: Callable[[], int]) -> None:
     sys.exit(guarded(fn)())
 
-
-def as_dict(cfg: RunConfig) -> dict[str, Any]:
-    return cfg.to_dict()

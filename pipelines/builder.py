@@ -39,7 +39,7 @@ _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:          # importable as `builder` from tests, lanes and the entry points alike
     sys.path.insert(0, _HERE)
 
-from _cli import REPO_ROOT, UserError  # noqa: E402,F401  (_cli also puts the repo root on sys.path)
+from _cli import UserError  # noqa: E402  (_cli also puts the repo root on sys.path)
 
 from nsa.config import DataConfig, RunConfig, dump_yaml  # noqa: E402
 from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint  # noqa: E402
@@ -133,7 +133,8 @@ def prepare_run(cfg: RunConfig, sources: Optional[dict[str, str]] = None, prefix
                             "train.resume=never: choose another logging.name or set train.resume=auto")
         f, step = verify_checkpoint(found[-1][1])   # corrupt -> CheckpointError naming the file
         _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"run {cfg.logging.name}")
-        print(f"resume: run {cfg.logging.name} has checkpoints; continuing from step {step} ({f.parent.name})",
+        print(f"resume: run {cfg.logging.name} has checkpoints; continuing from step {step} ({f.parent.name})"
+              + (" - train.resume_from is ignored for an existing run" if cfg.train.resume_from else ""),
               flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     halt = run_dir / ".HALT"
@@ -234,13 +235,6 @@ def check_resources(cfg: RunConfig, n: int) -> None:
                         "2-core deadlock): lower runtime.cpus_per_worker (e.g. 0.5) or raise runtime.ray_num_cpus")
 
 
-def _synthetic(batch: dict[str, Any], seq_len: int, vocab: int, seed: int) -> dict[str, Any]:
-    import numpy as np
-    ids = batch["id"]
-    rng = np.random.default_rng([seed, int(ids[0])])
-    return {"input_ids": rng.integers(0, vocab, size=(len(ids), seq_len + 1), dtype=np.int64)}
-
-
 def val_rows(cfg: RunConfig) -> Any:
     """The fixed held-out rows: the first ``eval_batches * batch_size`` packed rows of the val shards
     (int64 [n, seq_len+1], or None without val data). Built once in the driver, so every evaluation of a
@@ -251,8 +245,9 @@ def val_rows(cfg: RunConfig) -> Any:
     if n <= 0:
         return None
     if d.source == "synthetic":
-        return _synthetic({"id": np.arange(n)}, t.seq_len, 256 if d.tokenizer == "byte" else cfg.model.vocab, 2)[
-            "input_ids"]
+        from nsa.train.synthetic import synthetic_rows
+        return synthetic_rows({"id": np.arange(n)}, t.seq_len, 256 if d.tokenizer == "byte" else cfg.model.vocab,
+                              2)["input_ids"]
     from nsa.data.ray_data import iter_packed_batches
     from nsa.data.shards import check_data_path, find_val_shards
     if d.val_path:
@@ -284,8 +279,9 @@ def make_datasets(cfg: RunConfig) -> dict[str, Any]:
     t = cfg.train
     if cfg.data.source == "synthetic":
         vocab = 256 if cfg.data.tokenizer == "byte" else cfg.model.vocab
+        from nsa.train.synthetic import synthetic_rows
         train = ray.data.range(max(4096, 8 * t.batch_size * t.accumulate)).map_batches(
-            _synthetic, batch_format="numpy", fn_kwargs={"seq_len": t.seq_len, "vocab": vocab, "seed": 1})
+            synthetic_rows, batch_format="numpy", fn_kwargs={"seq_len": t.seq_len, "vocab": vocab, "seed": 1})
     else:
         from nsa.data.ray_data import build_datasets
         train, _ = build_datasets(cfg.data, t.seq_len)     # its lazy val pipeline is replaced by val_rows
@@ -296,8 +292,10 @@ def make_datasets(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> Any:
-    """The TorchTrainer used by every entry point (train, prod_50k, smoke, lanes). Needs Ray connected."""
+def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any], *,
+                  callbacks: Optional[list[Any]] = None) -> Any:
+    """The TorchTrainer used by every entry point (train, prod_50k, smoke, lanes). Needs Ray connected.
+    ``callbacks``: extra Ray Train callbacks for RunConfig (e.g. Tune's ``TuneReportCallback()``)."""
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
@@ -317,7 +315,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any]) -> An
         run_config=RayRunConfig(name=run_dir.name, storage_path=str(run_dir.parent),
                                 failure_config=FailureConfig(max_failures=cfg.runtime.max_failures),
                                 checkpoint_config=CheckpointConfig(num_to_keep=cfg.train.keep_checkpoints),
-                                logging_config=LoggingConfig(log_level="WARNING")),
+                                logging_config=LoggingConfig(log_level="WARNING"), callbacks=callbacks),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"], execution_options=opts))
 

@@ -9,8 +9,8 @@ Phase 0 runs 2 optimizer steps so the step boundary is observable: step 1 must s
 both a `progress` and a `step_end` heartbeat, and step 2 a `step_start` (missing step_end = stall inside
 the end of step 1; step_end without the next step_start = stall at the iteration rollover).
 Phase 1 runs --phase1-steps steps: no stall records, finite loss beyond step 5, steady step time
-(p95/p50 of step_end times after warm-up, checkpoint/eval steps excluded), flat memory (least-squares
-slope of CUDA-allocated MiB, or RSS on CPU, over the second half, per 100 steps).
+(p95/p50 of step_end times after warm-up, checkpoint/eval steps excluded), flat memory (growth of
+CUDA-allocated MiB, or RSS on CPU, over the second half, from a least-squares fit).
 Both phases log every step and write heartbeats every step. Each phase is its own run under
 <logging.root>/<smoke name>/phase{0,1}/; the report goes to smoke_report.{md,json} there.
 Exit code: 0 GO, 1 NO-GO, 2 bad input.
@@ -38,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--phase1-steps", type=int, default=200, help="steps of Phase 1 (default 200)")
     p.add_argument("--max-step-ratio", type=float, default=3.0,
                    help="Phase 1: max p95/p50 of step time after warm-up (default 3.0; shared CPUs are noisy)")
-    p.add_argument("--max-mem-slope", type=float, default=64.0,
-                   help="Phase 1: max memory growth in MiB per 100 steps over the second half (default 64)")
+    p.add_argument("--max-mem-growth", type=float, default=64.0,
+                   help="Phase 1: max memory growth (MiB, least-squares fit) over the second half (default 64)")
     p.add_argument("--skip-phase1", action="store_true", help="run Phase 0 only")
     return p
 
@@ -92,7 +92,7 @@ def _slope_per_100(xs: list[float], ys: list[float]) -> float:
     return 100.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def phase1_checks(outcome: Any, steps: int, max_ratio: float, max_slope: float) -> list[dict[str, Any]]:
+def phase1_checks(outcome: Any, steps: int, max_ratio: float, max_growth: float) -> list[dict[str, Any]]:
     hb = _records(outcome.run_dir)
     s = outcome.summary
     checks = [_check("run completed", s.get("status") == "completed" and s.get("step") == steps,
@@ -115,12 +115,15 @@ def phase1_checks(outcome: Any, steps: int, max_ratio: float, max_slope: float) 
                              f"p50 {p50:.1f} ms, p95 {p95:.1f} ms, ratio {ratio:.2f} (max {max_ratio})"))
     else:
         checks.append(_check("steady step time", False, f"only {len(times)} steps after warm-up {warm}"))
+    # the second half only: the first steps legitimately grow (allocator caches, prefetch buffers); the
+    # fitted growth over the window (slope x length) is what a leak would show, robust to per-step noise
     key = "cuda_alloc_mib" if any("cuda_alloc_mib" in x for x in ends.values()) else "rss_mib"
     pts = sorted((k, x[key]) for k, x in ends.items() if key in x and k > steps // 2)
     slope = _slope_per_100([float(k) for k, _ in pts], [float(v) for _, v in pts])
-    checks.append(_check("flat memory", slope <= max_slope,
-                         f"{key} slope {slope:.2f} MiB/100 steps over steps {steps // 2 + 1}..{steps} "
-                         f"(max {max_slope})"))
+    growth = slope * (pts[-1][0] - pts[0][0]) / 100.0 if len(pts) > 1 else 0.0
+    checks.append(_check("flat memory", len(pts) >= 3 and growth <= max_growth,
+                         f"{key}: fitted growth {growth:.1f} MiB over steps {steps // 2 + 1}..{steps} "
+                         f"({slope:.1f} MiB/100 steps; max growth {max_growth} MiB)"))
     return checks
 
 
@@ -158,7 +161,7 @@ def main() -> int:
         print(f"\n== smoke {title} ==", flush=True)
         out = launch(pc, sources, prefix=pname)
         checks = phase0_checks(out) if pname == "phase0" else \
-            phase1_checks(out, steps, args.max_step_ratio, args.max_mem_slope)
+            phase1_checks(out, steps, args.max_step_ratio, args.max_mem_growth)
         ok = all(c["ok"] for c in checks)
         report["phases"].append({"name": title, "run_dir": str(out.run_dir), "ok": ok, "checks": checks,
                                  "summary": out.summary})

@@ -69,7 +69,10 @@ class SignalFiles:
             path = folder / f"{stem}_rank{rank}.txt"
             try:
                 fh = open(path, "a", encoding="utf-8")
-                faulthandler.register(signum, file=fh, all_threads=True, chain=False)
+                # all_threads only for the dump that is wanted: walking other threads' frames from a C
+                # signal handler while they run (Ray's threads) can crash; one thread's dump is enough
+                # to make the file grow, which is all a request needs
+                faulthandler.register(signum, file=fh, all_threads=name == "SIGUSR1", chain=False)
             except (OSError, RuntimeError, ValueError) as exc:
                 log.warning("%s not captured on rank %d: %s", name, rank, exc)
                 continue

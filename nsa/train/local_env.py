@@ -1,8 +1,8 @@
 """A single-process LoopEnv without Ray: the same loop on plain parquet iteration.
 
-Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. It emulates
-Ray's resume-by-name (the latest ``checkpoint_*`` under the run dir) and ``report`` (copies the
-checkpoint into ``run_dir/<dir_name>``, never over an existing one).
+Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. Resume-by-name
+needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
+checkpoint into ``run_dir/<dir_name>``, never over an existing one.
 """
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
-from nsa.train.checkpoint import list_checkpoints, load_checkpoint
 
 
 class LocalEnv:
@@ -50,8 +49,7 @@ class LocalEnv:
         return out
 
     def resume_state(self) -> Optional[dict[str, Any]]:
-        found = list_checkpoints(self.run_dir)
-        return load_checkpoint(found[-1][1]) if found else None
+        return None      # the loop itself picks the newest loadable checkpoint of the run dir
 
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None:
         self.reports.append(dict(metrics))

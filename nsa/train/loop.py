@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
-from nsa.train.checkpoint import (build_state, checkpoint_dir_name, list_checkpoints, load_checkpoint,
-                                  restore_training_state, save_checkpoint)
+from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
+                                  load_checkpoint, restore_training_state, save_checkpoint)
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import RunReporter
@@ -149,6 +149,29 @@ def _fallbacks() -> dict[str, int]:
         return {}
 
 
+def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]) -> tuple[Optional[dict[str, Any]],
+                                                                                    Optional[str]]:
+    """(state, where it came from): the newest loadable checkpoint of this run, else ``resume_from``.
+
+    Ray registers a reported checkpoint only when its controller next polls the workers (every ~2 s), so
+    a worker group that dies right after a report is restarted with the previous one although the newer
+    checkpoint is complete on disk. The run dir is ours, so the newest checkpoint there that loads wins
+    (a partial one fails to load and is skipped); Ray's choice is the floor."""
+    state = env.resume_state()
+    source = "ray" if state is not None else None
+    floor = int(state["step"]) if state is not None else -1
+    for step, d in reversed(list_checkpoints(run_dir)):
+        if step <= floor:
+            break
+        try:
+            return load_checkpoint(d), f"run dir ({d.name})"
+        except CheckpointError as e:
+            log.warning("skipping unreadable checkpoint: %s", e)
+    if state is None and resume_from:
+        return load_checkpoint(resume_from), str(resume_from)
+    return state, source
+
+
 # ---------------------------------------------------------------------------------------------- loop
 class Trainer:
     """State of one worker's run. ``run()`` returns the summary written to metrics.json."""
@@ -167,11 +190,7 @@ class Trainer:
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
-        state = env.resume_state()
-        self.resumed_from = "ray" if state is not None else None
-        if state is None and resume_from:
-            state = load_checkpoint(resume_from)
-            self.resumed_from = str(resume_from)
+        state, self.resumed_from = _resume_state(env, self.run_dir, resume_from)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
@@ -309,7 +328,7 @@ class Trainer:
         return summary
 
     def _steps(self, val: list[torch.Tensor]) -> tuple[str, str]:
-        cfg, t, lg = self.cfg, self.cfg.train, self.cfg.logging
+        t, lg = self.cfg.train, self.cfg.logging
         total, status, reason = t.steps, "completed", ""
         tokens_step = 0
         while self.step < total:

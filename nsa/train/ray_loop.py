@@ -81,10 +81,21 @@ class RayEnv:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name)
 
 
+def _quiet_ray_train_info() -> None:
+    """Ray Train logs an INFO line per report ("Reporting training result ...") through loggers it has
+    configured itself; our progress lines and heartbeats say the same. WARNING and above still show."""
+    logging.getLogger("ray.train").setLevel(logging.WARNING)
+    try:  # that one logger is named after its file path, not its module (ray 2.60): reach it directly
+        from ray.train.v2._internal.execution import context as _ctx
+        _ctx.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):
+        pass
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Entry point run by every Ray Train worker."""
     torch.set_num_threads(int(config.get("torch_threads", 1)))
-    logging.getLogger("ray.train").setLevel(logging.WARNING)   # one "Reporting training result" line per report
+    _quiet_ray_train_info()
     cfg = config_from_dict(config["cfg"])
     env = RayEnv(cfg)
     run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
