@@ -1,6 +1,8 @@
 """Heartbeat, watchdog, signals/control files, on-device stats, percentiles, memory."""
 from __future__ import annotations
 
+import logging
+
 import json
 import math
 import os
@@ -198,14 +200,27 @@ def test_signal_handlers_main_thread(tmp_path):
     assert {s: signal.getsignal(s) for s in before} == before
 
 
-def test_signal_handlers_refused_off_main_thread(tmp_path, caplog):
-    result = {}
-    t = threading.Thread(target=lambda: result.setdefault("ok", install_signal_handlers(
-        tmp_path, lambda: None, lambda: None)))
-    t.start()
-    t.join()
+def test_signal_handlers_refused_off_main_thread(tmp_path):
+    # capture on the module's own logger: libraries imported by earlier tests (Ray, MLflow) may
+    # reconfigure the root logger or disable propagation, which would blind pytest's caplog
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("nsa.telemetry.signals")
+    logger.addHandler(handler)
+    old_disabled, logger.disabled = logger.disabled, False
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("ok", install_signal_handlers(
+            tmp_path, lambda: None, lambda: None)))
+        t.start()
+        t.join()
+    finally:
+        logger.removeHandler(handler)
+        logger.disabled = old_disabled
     assert result["ok"] is False
-    assert "not the main thread" in caplog.text and "ControlFiles" in caplog.text
+    text = "\n".join(r.getMessage() for r in records)
+    assert "not the main thread" in text and "ControlFiles" in text
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
