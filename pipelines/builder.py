@@ -25,6 +25,7 @@ RAY_NOTES measured) always; ``RAY_AUTH_MODE=disabled`` only when this process st
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -107,6 +108,11 @@ def validate_inputs(cfg: RunConfig) -> None:
         f, step = verify_checkpoint(cfg.train.resume_from)
         _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"train.resume_from={f}")
         print(f"resume_from: {f} (step {step})", flush=True)
+    uri = cfg.logging.mlflow_uri
+    if cfg.logging.mlflow and uri and uri.split(":", 1)[0] not in ("sqlite", "file", "http", "https",
+                                                                   "postgresql", "mysql", "databricks"):
+        raise UserError(f"logging.mlflow_uri={uri!r} is not an MLflow tracking URI (sqlite:////abs/mlflow.db, "
+                        "http://host:5000, ...); or set logging.mlflow=false")
     if cfg.runtime.use_gpu is False and cfg.runtime.num_workers == -1:
         raise UserError("runtime.num_workers=-1 means one worker per GPU but runtime.use_gpu=false; "
                         "set runtime.num_workers to a count")
@@ -176,12 +182,20 @@ def start_local_ray(num_cpus: Optional[int] = None) -> None:
     import nsa
     _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     _setenv_default("RAY_AUTH_MODE", "disabled")
-    # logging_config applies to every Ray worker/actor of this job: ERROR hides Ray Train's per-report INFO
-    # lines and the PlacementGroupCleaner's warning loop (it polls the state API, which needs the
-    # dashboard we do not start); our progress lines are prints and heartbeats, not log records.
+    # logging_config applies to every Ray worker/actor of this job: ERROR silences the PlacementGroupCleaner
+    # actor's warning loop (it polls the state API, which needs the dashboard we do not start) and Ray's
+    # per-task INFO chatter. The train workers lower it back to WARNING for their own records
+    # (nsa/train/ray_loop.py), and this driver's logging is put back as it was right after init.
+    root, ray_log = logging.getLogger(), logging.getLogger("ray")
+    saved = (root.level, root.handlers[:], ray_log.level, ray_log.handlers[:], ray_log.propagate)
     ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
              logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
              runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]})
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
+    ray_log.setLevel(saved[2])
+    ray_log.handlers[:] = saved[3]
+    ray_log.propagate = saved[4]
 
 
 def _alive_nodes() -> list[dict[str, float]]:

@@ -81,9 +81,15 @@ class RayEnv:
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name)
 
 
-def _quiet_ray_train_info() -> None:
-    """Ray Train logs an INFO line per report ("Reporting training result ...") through loggers it has
-    configured itself; our progress lines and heartbeats say the same. WARNING and above still show."""
+def _worker_logging() -> None:
+    """WARNING and above from this worker reach the console (a locally started instance runs Ray's
+    actors at ERROR, see pipelines/builder.start_local_ray); Ray Train's INFO line per report
+    ("Reporting training result ...") stays off: our progress lines and heartbeats say the same."""
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING)
+    for h in root.handlers:
+        if h.level > logging.WARNING:
+            h.setLevel(logging.WARNING)
     logging.getLogger("ray.train").setLevel(logging.WARNING)
     try:  # that one logger is named after its file path, not its module (ray 2.60): reach it directly
         from ray.train.v2._internal.execution import context as _ctx
@@ -95,7 +101,7 @@ def _quiet_ray_train_info() -> None:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Entry point run by every Ray Train worker."""
     torch.set_num_threads(int(config.get("torch_threads", 1)))
-    _quiet_ray_train_info()
+    _worker_logging()
     cfg = config_from_dict(config["cfg"])
     env = RayEnv(cfg)
     run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
