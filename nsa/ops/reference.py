@@ -75,7 +75,7 @@ def reference_select_one(scores: list[float], t: int, p: NSAParams, G: int) -> l
 def reference_select_blocks(scores: torch.Tensor, t: int, p: NSAParams, G: int) -> torch.Tensor:
     """scores [B, H, n_blocks] for the query at t -> block_idx [B, H, n_sel] int64."""
     B, H, _ = scores.shape
-    rows = scores.detach().double().cpu().tolist()
+    rows = scores.detach().double().cpu().tolist()  # sync-ok: the oracle ranks on the host by design; never on a hot path
     out = [[reference_select_one(rows[b][h], t, p, G) for h in range(H)] for b in range(B)]
     return torch.tensor(out, dtype=torch.int64, device=scores.device).view(B, H, p.n_sel)
 
