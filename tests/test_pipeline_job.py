@@ -34,32 +34,52 @@ def _ray_bin() -> str:
     return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
 
 
-@pytest.fixture()
-def head_cluster():
+def _start_head(tmp: str, env: dict) -> tuple[subprocess.Popen, str, object]:
+    """Start `ray start --head --block` on fresh ports; return (process, dashboard url, log file)."""
     port, dash = _free_port(), _free_port()
     # every fixed default port too (dashboard agent 52365, client server 10001, ...): other Ray clusters
     # on the same machine must not make this head's job agent unreachable ("No available agent")
     extra = [f"--{name}={_free_port()}" for name in (
         "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
         "ray-client-server-port", "metrics-export-port", "node-manager-port", "object-manager-port")]
-    tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")          # short: unix socket paths are length-limited
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    env.pop("RAY_ADDRESS", None)
     log = open(Path(tmp) / "head.log", "w")
     proc = subprocess.Popen([_ray_bin(), "start", "--head", f"--port={port}", f"--dashboard-port={dash}",
                              "--dashboard-host=127.0.0.1", "--num-cpus=4", f"--temp-dir={tmp}", "--block",
                              "--disable-usage-stats", *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.time() + 180
-        while True:                                            # the job server answers once the head is up
-            try:
-                urllib.request.urlopen(f"{url}/api/version", timeout=2)
+    return proc, f"http://127.0.0.1:{dash}", log
+
+
+@pytest.fixture()
+def head_cluster():
+    tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")          # short: unix socket paths are length-limited
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env.pop("RAY_ADDRESS", None)
+    # a port picked free can be taken by another process before Ray binds it ("Failed to start the grpc
+    # server"): then the head exits at once, and we retry on fresh ports
+    for attempt in range(3):
+        proc, url, log = _start_head(tmp, env)
+        try:
+            deadline, up = time.time() + 180, False
+            while True:                                        # the job server answers once the head is up
+                try:
+                    urllib.request.urlopen(f"{url}/api/version", timeout=2)
+                    up = True
+                    break
+                except OSError:
+                    if proc.poll() is not None or time.time() > deadline:
+                        break
+                    time.sleep(1)
+            if up:
                 break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    pytest.fail(f"ray head not up: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
-                time.sleep(1)
+            if proc.poll() is None:                            # alive but never answered: give up
+                proc.kill()
+                pytest.fail(f"ray head not answering: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
+            if attempt == 2:
+                pytest.fail(f"ray head not up: {(Path(tmp) / 'head.log').read_text()[-2000:]}")
+        finally:
+            if proc.poll() is not None:
+                log.close()
+    try:
         yield url, env, Path(tmp)
     finally:
         proc.send_signal(signal.SIGTERM)
