@@ -53,3 +53,15 @@ def _quiet_ray_env():
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards).
+    Model/layer test modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,13 +14,7 @@ from nsa.layers.rope import apply_rope
 CFG = dict(dim=32, n_heads=4, n_kv_groups=2, d_k=8, d_v=12, l=8, d=4, l_sel=8, n_sel=3, w=16)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_layer(seed: int = 0, **over) -> NSAAttention:

@@ -13,13 +13,7 @@ NSA = dict(l=8, d=4, l_sel=8, n_sel=3, w=16)
 MODEL = dict(vocab=61, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, **NSA)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread is faster than two spinning ones (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(seed: int = 0, **over) -> TinyLM:
