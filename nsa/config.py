@@ -58,6 +58,9 @@ class ModelConfig:
     ffn_mult: float = 4.0
     compression: str = "mlp"          # mlp (paper) | mean | linear
     grad_checkpointing: bool = False
+    # torch.compile each block's dense parts (norms, projections, RoPE, compression MLP, gates, SwiGLU);
+    # the NSA op stays an eager graph break. Cuts kernel launches ~4x on a launch-bound GPU step.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _positive("model", self, ("vocab", "dim", "n_layers", "n_heads", "n_kv_groups", "d_k", "d_v", "ffn_mult"))
@@ -104,6 +107,10 @@ class RuntimeConfig:
     scaler_growth_factor: float = 2.0
     scaler_backoff_factor: float = 0.5
     fault: str = ""                      # test-only fault injection, e.g. "stall@3", "kill@4", "nan@2", "halt@5"
+    # replay the whole optimizer step as one CUDA graph after a few eager warm-up steps (nsa/train/graphed.py);
+    # where it cannot apply (CPU, DDP, fp16) the loop stays eager and says why in its log and metrics.json
+    cuda_graph: bool = False
+    cuda_graph_warmup: int = 3
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU)")
@@ -111,6 +118,8 @@ class RuntimeConfig:
         _require(self.max_failures >= -1, "runtime.max_failures must be >= -1 (-1 = retry forever)")
         _one_of("runtime.precision", self.precision, ("fp32", "bf16", "fp16"))
         _one_of("runtime.placement_strategy", self.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
+        _require(self.cuda_graph_warmup >= 1, f"runtime.cuda_graph_warmup={self.cuda_graph_warmup} must be >= 1 "
+                 "(eager steps that compile kernels and allocate optimizer state before capture)")
         _require(0 < self.scaler_backoff_factor < 1, "runtime.scaler_backoff_factor must be in (0, 1)")
         _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
         if self.fault:

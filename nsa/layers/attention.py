@@ -27,6 +27,13 @@ from nsa.layers.rope import apply_rope
 BRANCHES = ("cmp", "slc", "win")
 
 
+@torch.compiler.disable
+def _attend(*args, **kwargs):
+    """nsa_ops.nsa_attention as an eager island: under torch.compile the graph breaks here, so the
+    Triton autograd.Function (its own launches, no host syncs) runs as written."""
+    return nsa_ops.nsa_attention(*args, **kwargs)
+
+
 def validate_nsa_args(dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
                       d: int, l_sel: int, n_sel: int, w: int, compression: str = "mlp") -> None:
     """Raise ValueError naming the offending field (spec: 'Shapes and names', 'Validation')."""
@@ -171,8 +178,8 @@ class NSAAttention(nn.Module):
         p = self.project(x)
         k_cmp, v_cmp = self.phi_k(p.k_cmp), self.phi_v(p.v_cmp)  # [B, N, H, *]
         gates = self.compute_gates(x)
-        o, block_idx = nsa_ops.nsa_attention(p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win,
-                                             p.v_win, gates, **self._op_kwargs())
+        o, block_idx = _attend(p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, gates,
+                               **self._op_kwargs())
         if cache is not None:
             cache.prefill(p.k_cmp, p.v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, k_cmp, v_cmp)
         info: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ from nsa.layers.cache import NSAKVCache
 from nsa.model.block import LlamaBlockNSA, RMSNorm
 
 # config attribute names accepted for a constructor argument (first match wins)
-_CONFIG_ALIASES = {"vocab": ("vocab", "vocab_size")}
+_CONFIG_ALIASES = {"vocab": ("vocab", "vocab_size"), "compile_blocks": ("compile_blocks", "compile")}
 
 
 class TinyLM(nn.Module):
@@ -22,6 +22,10 @@ class TinyLM(nn.Module):
 
     `grad_checkpointing` recomputes each block in backward (torch.utils.checkpoint with
     use_reentrant=False, which works under DDP and with unused-parameter detection).
+    `compile_blocks` torch.compiles every block's __call__ (nn.Module.compile: state_dict keys are
+    unchanged) with the NSA op left as an eager graph break, so the elementwise work around it
+    (RMSNorm, RoPE, SwiGLU, gates, casts) fuses into a few kernels; True = inductor, or a backend
+    name (e.g. "aot_eager" for tests). Compilation happens on the first forward.
     """
 
     def __init__(self, vocab: int = 256, dim: int = 512, n_layers: int = 4, n_heads: int = 8,
@@ -29,7 +33,7 @@ class TinyLM(nn.Module):
                  l_sel: int = 64, n_sel: int = 16, w: int = 512, grad_checkpointing: bool = False,
                  backend: str = "auto", compression: str = "mlp", ffn_mult: float = 8.0 / 3.0,
                  tie_embeddings: bool = False, rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6) -> None:
+                 norm_eps: float = 1e-6, compile_blocks: bool | str = False) -> None:
         super().__init__()
         for name, val in (("vocab", vocab), ("dim", dim), ("n_layers", n_layers)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -48,6 +52,20 @@ class TinyLM(nn.Module):
         if self.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
+        self.compile_backend: str | None = None
+        if compile_blocks:
+            self.compile_blocks("inductor" if compile_blocks is True else str(compile_blocks))
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """torch.compile each block in place (see class doc). One compiled graph serves every block:
+        the blocks share code and shapes, and parameters are graph inputs."""
+        import torch._dynamo
+        # every block is a separate module instance; leave room for them plus train/eval variants
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    4 * len(self.blocks))
+        for blk in self.blocks:
+            blk.compile(backend=backend, dynamic=False)
+        self.compile_backend = backend
 
     @torch.no_grad()
     def reset_parameters(self, init_std: float = 0.02) -> None:
@@ -105,7 +123,9 @@ class TinyLM(nn.Module):
         x = self.embed(ids)  # [B, T, dim]
         use_ckpt = self.grad_checkpointing and self.training and torch.is_grad_enabled()
         for blk in self.blocks:
-            x = checkpoint(blk, x, use_reentrant=False) if use_ckpt else blk(x)
+            # preserve_rng_state=False: blocks use no randomness (no dropout), and saving the CUDA RNG
+            # state per block is host work that also cannot run inside a CUDA-graph capture
+            x = checkpoint(blk, x, use_reentrant=False, preserve_rng_state=False) if use_ckpt else blk(x)
         return self.lm_head(self.norm(x))
 
     def new_caches(self, capacity: int = 256) -> list[NSAKVCache]:

@@ -26,7 +26,7 @@ class LocalEnv:
         self._val_files = find_val_shards(cfg.data.path) if Path(cfg.data.path).is_dir() else []
         self.reports: list[dict[str, Any]] = []
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module:
         return model
 
     def _iter(self, files: list[str]) -> Iterator[torch.Tensor]:

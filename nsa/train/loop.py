@@ -40,8 +40,10 @@ from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_n
                                   load_checkpoint, restore_training_state, save_checkpoint)
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
-from nsa.train.reporting import RunReporter
+from nsa.train.reporting import DeviceStepTimer, RunReporter
 from nsa.train.schedule import build_optimizer, build_scheduler
+from nsa.train.graphed import (GraphedStep, allreduce_mean_grads, broadcast_parameters, graph_unsupported,
+                               host_lr)
 from nsa.train.step import eval_loss, train_step
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class LoopEnv(Protocol):
     world_size: int
     device: torch.device
 
-    def prepare_model(self, model: nn.Module) -> nn.Module: ...
+    def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module: ...  # ddp=False: move only
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]: ...   # one pass, [b, T+1] int64 on device
     def val_batches(self, n: int) -> list[torch.Tensor]: ...
     def resume_state(self) -> Optional[dict[str, Any]]: ...              # latest checkpoint of this run
@@ -199,7 +201,24 @@ class Trainer:
             del state
         self.start_step = self.step
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
-        self.model = env.prepare_model(model)
+        self.graphed: Optional[GraphedStep] = None
+        self.step_mode = "eager"
+        why = graph_unsupported(model, self.opt, self.prec, self.device) if r.cuda_graph else "off"
+        if why is None:
+            # data parallel without DDP (its hooks cannot be captured): same start, grads averaged in-graph
+            self.model = env.prepare_model(model, ddp=False)
+            sync = None
+            if self.world > 1:
+                broadcast_parameters(self.model)
+                sync = allreduce_mean_grads
+            self.graphed = GraphedStep(self.model, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
+                                       device=self.device, warmup=r.cuda_graph_warmup, grad_sync=sync)
+            self.step_mode = f"cuda_graph (after {r.cuda_graph_warmup} eager steps)"
+        else:
+            self.model = env.prepare_model(model)
+            if r.cuda_graph:
+                self.step_mode = f"eager (runtime.cuda_graph: {why})"
+                log.warning("runtime.cuda_graph=true but the step stays eager: %s", why)
         self.core = _unwrap(self.model)
         self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
         self.data.samples = pos["samples_seen"] // max(1, self.world)
@@ -210,12 +229,15 @@ class Trainer:
         self.ctl = Control(self.run_dir, self.rank, self.world, self.device)
         self.faults = Faults(r.fault, self.run_dir, self.rank, self.world)
         self.meter = IntervalMeter(self.device)
+        self.timer = DeviceStepTimer(self.device)
+        # periods of warm-up / capture steps are not steady-state step times
+        self.steady_from = self.step + 2 + (r.cuda_graph_warmup + 1 if self.graphed is not None else 0)
         self.last: dict[str, float] = {"loss": math.nan, "grad_norm": math.nan, "val_loss": math.nan}
         self.first_loss = math.nan
         self.nonfinite_seen = 0.0
         self.tokens = 0
         self.checkpoints: list[int] = []
-        self.lr_used = float(self.sched.get_last_lr()[0])
+        self.lr_used = host_lr(self.sched)
         self.first_ms: dict[str, float] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -308,7 +330,8 @@ class Trainer:
                            resumed_from=self.resumed_from, precision=self.prec.name,
                            data_position=self.data.position(self.world))
         if self.rank == 0:
-            print(self.prec.describe() + f"; world_size={self.world}; start step {self.step}", flush=True)
+            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}",
+                  flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
         wd = self.wd = Watchdog(t.stall_seconds,
                                 make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()
@@ -344,24 +367,34 @@ class Trainer:
                 micro, fetch_s = self.data.next(t.accumulate)
                 stats_due = lg.stats_every > 0 and step % lg.stats_every == 0
                 self.core.set_record_stats(stats_due)
-                self.lr_used = float(self.sched.get_last_lr()[0])
-                res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
-                                 poison=poison)
+                self.lr_used = host_lr(self.sched)
+                if self.graphed is not None:   # stats steps run eagerly: the graph records no stats
+                    res = self.graphed(micro, poison=poison, eager=stats_due)
+                else:
+                    res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
+                                     poison=poison)
             self.step = step
             tokens_step = res.tokens
             self.tokens += res.tokens * self.world
             self.meter.add(res.loss, res.grad_norm, res.finite)
+            self.timer.mark(step)
             step_ms = (time.perf_counter() - t_start) * 1e3
             if step > self.start_step + 1:      # the first step after (re)start pays data/model warm-up:
-                self.rep.step_ms.add(step_ms)   # reported once as first_step_ms/first_fetch_ms, kept out
-                self.rep.fetch_ms.add(fetch_s * 1e3)  # of the rolling p50/p95
+                if not self.timer.enabled:      # reported once as first_step_ms/first_fetch_ms, kept out
+                    self.rep.step_ms.add(step_ms)   # of the rolling p50/p95
+                self.rep.fetch_ms.add(fetch_s * 1e3)
             else:
                 self.first_ms = {"first_step_ms": step_ms, "first_fetch_ms": fetch_s * 1e3}
+            for s_done, ms in self.timer.drain():   # CUDA: device step periods (host may run ahead)
+                if s_done >= self.steady_from:
+                    self.rep.step_ms.add(ms)
+            dev_ms = {"gpu_step_ms": round(self.timer.latest_ms, 3)} if math.isfinite(self.timer.latest_ms) else {}
             if hb:
                 self.rep.heartbeat("progress", step, loss=self.last["loss"], lr=self._lr(),
                                    grad_norm=self.last["grad_norm"], step_ms=round(step_ms, 3),
                                    fetch_ms=round(fetch_s * 1e3, 3),
-                                   toks_per_s=res.tokens * self.world / max(1e-9, step_ms / 1e3),
+                                   toks_per_s=res.tokens * self.world / max(1e-9, dev_ms.get("gpu_step_ms", step_ms) / 1e3),
+                                   **dev_ms,
                                    **self.rep.timing_fields(), **self.rep.memory())
             dec = self._end_of_step(step, val, tokens_step, stats_due)
             if hb:
@@ -369,6 +402,7 @@ class Trainer:
                                    grad_norm=self.last["grad_norm"],
                                    step_ms=round((time.perf_counter() - t_start) * 1e3, 3),
                                    compute_ms=round(step_ms - fetch_s * 1e3, 3), fetch_ms=round(fetch_s * 1e3, 3),
+                                   **dev_ms,
                                    **self.rep.timing_fields(), **self.rep.memory(), fallbacks=_fallbacks())
             self.wd.kick()
             if dec.stop:
@@ -400,6 +434,8 @@ class Trainer:
             self.rep.heartbeat("eval", step, val_loss=self.last["val_loss"])
         if log_due:
             self._log(step, tokens_step, extra)
+        if stats_due or eval_due:
+            self.timer.gap()
         fired = self.faults.armed and self.faults.kind == "halt" and step == self.faults.at
         self.faults.after_step(step)
         dec = self.ctl.decide(force_poll=fired or final)
@@ -408,6 +444,7 @@ class Trainer:
                    "halt" if dec.halt else "terminate" if dec.terminate else "request" if dec.checkpoint else "")
             if why:
                 self._save(step, why)
+                self.timer.gap()
                 return dec
         if eval_due:
             self.env.report({"step": step, "loss": self.last["loss"], "val_loss": self.last["val_loss"]}, None, None)
@@ -426,6 +463,8 @@ class Trainer:
             **self.first_ms, "stalls": wd.stall_count, "checkpoints": self.checkpoints, "world_size": self.world,
             "data_position": self.data.position(self.world), "mlflow_run_id": self.rep.mlflow_run_id,
             "fallbacks": _fallbacks(), "precision": self.prec.name, "device": str(self.device),
+            "step_mode": self.step_mode,
+            "graph_replays": self.graphed.replays if self.graphed is not None else 0,
         }
 
 

@@ -23,11 +23,14 @@ class Precision:
     device_type: str                # "cpu" | "cuda" (autocast's device_type)
     dtype: Optional[torch.dtype]    # autocast dtype; None = plain fp32
     scaler: torch.amp.GradScaler    # enabled only for fp16; a disabled scaler is a no-op everywhere
+    # autocast's per-region cache of fp32->low-precision weight casts; must be off while a CUDA graph
+    # is captured (cached casts would outlive the capture), see nsa/train/graphed.py
+    autocast_cache: bool = True
 
     def autocast(self) -> ContextManager[Any]:
         if self.dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, cache_enabled=self.autocast_cache)
 
     @property
     def uses_scaler(self) -> bool:

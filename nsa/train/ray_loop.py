@@ -45,9 +45,9 @@ class RayEnv:
         except (KeyError, ValueError):
             self._val = None
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        if self.world_size <= 1:
-            return model
+    def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module:
+        if self.world_size <= 1 or not ddp:
+            return model.to(self.device)
         return ray.train.torch.prepare_model(model, move_to_device=self.device)
 
     def _iter(self, shard: Any) -> Iterator[torch.Tensor]:

@@ -60,6 +60,47 @@ def environment_info(device: torch.device, world_size: int, kernel_policy: str) 
     }
 
 
+class DeviceStepTimer:
+    """Step periods as the GPU sees them, without host syncs.
+
+    The host may run many steps ahead of a CUDA device (a replayed graph returns at once; eager launches
+    queue up), so host wall time per step says little there. ``mark()`` records a CUDA event at the end
+    of each step; ``drain()`` returns the periods between consecutive events that have already completed
+    (``Event.query`` never blocks), i.e. the device's step-to-step time, idle gaps included. On CPU both
+    are no-ops and the loop keeps host times."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self.device = device
+        self._pending: list[list[Any]] = []     # [step, event, gap_after]
+        self._last: Optional[Any] = None
+        self.latest_ms = math.nan
+
+    def mark(self, step: int) -> None:
+        if self.enabled:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self._pending.append([step, ev, False])
+
+    def gap(self) -> None:
+        """Non-training device work (eval, checkpoint, stats) follows the last mark: the next period is
+        not a step time and is skipped."""
+        if self._pending:
+            self._pending[-1][2] = True
+        else:
+            self._last = None
+
+    def drain(self) -> list[tuple[int, float]]:
+        out = []
+        while self._pending and self._pending[0][1].query():
+            step, ev, gap_after = self._pending.pop(0)
+            if self._last is not None:
+                self.latest_ms = self._last.elapsed_time(ev)
+                out.append((step, self.latest_ms))
+            self._last = None if gap_after else ev
+        return out
+
+
 def _json_safe(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else str(x)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,11 +98,15 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], pr
 
 def train_step(model: nn.Module, micro_batches: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, prec: Precision, *, grad_clip: float,
-               poison: bool = False) -> StepResult:
+               poison: bool = False,
+               grad_sync: Optional[Callable[[list[torch.Tensor]], None]] = None) -> StepResult:
     """Forward/backward over ``micro_batches`` (each [b, T+1] int64 on the model's device), then one
     optimizer + scheduler step. ``grad_clip`` 0 disables clipping (the norm is still measured).
-    ``poison`` multiplies the loss by NaN (test-only fault injection ``runtime.fault=nan@N``)."""
+    ``poison`` multiplies the loss by NaN (test-only fault injection ``runtime.fault=nan@N``).
+    ``grad_sync`` (params) averages the gradients across ranks when the model is not wrapped in DDP."""
     mean_loss, tokens = forward_backward(model, micro_batches, prec, poison=poison)
+    if grad_sync is not None:        # data parallel without DDP (the CUDA-graph step): average the grads
+        grad_sync(_params(optimizer))
     prec.scaler.unscale_(optimizer)                          # no-op unless fp16
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     # after DDP's all-reduce every rank holds the averaged grads, so this norm is the global one
