@@ -177,6 +177,14 @@ class GraphedStep:
                           tokens=out.tokens)
 
 
+def close_step(step: object) -> None:
+    """Release a GraphedStep's graph (and with it any captured NCCL work) before the process group goes."""
+    if isinstance(step, GraphedStep) and step.graph is not None:
+        torch.cuda.synchronize(step.device)  # sync-ok: end of training
+        step.graph.reset()
+        step.graph = None
+
+
 def host_lr(scheduler: torch.optim.lr_scheduler.LRScheduler) -> float:
     """The first group's current lr as a host float without reading a device tensor (no sync)."""
     lambdas = getattr(scheduler, "lr_lambdas", None)

@@ -42,8 +42,8 @@ from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
 from nsa.train.schedule import build_optimizer, build_scheduler
-from nsa.train.graphed import (GraphedStep, allreduce_mean_grads, broadcast_parameters, graph_unsupported,
-                               host_lr)
+from nsa.train.graphed import (GraphedStep, allreduce_mean_grads, broadcast_parameters, close_step,
+                               graph_unsupported, host_lr)
 from nsa.train.step import eval_loss, train_step
 
 log = logging.getLogger(__name__)
@@ -345,6 +345,7 @@ class Trainer:
         finally:
             wd.stop()
             self.ctl.close()
+            close_step(self.graphed)
         summary = self._summary(status, reason, wd)
         self.rep.heartbeat("end", self.step, status=status, reason=reason)
         self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")
