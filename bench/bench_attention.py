@@ -134,7 +134,7 @@ def bench_dense(B, T, HQ, H, dk, dv, warmup, iters):
 
 def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     """Per-stage times (ms) of the Triton NSA forward and backward."""
-    from nsa.ops.triton import attn, function, select
+    from nsa.ops.triton import attn, function, scores, select
     q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
     sc = dk ** -0.5
     l, d, l_sel, n_sel, w = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"], HP["w"]
@@ -142,10 +142,12 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     t = lambda name, fn: out.__setitem__(name, cuda_time(fn, warmup, iters))  # noqa: E731
     oc, lc = attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc)
     t("cmp_fwd", lambda: attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc))
-    scores = select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc)
-    t("scores", lambda: select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc))
-    bi = select.select_topn(scores, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
-    t("topn", lambda: select.select_topn(scores, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel))
+    # "select": the fused scores + top-n the forward uses; the unfused pair for comparison
+    bi = scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc)
+    t("select", lambda: scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc))
+    sc_old = select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc)
+    t("scores_unfused", lambda: select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc))
+    t("topn_unfused", lambda: select.select_topn(sc_old, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel))
     os_, ls = select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc)
     t("slc_fwd", lambda: select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc))
     ow, lw = attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc)
@@ -255,6 +257,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--breakdown", type=int, nargs="*", default=[], help="T values for per-stage times")
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the tile-config sweep")
+    ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--decode", action="store_true", help="also time a decode step at 64k (B=1, 16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     ap.add_argument("--copy-to", default=None, help="also copy the JSON into this directory")
@@ -273,6 +276,17 @@ def main() -> None:
         torch.cuda.empty_cache()
         rf, rfb = dense["fwd_ms"] / nsa["fwd_ms"], dense["fwd_bwd_ms"] / nsa["fwd_bwd_ms"]
         result["T"][T] = {"nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb}
+        if not a.no_peers:   # fla-core when importable: same shapes, ratios to dense and to ours
+            from peers import time_fla
+            fla = time_fla(a.B, T, *dims[1:], HP["n_sel"], HP["l_sel"], cuda_time, a.warmup, a.iters)
+            torch.cuda.empty_cache()
+            if "fwd_ms" in fla:
+                fla.update(speedup_fwd=dense["fwd_ms"] / fla["fwd_ms"],
+                           speedup_fwd_bwd=dense["fwd_bwd_ms"] / fla["fwd_bwd_ms"],
+                           ours_vs_fla_fwd=fla["fwd_ms"] / nsa["fwd_ms"],
+                           ours_vs_fla_fwd_bwd=fla["fwd_bwd_ms"] / nsa["fwd_bwd_ms"])
+            result["T"][T]["fla"] = fla
+            print(f"T={T}: fla-core {fla}", flush=True)
         rows.append((T, nsa["fwd_ms"], dense["fwd_ms"], rf, nsa["fwd_bwd_ms"], dense["fwd_bwd_ms"], rfb,
                      nsa["fwd_bwd_mem_gib"], dense["fwd_bwd_mem_gib"], dense["fwd_backend"]))
         print(f"T={T}: nsa {nsa} dense fwd {dense['fwd_ms']:.2f} fwd+bwd {dense['fwd_bwd_ms']:.2f}", flush=True)
@@ -302,6 +316,16 @@ def main() -> None:
     for r in rows:
         print(f"{r[0]:>6} {r[1]:>9.2f} {r[2]:>9.2f} {r[3]:>6.2f} {r[4]:>9.2f} {r[5]:>9.2f} {r[6]:>6.2f} "
               f"{r[7]:>8.2f} {r[8]:>9.2f}  {r[9]}")
+    peer_rows = [(T, v["fla"]) for T, v in result["T"].items() if "fwd_ms" in v.get("fla", {})]
+    if peer_rows:
+        print(f"\nfla-core parallel_nsa (compression + selection, mean-pooled compression):")
+        print(f"{'T':>6} {'fla fwd':>9} {'x dense':>8} {'ours x':>7} {'fla f+b':>9} {'x dense':>8} {'ours x':>7}")
+        for T, f in peer_rows:
+            print(f"{T:>6} {f['fwd_ms']:>9.2f} {f['speedup_fwd']:>8.2f} {f['ours_vs_fla_fwd']:>7.2f} "
+                  f"{f['fwd_bwd_ms']:>9.2f} {f['speedup_fwd_bwd']:>8.2f} {f['ours_vs_fla_fwd_bwd']:>7.2f}")
+    else:
+        first = next(iter(result["T"].values()), {}).get("fla", {})
+        print(f"\nfla-core not timed: {first.get('why') or first.get('skipped') or first.get('error') or 'skipped'}")
     print(f"wrote {path}")
 
 

@@ -54,11 +54,22 @@ def run(x, backend, dtype, do):
 def test_bf16_matches_fp32_torch(T, HQ, H, dk, dv):
     assert triton_available()
     x = inputs(1, T, HQ, H, dk, dv, seed=T + HQ)
-    do = torch.randn(1, T, HQ, dv, device="cuda").bfloat16()
+    g = torch.Generator(device="cuda").manual_seed(7 * T + HQ)
+    do = torch.randn(1, T, HQ, dv, device="cuda", generator=g).bfloat16()
+    # Selection is discrete: a near-tie can pick another block in bf16 than in fp32 (allowed: "identical
+    # or equal-score ties", bounded by same_rows below). The numeric bound is measured under identical
+    # selection: queries whose (token, kv head) row differs get a zero output gradient in BOTH runs.
+    with torch.no_grad():
+        _, bi0 = nsa_attention_triton(*[x[n] for n in NAMES], **HP)
+        _, rbi0 = nsa_attention(*[x[n].float() for n in NAMES], **HP, backend="torch")
+    same = (bi0 == rbi0).all(-1)                                   # [B, T, H]
+    keep = same.repeat_interleave(HQ // H, dim=2)[..., None]      # [B, T, HQ, 1]
+    do = do * keep
     o, bi, grads = run(x, "triton", torch.bfloat16, do)
     ro, rbi, rgrads = run(x, "torch", torch.float32, do)
-    same_rows = (bi == rbi).all(-1).float().mean().item()
-    errs = {"o": rel_rms(o, ro)}
+    assert torch.equal(bi, bi0) and torch.equal(rbi, rbi0)
+    same_rows = same.float().mean().item()
+    errs = {"o": rel_rms(o * keep, ro * keep)}
     errs.update({f"d{n}": rel_rms(a, b) for n, a, b in zip(NAMES, grads, rgrads)})
     print(f"T={T} HQ={HQ} H={H} dk={dk} dv={dv}: block_idx rows equal {same_rows:.6f}; "
           + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))

@@ -1,7 +1,8 @@
 """NSA forward/backward on the Triton kernels, wired as one torch.autograd.Function.
 
-Forward: compressed attention (o_cmp, lse_cmp) -> block scores from recomputed p_cmp -> top-n
-block_idx -> selected attention (o_slc, lse_slc) -> window attention (o_win, lse_win) -> gated sum.
+Forward: compressed attention (o_cmp, lse_cmp) -> block_idx from recomputed p_cmp (scores and top-n
+fused in scores.select_blocks; no score tensor is stored) -> selected attention (o_slc, lse_slc) ->
+window attention (o_win, lse_win) -> gated sum.
 Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
@@ -14,7 +15,8 @@ import triton.language as tl
 
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
-from .select import block_scores, select_topn, slc_bwd, slc_fwd
+from .scores import select_blocks
+from .select import slc_bwd, slc_fwd
 
 
 @triton.jit
@@ -85,13 +87,8 @@ class NSATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l, d, l_sel, n_sel, w, scale,
                 chunk):
         o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
-        G = q.shape[2] // k_slc.shape[2]
-        if k_cmp.shape[1] > 0:
-            scores = block_scores(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, scale=scale)
-        else:  # nothing compressed yet: every score is 0 (only forced blocks / lowest indices win)
-            nsb = triton.cdiv(q.shape[1], l_sel)
-            scores = q.new_zeros(q.shape[0], k_slc.shape[2], q.shape[1], nsb, dtype=torch.float32)
-        block_idx = select_topn(scores, G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+        # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
+        block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
         o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale)
         o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale)
         o = combine(o_cmp, o_slc, o_win, gates)

@@ -1,5 +1,9 @@
 """Selection branch: importance scores, top-n, and group-centric sparse attention (fwd + bwd).
 
+The forward (function.py) chooses blocks with scores.select_blocks, which fuses the two steps below
+and never stores the score tensor; block_scores + select_topn stay as an independent cross-check
+(tests, benchmarks) and must keep giving the same block_idx.
+
 Scores.  p_cmp[t, hq, i] = exp(q k~_i * scale - lse_cmp) is recomputed per compressed token and
 mapped to selection blocks with the overlap weights: block j collects ``cnt(i, j)`` = number of
 stride chunks (d tokens) that compression block i shares with j, i.e. overlap(i, j) / d. A program
