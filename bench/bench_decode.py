@@ -11,6 +11,12 @@ L2 is flushed (a 512 MiB write) before every timed call, as in a real model wher
 evict this layer's cache; "hot": back-to-back calls (inner loop of 10), the cache may sit in L2.
 
     python bench/bench_decode.py [--S 8192 16384 32768 65536] [--B 1 16] [--breakdown] [--sweep]
+                                 [--jobs 8]
+
+--sweep times the SWEEP variants of the launch knobs (nsa.ops.triton.decode.TUNE) at the largest S
+first and keeps the one with the best geometric mean of dense/NSA over the batch sizes; --jobs N
+compiles the variants in N parallel processes beforehand (Triton's on-disk cache), so the timed
+process compiles nothing.
 
 Prints a table and writes bench/out/decode_<date>.json (and a copy under $OUT or --copy-to).
 """
@@ -120,7 +126,15 @@ def bench_nsa(c, S, reps, sweeping: bool = False):
     if not sweeping:
         res["eager_cold_us"] = time_cold(eager, reps)
         res["eager_hot_us"] = time_hot(eager, reps)
-    replay = graphed(device_pos)
+    try:
+        replay = graphed(device_pos)
+    except Exception as exc:  # noqa: BLE001 - e.g. PDL edges refused by this driver's graph capture
+        print(f"graph capture failed ({type(exc).__name__}: {str(exc)[:120]}); retrying without PDL",
+              flush=True)
+        torch.cuda.synchronize()
+        tdec.TUNE["pdl"] = False
+        res["pdl_capture_failed"] = True
+        replay = graphed(device_pos)
     res["graph_cold_us"] = time_cold(replay, reps)
     if not sweeping:
         res["graph_hot_us"] = time_hot(replay, reps)
@@ -176,8 +190,9 @@ def breakdown(c, S, iters: int = 20) -> dict:
     pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
     win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
 
-    def call():
-        return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP)
+    def call():  # without PDL: a dependent kernel's time would include its wait for the previous one
+        return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP,
+                                      tune=dict(pdl=False))
 
     call()
     torch.cuda.synchronize()
@@ -195,24 +210,66 @@ def breakdown(c, S, iters: int = 20) -> dict:
     return out
 
 
-_BASE = dict(cmp_tile=64, per_sm=4, cmp_warps=4, cmp_stages=3, slc_warps=8, slc_stages=2, topn_warps=16)
+_BASE = dict(tdec.TUNE)
 SWEEP = [dict(_BASE),
-         dict(_BASE, slc_warps=4),
-         dict(_BASE, per_sm=8, slc_warps=4),
-         dict(_BASE, per_sm=16, slc_warps=4),
-         dict(_BASE, per_sm=16, cmp_stages=2, slc_warps=4),
-         dict(_BASE, per_sm=16, slc_warps=4, topn_warps=8),
-         dict(_BASE, per_sm=64, cmp_stages=2, slc_warps=4),
-         dict(_BASE, cmp_tile=32, per_sm=16, slc_warps=4)]
+         dict(_BASE, pdl=True),
+         dict(_BASE, cmp_tile=32, cmp_per_sm=3),
+         dict(_BASE, cmp_per_sm=4),
+         dict(_BASE, cmp_warps=8),
+         dict(_BASE, cmp_stages=4),
+         dict(_BASE, slc_warps=4, slc_stages=2),
+         dict(_BASE, sw_per_sm=1),
+         dict(_BASE, sw_per_sm=4),
+         dict(_BASE, score_slice=64, rank_block=32),
+         dict(_BASE, score_slice=256, rank_block=128),
+         dict(_BASE, comb_warps="auto", score_warps="auto", rank_warps="auto"),
+         dict(_BASE, cmp_tile=32, cmp_per_sm=3, score_slice=64, rank_block=32),
+         dict(_BASE, sw_per_sm=1, slc_warps=4, slc_stages=2, cmp_stages=4)]
+
+
+def _warm(cfg: dict, B: int, S: int, shape: tuple) -> str:
+    """Compile one SWEEP variant for batch B at context S (a subprocess of --jobs)."""
+    torch.manual_seed(0)
+    tdec.TUNE.update(cfg)
+    tdec.TUNE_LARGE.clear()
+    c = make_cache(B, S, *shape)
+    try:
+        bench_nsa(c, S, 3, sweeping=cfg != _BASE)  # the defaults: the eager (host-int) kernels too
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - reported; the timed sweep records it again
+        return f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+def precompile(Bs, Ss, shape: tuple, jobs: int) -> None:
+    """Fill Triton's on-disk cache with every SWEEP variant at the largest S and the defaults at
+    every S, `jobs` processes at a time."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    work = [(cfg, B, max(Ss)) for cfg in SWEEP for B in Bs]
+    work += [(_BASE, B, S) for B in Bs for S in Ss if S != max(Ss)]
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
+        futs = [ex.submit(_warm, cfg, B, S, shape) for cfg, B, S in work]
+        for (cfg, B, S), f in zip(work, futs):
+            r = f.result()
+            if r != "ok":
+                print(f"  precompile B={B} S={S} {_key(cfg)}: {r}", flush=True)
+
+
+def _key(cfg: dict) -> str:
+    """A SWEEP variant's name: its differences from the defaults."""
+    diff = {k: v for k, v in cfg.items() if _BASE.get(k) != v}
+    return ",".join(f"{k}={v}" for k, v in diff.items()) or "defaults"
 
 
 def sweep(c, S, reps):
-    """Every SWEEP setting of tdec.TUNE: graph replay, cold L2 (us). TUNE is restored afterwards."""
+    """Every SWEEP setting as the knobs of this batch (TUNE, no TUNE_LARGE): graph replay, cold L2
+    (us). TUNE and TUNE_LARGE are restored afterwards."""
     out = {}
-    saved = dict(tdec.TUNE)
+    saved, saved_large = dict(tdec.TUNE), dict(tdec.TUNE_LARGE)
+    tdec.TUNE_LARGE.clear()
     for cfg in SWEEP:
         tdec.TUNE.update(cfg)
-        key = ",".join(f"{k}={v}" for k, v in cfg.items())
+        key = _key(cfg)
         try:
             out[key] = bench_nsa(c, S, reps, sweeping=True)["graph_cold_us"]
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
@@ -220,20 +277,24 @@ def sweep(c, S, reps):
         print(f"  sweep S={S} B={c['q'].shape[0]} {key}: {out[key]}", flush=True)
     tdec.TUNE.clear()
     tdec.TUNE.update(saved)
+    tdec.TUNE_LARGE.update(saved_large)
     return out
 
 
-def pick_best(sweeps: dict, dense: dict) -> dict:
-    """The SWEEP setting with the best geometric mean of dense/NSA over the swept batch sizes."""
-    def score(i):
-        key = ",".join(f"{k}={v}" for k, v in SWEEP[i].items())
-        tot = 1.0
-        for B, res in sweeps.items():
-            if not isinstance(res[key], float):
-                return 0.0
-            tot *= dense[B] / res[key]
-        return tot
-    return SWEEP[max(range(len(SWEEP)), key=score)]
+def pick_best(res: dict) -> dict:
+    """The fastest SWEEP setting of one batch size's sweep."""
+    ok = [i for i in range(len(SWEEP)) if isinstance(res[_key(SWEEP[i])], float)]
+    return SWEEP[min(ok, key=lambda i: res[_key(SWEEP[i])])]
+
+
+def apply_choice(best: dict) -> None:
+    """best[B] = chosen knobs: the smallest batch's become TUNE, the others' (rows >= large_rows
+    with H kv heads) the TUNE_LARGE overrides."""
+    Bs = sorted(best)
+    tdec.TUNE.update(best[Bs[0]])
+    if len(Bs) > 1:
+        tdec.TUNE_LARGE.clear()
+        tdec.TUNE_LARGE.update({k: v for k, v in best[Bs[-1]].items() if tdec.TUNE.get(k) != v})
 
 
 def main() -> None:
@@ -248,35 +309,45 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="time the SWEEP launch knobs at the largest S first and use the best for the table")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
+    ap.add_argument("--jobs", type=int, default=1, help="processes compiling the SWEEP variants first")
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="only compile the SWEEP variants (--jobs processes) and exit")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     ap.add_argument("--copy-to", default=os.environ.get("OUT"), help="also copy the JSON here")
     a = ap.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)  # SDPA's "kernel not used because" notes
+    if a.precompile_only:
+        precompile(a.B, a.S, (a.HQ, a.H, a.dk, a.dv), max(1, a.jobs))
+        return
     import triton
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__,
               "date": dt.datetime.now().isoformat(timespec="seconds"), "hparams": HP,
               "shape": dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv, dtype="bf16"), "runs": []}
-    if a.sweep:  # first: choose the launch knobs at the largest S, then time the table with them
+    if a.sweep:  # first: choose the launch knobs per batch size at the largest S, then the table
         S = max(a.S)
-        sweeps, dense_ref = {}, {}
+        sweeps, best = {}, {}
         for B in a.B:
             c = make_cache(B, S, a.HQ, a.H, a.dk, a.dv)
             sweeps[B] = sweep(c, S, a.reps)
-            dense_ref[B] = bench_dense(c, a.reps)["best"]["graph_cold_us"]["us"]
+            best[B] = pick_best(sweeps[B])
             del c
             torch.cuda.empty_cache()
-        best = pick_best(sweeps, dense_ref)
-        tdec.TUNE.update(best)
-        result["sweep"] = {"S": S, "us": {str(B): v for B, v in sweeps.items()}, "chosen": best}
-        print(f"chosen launch knobs: {best}", flush=True)
+        if min(a.B) * a.H >= tdec.TUNE["large_rows"] or max(a.B) * a.H < tdec.TUNE["large_rows"]:
+            best = {min(a.B): best[min(a.B)]}  # one regime only: one choice (the smallest batch's)
+        apply_choice(best)
+        result["sweep"] = {"S": S, "us": {str(B): v for B, v in sweeps.items()},
+                           "chosen": {str(B): _key(v) for B, v in best.items()}}
+        print(f"chosen: {result['sweep']['chosen']}", flush=True)
     result["tune"] = dict(tdec.TUNE)
+    result["tune_large"] = dict(tdec.TUNE_LARGE)
     for B in a.B:
-        c = make_cache(B, min(a.S), a.HQ, a.H, a.dk, a.dv)
-        result[f"check_B{B}_S{min(a.S)}"] = chk = check_against_torch(c, min(a.S))
-        print(f"check vs torch fp32 B={B} S={min(a.S)}: {chk}", flush=True)
+        c = make_cache(B, max(a.S), a.HQ, a.H, a.dk, a.dv)
+        result[f"check_B{B}_S{max(a.S)}"] = chk = check_against_torch(c, max(a.S))
+        print(f"check vs torch fp32 B={B} S={max(a.S)}: {chk}", flush=True)
         del c
+        torch.cuda.empty_cache()
     rows = []
     for B in a.B:
         for S in a.S:
@@ -303,7 +374,7 @@ def main() -> None:
         os.makedirs(a.copy_to, exist_ok=True)
         shutil.copy(path, a.copy_to)
     print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  {result['date']}")
-    print(f"launch knobs: {result['tune']}")
+    print(f"launch knobs: {result['tune']}  large-batch overrides: {result['tune_large']}")
     print("microseconds per decode step (median, cold L2); x = dense / NSA")
     print(f"{'B':>3} {'S':>6} {'nsa eager':>10} {'nsa graph':>10} {'(hot)':>7} {'dense':>8} {'backend':>8} "
           f"{'dense graph':>11} {'x graph':>8} {'x vs dense graph':>16} {'x eager':>8}")

@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights/compute dtype")
+    p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                   help="replay each decode step as one CUDA graph (auto: on CUDA with the Triton kernels)")
     return p
 
 
@@ -55,13 +57,22 @@ def main() -> int:
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     t0 = time.perf_counter()
-    out = model.generate(x, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         generator=gen)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, generator=gen)
+    graphed = args.cuda_graph == "on" or (args.cuda_graph == "auto" and x.is_cuda)
+    try:
+        out = model.generate(x, args.max_new_tokens, cuda_graph=graphed, **kw)
+    except ValueError as exc:
+        if args.cuda_graph == "on":
+            raise UserError(f"--cuda-graph on: {exc}") from exc
+        print(f"cuda graph decode unavailable ({exc}); eager decode")
+        graphed = False
+        out = model.generate(x, args.max_new_tokens, **kw)
     dt = time.perf_counter() - t0
     new = out[0, len(ids):].tolist()
     print(f"checkpoint: {f} (step {state['step']}, {cfg.model.n_layers} layers x {cfg.model.dim}, "
           f"tokenizer {cfg.data.tokenizer})")
-    print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tok/s, cached decode)")
+    print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tok/s, cached decode"
+          f"{', CUDA graph' if graphed else ''})")
     print("-" * 60)
     print(args.prompt + tok.decode(new))
     return 0

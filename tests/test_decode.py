@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nsa import NSAAttention, TinyLM
-from nsa.layers.cache import NSAKVCache
+from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import num_compressed
 
 # l=8, d=4: compressed tokens are emitted at positions 7, 11, 15, ...; l_sel=8: a new selection
@@ -68,6 +68,69 @@ def test_cache_window_raw_and_emission_bookkeeping():
     assert caps["slc"] >= T
     assert cache.win_pos0 > 0 and caps["win"] <= 2 * (w + 29)  # compacted, stays bounded
     assert caps["raw_cmp"] <= 2 * (l + 29)
+
+
+def test_static_cache_device_appends_match_the_growing_cache():
+    """StaticNSACache: device-position appends (no host int per token) keep the same raw tokens,
+    window (a ring) and compressed tokens as NSAKVCache; buffers are never re-allocated."""
+    torch.manual_seed(0)
+    B, H, T0, T, l, d, w = 2, 3, 3, 40, 8, 4, 6
+    names = ("k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win")
+    src = {n: torch.randn(B, T, H, 4 if n[0] == "k" else 5) for n in names}
+    ref, st = NSAKVCache(l=l, d=d, w=w, capacity=2), StaticNSACache(l=l, d=d, w=w, capacity=T)
+
+    def phi(blocks):  # NSAKVCache: [B, m, H, l, D] -> [B, m, H, D]
+        return blocks.mean(3)
+
+    def phi_one(raw):  # StaticNSACache: [B, l, H, D] -> [B, 1, H, D] (BlockCompressor.compress_block)
+        return raw.mean(1, keepdim=True)
+
+    none = src["k_cmp"][:, :0]
+    ref.prefill(*[src[m][:, :T0] for m in names], none, src["v_cmp"][:, :0])
+    st.prefill(*[src[m][:, :T0] for m in names], none, src["v_cmp"][:, :0])
+    bufs = {k: v.data_ptr() for k, v in st.bufs.items()}
+    pos = torch.tensor([T0])
+    for t in range(T0, T):
+        ref.append(*[src[m][:, t:t + 1] for m in names], phi, phi)
+        st.append(pos, *[src[m][:, t:t + 1] for m in names], phi_one, phi_one)
+        pos += 1
+        kv = ref.views()
+        assert torch.equal(st.k_slc[:, :t + 1], kv["k_slc"]) and torch.equal(st.v_slc[:, :t + 1], kv["v_slc"])
+        p = torch.arange(max(0, t + 1 - w), t + 1)  # the window the next query needs, from the ring
+        assert torch.equal(st.k_win[:, p % w], src["k_win"][:, p])
+        assert torch.equal(st.v_win[:, p % w], src["v_win"][:, p])
+        n = ref.n_cmp
+        assert torch.allclose(st.k_cmp[:, :n], kv["k_cmp"], atol=1e-6)
+        assert torch.allclose(st.v_cmp[:, :n], kv["v_cmp"], atol=1e-6)
+    assert {k: v.data_ptr() for k, v in st.bufs.items()} == bufs
+    with pytest.raises(ValueError, match="capacity"):
+        StaticNSACache(l=l, d=d, w=w, capacity=2).prefill(*[src[m][:, :T0] for m in names], none,
+                                                          src["v_cmp"][:, :0])
+
+
+def test_generate_cuda_graph_needs_cuda():
+    model = make_model(seed=5)
+    prompt = torch.randint(0, MODEL["vocab"], (1, 4))
+    with pytest.raises(ValueError, match="cuda_graph"):
+        model.generate(prompt, 3, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B,T0,n_new", [(1, 7, 40), (3, 150, 70)])
+def test_generate_cuda_graph_equals_eager_on_gpu(B, T0, n_new):
+    """One captured decode step replayed per token gives the eager greedy tokens (fp32 model)."""
+    torch.manual_seed(6)
+    model = TinyLM(**{**MODEL, "vocab": 97, "dim": 64, "d_k": 16, "d_v": 16, "backend": "auto"}).cuda().eval()
+    prompt = torch.randint(0, 97, (B, T0), device="cuda")
+    eager = model.generate(prompt, n_new)
+    graphed = model.generate(prompt, n_new, cuda_graph=True)
+    assert torch.equal(graphed, eager)
+    eos = int(eager[0, T0 + 5])
+    assert torch.equal(model.generate(prompt, n_new, eos_id=eos, cuda_graph=True),
+                       model.generate(prompt, n_new, eos_id=eos))
+    with pytest.raises(ValueError, match="backend"):
+        TinyLM(**{**MODEL, "backend": "torch"}).cuda().generate(prompt, 2, cuda_graph=True)
 
 
 def test_cache_rejects_misuse():

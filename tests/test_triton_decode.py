@@ -73,17 +73,36 @@ def test_score_constants_match_common():
     assert tdec.SCORE_BITS == common.SCORE_BITS and tdec.FORCED_STEP == common.FORCED_STEP
 
 
+# launch geometries (tests/CPU assume 4 "multiprocessors"): few fat programs (several sub-tiles per
+# split-K chunk, several selected blocks / window tiles per program, 2-block scoring slices), many thin
+# ones (one sub-tile / block / window tile each, 4-block slices), and the defaults on small tiles
+TUNES = (dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, rank_block=4, tile=16),
+         dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, rank_block=2, tile=16),
+         dict(cmp_tile=16))
+
+
+def test_plans_cover_every_split():
+    """The TUNES above really exercise multi-tile loops and multi-program splits on the CASES."""
+    seen = set()
+    for HQ, H, dk, dv, hp, T in CASES.values():
+        for tn in TUNES:
+            pl = tdec.decode_plan(rows_h=2 * H, n_cap=common.num_cmp_tokens(T, hp["l"], hp["d"]), s_cap=T,
+                                  sms=tdec.CPU_SMS, tune=dict(tdec.TUNE, **tn), **hp)
+            seen |= {k for k in ("SUBS", "NCH", "NSL", "NRP", "SPB", "NSS", "WSUB", "NWC") if pl[k] > 1}
+    assert seen == {"SUBS", "NCH", "NSL", "NRP", "SPB", "NSS", "WSUB", "NWC"}
+
+
 def test_single_token_matches_prefill(case):
-    """Positions around every emission boundary class; split-K from 1 chunk to one per sub-tile."""
+    """Positions around every emission boundary class, under each launch geometry of TUNES."""
     name, xs, hp, o, idx = case
     l, d, T = hp["l"], hp["d"], xs[0].shape[1]
     ts = sorted({0, 3, l - 2, l - 1, l, l + d - 1, l + d, 2 * hp["l_sel"] - 1, 2 * hp["l_sel"],
                  T // 2 + 1, T - 2, T - 1})
     for i, t in enumerate(ts):
         views, pos0, win_pos0 = decode_views(xs, t, 1, hp["w"], l, d)
-        kw = dict(target_programs=(1, 5, 1000)[i % 3], cmp_tile=16)
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, **kw)
-        check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, (name, t, kw))
+        tn = TUNES[i % len(TUNES)]
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, (name, t, tn))
 
 
 def test_chunked_queries(case):
@@ -91,7 +110,7 @@ def test_chunked_queries(case):
     name, xs, hp, o, idx = case
     for t, tq in ((0, 4), (hp["l"] - 3, 6)):
         views, pos0, win_pos0 = decode_views(xs, t, tq, hp["w"], hp["l"], hp["d"])
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, target_programs=7, cmp_tile=16)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=TUNES[t % 2])
         check(od, id_, o[:, t:t + tq], idx[:, t:t + tq], 1e-5, (name, t, tq))
 
 
@@ -124,6 +143,24 @@ def test_device_positions_on_capacity_buffers():
         vc_c[:, : vc.shape[1]] = vc
 
 
+def test_ring_window_buffer():
+    """win_ring: the window buffer is a ring (position p at row p % ring, NaN in every other row),
+    with host-int and device positions; the result equals the linear-buffer decode."""
+    HQ, H, dk, dv, hp, T = CASES["G2"]
+    xs = make_inputs(2, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=9, device=DEV)
+    o, idx = nsa_attention(*xs, **hp, backend="torch")
+    ring = hp["w"] + 3
+    for i, t in enumerate((2, hp["w"] - 1, hp["w"] + 5, T - 1)):
+        views, pos0, _ = decode_views(xs, t, 1, hp["w"], hp["l"], hp["d"])
+        kr, vr = (torch.full((2, ring, H, x.shape[-1]), float("nan"), device=DEV) for x in xs[5:7])
+        p = torch.arange(max(0, t - ring + 1), t + 1)
+        kr[:, p % ring], vr[:, p % ring] = xs[5][:, p], xs[6][:, p]
+        views[5:7] = [kr, vr]
+        pos = torch.tensor([t], device=DEV) if i % 2 else t
+        od, id_ = run_kernel(views, pos, None, hp, win_ring=ring, tune=TUNES[i % 2])
+        check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, t)
+
+
 def test_matches_reference_fp64_oracle():
     HQ, H, dk, dv, hp, T = CASES["G2"]
     xs = make_inputs(1, 70, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=11, device=DEV)
@@ -141,8 +178,9 @@ def test_ties_go_to_the_lower_block():
     xs[0] = torch.zeros_like(xs[0])
     views, pos0, win_pos0 = decode_views(xs, T - 1, 1, hp["w"], hp["l"], hp["d"])
     ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
-    od, id_ = run_kernel(views, pos0, win_pos0, hp, target_programs=4, cmp_tile=16)
-    check(od, id_, ro, ridx, 1e-5, "ties")
+    for tn in TUNES[:2]:  # ties across scoring slices too
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        check(od, id_, ro, ridx, 1e-5, ("ties", tn))
 
 
 def test_fp16_inputs():
@@ -244,3 +282,27 @@ def test_gpu_cuda_graph_replay_matches_eager():
         oe, ie = nsa_decode(q, kc[:, :n], vc[:, :n], ks[:, :t + 1], vs[:, :t + 1], kw[:, :t + 1],
                             vw[:, :t + 1], g, pos0=t, win_pos0=0, **PAPER)
         assert torch.equal(i_g, ie) and (o_g.float() - oe.float()).abs().max().item() <= 2e-2, t
+
+
+def test_static_cache_decode_matches_eager_decode():
+    """TinyLM over StaticNSACaches (device position, ring window and raw tail, device-side appends,
+    the kernel in its CUDA-graph form, no capture) gives the eager cached decode's logits token by
+    token: a prompt shorter than l, then emissions of compressed tokens and ring wrap-arounds."""
+    from nsa import TinyLM
+    torch.manual_seed(0)
+    model = TinyLM(vocab=37, dim=32, n_layers=1, n_heads=4, n_kv_groups=2, d_k=16, d_v=16, l=8, d=4,
+                   l_sel=8, n_sel=3, w=12, backend="torch").to(DEV).eval()
+    T0, n = 5, 17
+    ids = torch.randint(0, 37, (2, T0), device=DEV)
+    toks = torch.randint(0, 37, (2, n), device=DEV)
+    with torch.no_grad():
+        ref, caches = model.prefill(ids, capacity=4, last_only=True)
+        got, scaches = model.prefill_static(ids, T0 + n)
+        assert torch.allclose(got, ref, atol=1e-5)
+        pos = torch.tensor([T0], device=DEV)
+        for i in range(n):
+            ref = model.decode_step(toks[:, i:i + 1], caches)
+            got = model.decode_step_static(toks[:, i:i + 1], scaches, pos)
+            pos += 1
+            assert torch.allclose(got, ref, atol=1e-5, rtol=1e-4), i
+    assert scaches[0].k_slc.shape[1] == T0 + n and scaches[0].k_win.shape[1] == 12  # never re-allocated

@@ -15,14 +15,20 @@ Their views are therefore contiguous along time and in position order, which the
 
 All bookkeeping (lengths, positions) is plain Python ints: decode is host-driven and no step needs
 a device->host sync. Tensors are stored detached: the cache is for inference.
+
+StaticNSACache is the CUDA-graph form (TinyLM.generate(cuda_graph=True)): every buffer is allocated
+once at a fixed capacity, the window and the raw compression tail are rings, and a decode step
+writes at a *device* position tensor (index_copy_), so one captured step replays for every token.
+static_decode is the graph-capturable NSAAttention.decode over it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from nsa.layers.compression import num_compressed, unfold_blocks
+from nsa.layers.rope import apply_rope
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]  # blocks [B, m, H, l, D] -> [B, m, H, D]
 
@@ -191,3 +197,121 @@ class NSAKVCache:
         v_new = phi_v(unfold_blocks(v_raw, self.l, self.d))
         self.cmp.append([k_new, v_new])
         return last - first
+
+
+class StaticNSACache:
+    """Fixed-capacity decode state of one NSA layer for CUDA-graph replay.
+
+    Buffers (allocated at prefill from the first tensors' batch/heads/dims/dtype/device, zero-filled):
+    k_slc/v_slc [B, capacity, H, *] all raw tokens; k_win/v_win a ring of w rows (position p at row
+    p % w: a one-token step needs [p - w + 1, p]); k_raw/v_raw a ring of l rows (the raw compression
+    tail); k_cmp/v_cmp [B, N(capacity) + 1, H, *]. Decode positions live on the device (`pos`, given
+    per step), so nothing on the host changes per token; `length` is the prompt length only.
+    """
+
+    def __init__(self, l: int, d: int, w: int, capacity: int) -> None:
+        if min(l, d, w, capacity) <= 0:
+            raise ValueError(f"StaticNSACache: l={l}, d={d}, w={w}, capacity={capacity} must all be > 0")
+        self.l, self.d, self.w, self.capacity = l, d, w, capacity
+        self.length = 0
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        bufs = self.__dict__.get("bufs", {})
+        if name in bufs:
+            return bufs[name]
+        raise AttributeError(name)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.bufs.values())
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, _, H, dk = k.shape
+        dv = v.shape[-1]
+        n_cmp = num_compressed(self.capacity, self.l, self.d) + 1  # +1: see append (not-yet-visible row)
+        for name, rows in (("slc", self.capacity), ("win", self.w), ("raw", self.l), ("cmp", n_cmp)):
+            self.bufs[f"k_{name}"] = k.new_zeros(B, rows, H, dk)
+            self.bufs[f"v_{name}"] = v.new_zeros(B, rows, H, dv)
+
+    def prefill(self, k_cmp_raw: torch.Tensor, v_cmp_raw: torch.Tensor, k_slc: torch.Tensor,
+                v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_cmp: torch.Tensor,
+                v_cmp: torch.Tensor) -> None:
+        """Fill from a batched prefill of T tokens (same arguments as NSAKVCache.prefill)."""
+        if self.length != 0:
+            raise ValueError("StaticNSACache.prefill: cache already holds tokens")
+        T = k_slc.shape[1]
+        if T > self.capacity:
+            raise ValueError(f"StaticNSACache.prefill: {T} prompt tokens exceed capacity={self.capacity}; "
+                             "allocate capacity = prompt + max new tokens")
+        self._allocate(k_slc, v_slc)
+        dev = k_slc.device
+        self.k_slc[:, :T] = k_slc.detach()
+        self.v_slc[:, :T] = v_slc.detach()
+        for ring, src in (("win", (k_win, v_win)), ("raw", (k_cmp_raw, v_cmp_raw))):
+            rows = self.bufs[f"k_{ring}"].shape[1]
+            p = torch.arange(max(0, T - rows), T, device=dev)  # the last `rows` positions
+            self.bufs[f"k_{ring}"][:, p % rows] = src[0][:, p].detach()
+            self.bufs[f"v_{ring}"][:, p % rows] = src[1][:, p].detach()
+        N = k_cmp.shape[1]
+        self.k_cmp[:, :N] = k_cmp.detach()
+        self.v_cmp[:, :N] = v_cmp.detach()
+        self.length = T
+
+    def append(self, pos: torch.Tensor, k_cmp_raw: torch.Tensor, v_cmp_raw: torch.Tensor,
+               k_slc: torch.Tensor, v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor,
+               phi_k: Callable[[torch.Tensor], torch.Tensor],
+               phi_v: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Write one new token ([B, 1, H, *] each) at device position pos ([1] int64), graph-safe.
+
+        The compressed token of the block ending at pos (raw positions pos-l+1 .. pos, gathered from
+        the ring; phi_k / phi_v map [B, l, H, D] -> [B, 1, H, D]) is computed every step. When a
+        block really completes there (pos + 1 >= l and d | pos + 1 - l) it lands in its row
+        N(pos+1) - 1; otherwise in row N(pos+1), which no query at <= pos sees and which the block's
+        real completion overwrites later. So no host decision and no branch per step.
+        """
+        if k_slc.shape[1] != 1:
+            raise ValueError(f"StaticNSACache.append: one token per step, got {k_slc.shape[1]}")
+        l, d = self.l, self.d
+        for name, x, rows in (("slc", (k_slc, v_slc), None), ("win", (k_win, v_win), self.w),
+                              ("raw", (k_cmp_raw, v_cmp_raw), l)):
+            at = pos if rows is None else pos % rows
+            self.bufs[f"k_{name}"].index_copy_(1, at, x[0].detach())
+            self.bufs[f"v_{name}"].index_copy_(1, at, x[1].detach())
+        ring_rows = (pos - l + 1 + torch.arange(l, device=pos.device)) % l        # positions pos-l+1..pos
+        k_new = phi_k(self.k_raw.index_select(1, ring_rows))
+        v_new = phi_v(self.v_raw.index_select(1, ring_rows))
+        done = pos + 1 - l                                                        # [1]
+        n_after = torch.where(done >= 0, torch.div(done, d, rounding_mode="floor") + 1, 0)
+        emit = ((done >= 0) & (done % d == 0)).to(pos.dtype)
+        row = n_after - emit
+        self.k_cmp.index_copy_(1, row, k_new.to(self.k_cmp.dtype))
+        self.v_cmp.index_copy_(1, row, v_new.to(self.v_cmp.dtype))
+
+
+def static_decode(layer: Any, x: torch.Tensor, cache: StaticNSACache, pos: torch.Tensor) -> torch.Tensor:
+    """Graph-capturable NSAAttention.decode of one token per sequence at device position pos.
+
+    layer: an nsa.layers.attention.NSAAttention (duck-typed: this module cannot import it);
+    x [B, 1, dim] -> y [B, 1, dim]. Mirrors layer.project (fused qkv GEMM, RoPE on q and every
+    branch's raw keys, branch-major k/v) with positions from the device, appends to `cache`, and
+    attends through the triton decode kernel with the device position and the ring window buffer
+    (the only path that reads positions from the device; called directly, so the interpreter can
+    run it in CPU tests). No host sync, no host int per token.
+    """
+    from nsa.ops.triton.decode import nsa_decode_triton  # lazy: needs triton
+    B, T, _ = x.shape
+    HQ, H, dk, dv = layer.n_heads, layer.n_kv_groups, layer.d_k, layer.d_v
+    positions = pos + torch.arange(T, device=x.device)
+    q_part, k_part, v_part = layer.qkv_proj(x).split(layer._split, dim=-1)
+    q = apply_rope(q_part.view(B, T, HQ, dk), base=layer.rope_base, positions=positions)
+    k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
+    k = apply_rope(k, base=layer.rope_base, positions=positions).view(3, B, T, H, dk)
+    v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
+    gates = layer.compute_gates(x)
+    cache.append(pos, k[0], v[0], k[1], v[1], k[2], v[2], layer.phi_k.compress_block,
+                 layer.phi_v.compress_block)
+    o, block_idx = nsa_decode_triton(q, cache.k_cmp, cache.v_cmp, cache.k_slc, cache.v_slc, cache.k_win,
+                                     cache.v_win, gates, pos0=pos, win_pos0=None, win_ring=cache.w,
+                                     l=layer.l, d=layer.d, l_sel=layer.l_sel, n_sel=layer.n_sel,
+                                     w=layer.w, scale=dk ** -0.5)
+    return layer._output(o, gates, block_idx)

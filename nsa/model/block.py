@@ -6,7 +6,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from nsa.layers.attention import NSAAttention
-from nsa.layers.cache import NSAKVCache
+from nsa.layers.cache import NSAKVCache, StaticNSACache, static_decode
 
 
 class RMSNorm(nn.Module):
@@ -72,4 +72,10 @@ class LlamaBlockNSA(nn.Module):
     def decode(self, x: torch.Tensor, cache: NSAKVCache) -> torch.Tensor:
         """New tokens x [B, Tq, dim] following the cached ones."""
         x = x + self.attn.decode(self.attn_norm(x), cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def decode_static(self, x: torch.Tensor, cache: StaticNSACache, pos: torch.Tensor) -> torch.Tensor:
+        """One new token x [B, 1, dim] at device position pos ([1] int64) over a StaticNSACache:
+        the CUDA-graph-capturable form of decode (no host int changes per token)."""
+        x = x + static_decode(self.attn, self.attn_norm(x), cache, pos)
         return x + self.mlp(self.mlp_norm(x))

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nsa.layers.attention import NSAAttention
-from nsa.layers.cache import NSAKVCache
+from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.model.block import LlamaBlockNSA, RMSNorm
 
 # config attribute names accepted for a constructor argument (first match wins)
@@ -154,6 +154,77 @@ class TinyLM(nn.Module):
             x = blk.decode(x, cache)
         return self.lm_head(self.norm(x))
 
+    def prefill_static(self, ids: torch.Tensor, capacity: int) -> tuple[torch.Tensor, list[StaticNSACache]]:
+        """Batched prompt forward that fills fixed-capacity StaticNSACaches (capacity = prompt + new
+        tokens, allocated once). Returns (logits of the last token [B, 1, vocab], caches)."""
+        self._check_ids(ids)
+        caches = [StaticNSACache(a.l, a.d, a.w, capacity) for a in self.nsa_layers()]
+        x = self.embed(ids)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.prefill(x, cache)
+        return self.lm_head(self.norm(x[:, -1:])), caches
+
+    def decode_step_static(self, ids: torch.Tensor, caches: list[StaticNSACache],
+                           pos: torch.Tensor) -> torch.Tensor:
+        """ids [B, 1] at device position pos ([1] int64) -> logits [B, 1, vocab]; graph-capturable
+        (device-side cache writes and positions, the triton decode kernel, no host sync)."""
+        x = self.embed(ids)
+        for blk, cache in zip(self.blocks, caches):
+            x = blk.decode_static(x, cache, pos)
+        return self.lm_head(self.norm(x))
+
+    def _check_graphable(self, ids: torch.Tensor) -> None:
+        """ValueError naming why cuda_graph=True cannot run here."""
+        if ids.device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"cuda_graph=True needs CUDA (ids are on {ids.device}); move the model and "
+                             "ids to a GPU or pass cuda_graph=False")
+        from nsa.ops.decode import _triton_decode
+        if _triton_decode() is None:
+            raise ValueError("cuda_graph=True needs the triton decode kernel (triton not importable); "
+                             "pass cuda_graph=False")
+        bad = sorted({a.backend for a in self.nsa_layers() if a.backend in ("torch", "reference")})
+        if bad:
+            raise ValueError(f"cuda_graph=True decodes with the triton kernel but the attention backend is "
+                             f"{bad[0]!r}; build the model with backend='auto' or 'triton', or pass "
+                             "cuda_graph=False")
+
+    def _graph_decoder(self, ids: torch.Tensor, capacity: int):
+        """(logits of the prompt's last token, step) for generate(cuda_graph=True).
+
+        step(tok [B]) -> logits [B, 1, vocab] decodes one token. Call 1 runs eagerly on a side
+        stream (compiles the kernels, creates library workspaces); call 2 captures one whole decode
+        step (every layer, and the position increment) in a CUDA graph; every call replays it. The
+        graph's inputs are the token buffer and the device position; its output buffer is reused.
+        """
+        logits, caches = self.prefill_static(ids, capacity)
+        pos = torch.full((1,), ids.shape[1], dtype=torch.int64, device=ids.device)
+        tok_in = ids.new_zeros(ids.shape[0], 1)
+        state: dict = {"calls": 0}
+
+        def body() -> torch.Tensor:
+            out = self.decode_step_static(tok_in, caches, pos)
+            pos.add_(1)
+            return out
+
+        def step(tok: torch.Tensor) -> torch.Tensor:
+            tok_in.copy_(tok[:, None])
+            state["calls"] += 1
+            if state["calls"] == 1:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    out = body()
+                torch.cuda.current_stream().wait_stream(side)
+                return out
+            if state["calls"] == 2:
+                state["graph"] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(state["graph"]):
+                    state["out"] = body()
+            state["graph"].replay()
+            return state["out"]
+
+        return logits, step
+
     # ----------------------------------------------------------------- generate
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -171,9 +242,14 @@ class TinyLM(nn.Module):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, eos_id: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, cuda_graph: bool = False) -> torch.Tensor:
         """ids [B, T0] -> [B, T0 + max_new_tokens]: one batched prefill, then one cached decode
-        step per new token. A sequence that emits eos_id is padded with eos_id afterwards."""
+        step per new token. A sequence that emits eos_id is padded with eos_id afterwards.
+
+        cuda_graph=True (CUDA + triton only, else ValueError): the caches are fixed-capacity
+        StaticNSACaches of T0 + max_new_tokens tokens and one decode step of all layers is captured
+        in a CUDA graph and replayed per token (see _graph_decoder); the tokens equal cuda_graph=False
+        up to floating-point rounding (same kernels, other split-K geometry)."""
         self._check_ids(ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
@@ -181,12 +257,20 @@ class TinyLM(nn.Module):
             raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
+        if cuda_graph:
+            self._check_graphable(ids)
         B, T0 = ids.shape
         out = ids.new_empty(B, T0 + max_new_tokens)  # preallocated: no torch.cat per token
         out[:, :T0] = ids
         if max_new_tokens == 0:
             return out
-        logits, caches = self.prefill(ids, capacity=T0 + max_new_tokens, last_only=True)
+        if cuda_graph:
+            logits, step = self._graph_decoder(ids, T0 + max_new_tokens)
+        else:
+            logits, caches = self.prefill(ids, capacity=T0 + max_new_tokens, last_only=True)
+
+            def step(tok: torch.Tensor) -> torch.Tensor:
+                return self.decode_step(tok[:, None], caches)
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
         for i in range(max_new_tokens):
             tok = self.sample(logits[:, -1], temperature, top_k, generator)  # [B]
@@ -199,5 +283,5 @@ class TinyLM(nn.Module):
             if eos_id is not None and bool(finished.all()):  # sync-ok: host-driven decode loop
                 out[:, T0 + i + 1:] = eos_id
                 break
-            logits = self.decode_step(tok[:, None], caches)
+            logits = step(tok)
         return out

@@ -29,9 +29,11 @@ def _triton_decode() -> Callable | None:
     return fn
 
 
-def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object) -> None:
-    """Device-side positions: int32/int64 tensors of shape [1] or [B] on q's device."""
-    for name, x in (("pos0", pos0), ("win_pos0", win_pos0)):
+def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object, win_ring: int) -> None:
+    """Device-side positions: int32/int64 tensors of shape [1] or [B] on q's device (win_pos0 may be
+    None with a ring window buffer, which needs no base position)."""
+    pairs = (("pos0", pos0),) if (win_ring and win_pos0 is None) else (("pos0", pos0), ("win_pos0", win_pos0))
+    for name, x in pairs:
         if (not isinstance(x, torch.Tensor) or x.dim() != 1
                 or x.dtype not in (torch.int32, torch.int64)):
             raise ValueError(f"{name} must be an int32/int64 tensor of shape [1] or [B] when either "
@@ -43,9 +45,9 @@ def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object) -> 
 
 def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
-               pos0: int | torch.Tensor, win_pos0: int | torch.Tensor, l: int, d: int, l_sel: int,
-               n_sel: int, w: int, scale: float | None = None,
-               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               pos0: int | torch.Tensor, win_pos0: int | torch.Tensor | None, l: int, d: int,
+               l_sel: int, n_sel: int, w: int, scale: float | None = None, backend: str = "auto",
+               win_ring: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA for queries at absolute positions pos0 .. pos0 + Tq - 1 (Tq usually 1).
 
     q [B,Tq,HQ,dk], gates [B,Tq,HQ,3]; k_slc/v_slc [B,S,H,*] raw tokens 0..S-1 (S = pos0 + Tq);
@@ -54,13 +56,23 @@ def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc:
     win_pos0 .. S-1, win_pos0 <= max(0, pos0 - w + 1). Returns (o [B,Tq,HQ,dv] in q.dtype,
     block_idx [B,Tq,H,n_sel]), equal to nsa_attention over the full sequence at those positions.
     pos0/win_pos0 are Python ints; device tensors ([1] or [B], capacity-sized buffers, for CUDA
-    graphs) are passed through to the triton decode kernel only.
+    graphs) are passed through to the triton decode kernel only. win_ring > 0 (device positions
+    only): k_win/v_win are a ring of win_ring >= w + Tq - 1 rows, position p at row p % win_ring,
+    and win_pos0 may be None.
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                    v_win=v_win, gates=gates)
     _check_requested(backend)
     on_device = isinstance(pos0, torch.Tensor) or isinstance(win_pos0, torch.Tensor)
+    if isinstance(win_ring, bool) or not isinstance(win_ring, int) or win_ring < 0:
+        raise ValueError(f"win_ring must be a non-negative int (0 = linear window buffer), got {win_ring!r}")
+    if win_ring and not on_device:
+        raise ValueError("win_ring (a ring window buffer) needs device-tensor positions and the triton "
+                         "decode kernel; pass win_ring=0 with a linear window buffer otherwise")
+    if win_ring and win_ring < w + q.shape[1] - 1:
+        raise ValueError(f"win_ring={win_ring} must be >= w + Tq - 1 = {w + q.shape[1] - 1} so every "
+                         "query's window is still in the ring")
     validate_inputs(tensors, p, pos0=0 if on_device else pos0,
                     win_pos0=0 if on_device else win_pos0, decode=True, check_lengths=not on_device)
     sc = safe_scale(scale, q.shape[-1])
@@ -72,8 +84,8 @@ def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc:
             raise ValueError("pos0/win_pos0 as device tensors need the triton decode kernel (CUDA, "
                              f"triton installed; resolved backend here: {policy.backend}); pass "
                              "Python ints for the torch/reference backends")
-        _check_device_positions(q, pos0, win_pos0)
-        return fn(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
+        _check_device_positions(q, pos0, win_pos0, win_ring)
+        return fn(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, win_ring=win_ring, **kw)
     if policy.fallback is not None:
         count_fallback(f"decode:{policy.fallback}")
     if policy.backend == "reference":

@@ -1,24 +1,37 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Four launches, every grid sized from buffer capacities (never from the current length), and the
-query position read from a device tensor when one is given, so one CUDA graph replays every step:
+Five launches, no atomics, every grid sized from buffer capacities (never from the current length),
+and the query position read from a device tensor when one is given, so one CUDA graph replays every
+step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
+axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
 
-1. ``_cmp_kernel``      grid (NCH, R*H)  [R = B*Tq query rows, H kv heads]
-   Split-K over the compressed tokens (flash-decoding): program c walks its chunk of SUBS sub-tiles
-   of CCS compressed tokens. Per sub-tile it keeps the unnormalised p = exp2(x - m_sub) for the G
-   heads of the group and maps it to the NBJ selection blocks the sub-tile owns with the overlap
-   counts (a (r-1)-token halo before the sub-tile makes every block's score local to one sub-tile):
-   sp[g, j] and m_sub[g] go to scratch. It also accumulates the chunk's softmax partial (m, l, o)
-   over its own tokens.
-2. ``_topn_kernel``     grid (R*H,)
-   lse_g from the chunk partials, scores s[j] = sum_g exp2(m_sub[g] - lse_g) * sp[g, j], then the
-   top-n of nsa.ops.common (score grid 2**-20 of the normalised score, forced blocks by priority,
-   ties to the lower index) as one int64 key per block; writes block_idx ascending, -1 padded.
-3. ``_slc_win_kernel``  grid (NSS + NWC, R*H): selected-block attention (SPB selected blocks a
-   program) and the sliding window (BW tokens a program), softmax partials.
-4. ``_combine_kernel``  grid (R*HQ,): merges the partials of the three branches and the gates.
+1. ``_cmp_kernel``    grid (H, NCH, R)
+   Split-K over the compressed tokens (flash-decoding), NCH chunks of SUBS sub-tiles sized for about
+   one resident wave. A sub-tile loads CCS own compressed tokens plus an (r-1)-token halo, so the
+   NBJ selection blocks it owns get their whole score from it: per head, p = exp2(x - m_sub) is
+   mapped onto the blocks with the (loop-invariant) overlap counts, sp[g, j] and m_sub[g] go to
+   scratch. The chunk's softmax partial (m, l, o) is always written (neutral -inf/0/0 when the chunk
+   saw no visible token), so later kernels need no position to know what is valid.
+2. ``_score_kernel``  grid (NSL, H, R)
+   Block slice s (SL blocks): lse_g from the chunk partials, group scores
+   s[j] = sum_g exp2(m_sub[g] - lse_g) * sp[g, j], and the comparison key of nsa.ops.common (score
+   grid 2**-20 of the normalised score, forced blocks by priority, ties to the lower index; one
+   unique int64 per block, -1 when not eligible) to scratch.
+3. ``_rank_kernel``   grid (NB/M, H, R)
+   Exact rank of M blocks against all keys (elementwise compare-accumulate over broadcast loads, no
+   reductions in the loop); each of the top n_sel writes its block id into slot = rank.
+4. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
+   Selection programs read the block ids of their SPB slots and attend over them (program 0 also
+   writes block_idx, ascending, -1 padded); window programs attend over WSUB*TW window tokens.
+   Key tiles are dealt evenly over the programs. Softmax partials.
+5. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*],
+TUNE["pdl"] (off by default: measured slower at B=1 on an H200) makes launches 2-5 programmatic
+dependent launches (each kernel lets its dependent start early; the dependent waits with
+griddepcontrol.wait right before reading the previous results).
+
+Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*]
+(linear from win_pos0, or a ring of win_ring rows: position p at row p % win_ring),
 gates [B,Tq,HQ,3]; any strides with a unit last dim. Forward only (decode is inference).
 """
 from __future__ import annotations
@@ -34,79 +47,168 @@ from ._utils import dot_precision, next_pow2
 LOG2E = 1.4426950408889634
 SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
 FORCED_STEP = 2 ** (SCORE_BITS + 1)
-WIN_TILE = 64            # BW: window tokens per window program
-# Launch knobs, measured by bench/bench_decode.py --sweep (H200, HQ=64, H=4, d=128, bf16, 64k):
-# cmp_tile = compressed tokens loaded per sub-tile (own tokens + the halo); per_sm = split-K target
-# in programs per multiprocessor; warps/stages of the cmp and slc/win kernels (G >= 16, d >= 128).
-TUNE = dict(cmp_tile=64, per_sm=4, cmp_warps=4, cmp_stages=3, slc_warps=8, slc_stages=2, topn_warps=16)
+# Launch knobs, chosen per regime by `bench/bench_decode.py --sweep` (H200, HQ=64, H=4, d=128, bf16,
+# 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
+# loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
+# and the selection+window launches aim at; score_slice / rank_block = blocks per scoring / ranking
+# program; tile = key tokens per selection/window load (<= 64); *_warps: an int or "auto" (about 32
+# elements of the largest tile a thread); pdl = programmatic dependent launch (measured slower at
+# B=1). TUNE_LARGE overrides TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
+TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
+            rank_block=64, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
+            comb_warps=4, pdl=False, large_rows=32)
+TUNE_LARGE: dict = dict(score_warps="auto", rank_warps="auto", comb_warps="auto", sw_per_sm=1)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
+_PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+CPU_SMS = 4              # "multiprocessors" the plan assumes off-GPU (interpreter, offline compiles)
 
 
+# ----------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _pdl_launch_dependents(PDL: tl.constexpr):
+    if PDL:  # griddepcontrol: a no-op when the launch was not programmatic
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:  # waits until the previous kernel finished and its writes are visible
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _query_pos(POS, spos, pos_base, b, iq, POS_PTR: tl.constexpr):
+    """Absolute position of query row (b, iq): device tensor (CUDA-graph replay) or host int."""
+    if POS_PTR:
+        t = tl.load(POS + b * spos).to(tl.int64) + iq
+    else:
+        t = pos_base.to(tl.int64) + iq
+    return t
+
+
+@triton.jit
+def _n_visible(t, NBUF, L_CMP: tl.constexpr, STRIDE: tl.constexpr):
+    """Compressed tokens visible at t (block i visible iff i*d + l - 1 <= t), capped by the buffer."""
+    return tl.minimum(tl.where(t + 1 >= L_CMP, (t + 1 - L_CMP) // STRIDE + 1, 0), NBUF)
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m_run, l_run, acc, scale_log2, DOT_PREC: tl.constexpr):
+    """One online-softmax step of q [GP, BDK] over a key tile k/v [BN, *] with valid columns ok."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_run, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_run = l_run * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_run, acc
+
+
+@triton.jit
+def _dot_split3(p, cnt, SPLIT: tl.constexpr):
+    """p [M, K] fp32 @ cnt [K, N] (small integers) with fp32 accuracy.
+
+    SPLIT (CUDA): p = p1 + p2 + p3 in bf16 (each residual exact in fp32, the sum exact to ~2**-25)
+    and three bf16 MMAs accumulating in fp32 -- as exact as a tf32x3 dot and far lighter on
+    registers. Else one fp32 "ieee" dot (the interpreter, whose bf16 dots are not usable)."""
+    if not SPLIT:
+        return tl.dot(p, cnt, input_precision="ieee")
+    cnt = cnt.to(tl.bfloat16)
+    p1 = p.to(tl.bfloat16)
+    r = p - p1.to(tl.float32)
+    p2 = r.to(tl.bfloat16)
+    p3 = (r - p2.to(tl.float32)).to(tl.bfloat16)
+    acc = tl.dot(p3, cnt, out_dtype=tl.float32)
+    acc = tl.dot(p2, cnt, acc)
+    return tl.dot(p1, cnt, acc)
+
+
+@triton.jit
+def _merge(m, l, o, ok):
+    """Normalised softmax merge of partials m/l [N], o [N, BDV] where ok; 0 when nothing merged."""
+    m = tl.where(ok, m, float("-inf"))
+    mx = tl.max(m, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    wt = tl.where(ok, tl.exp2(m - mx), 0.0)
+    tot = tl.sum(wt * l, 0)
+    osum = tl.sum(wt[:, None] * o, 0)
+    return tl.where(tot > 0, osum / tl.maximum(tot, 1e-30), 0.0)
+
+
+# ----------------------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["pos_base"])
 def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, skch, svcb, svct, svch,
                 spos, pos_base, Tq, H, NBUF, NCH, NSUB, NBCAP, SUBS, scale_log2,
                 G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BDK: tl.constexpr, BDV: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
                 LSEL: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
-                POS_PTR: tl.constexpr, DOT_PREC: tl.constexpr, P_PREC: tl.constexpr):
-    """Split-K compressed attention + per-head block-score partials of chunk pid (see module doc)."""
+                POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """Split-K compressed attention + per-head block-score partials of one chunk (see module doc)."""
     R: tl.constexpr = LSEL // STRIDE          # stride chunks per selection block (u)
     LC: tl.constexpr = L_CMP // STRIDE        # stride chunks per compression block (r)
     CCS: tl.constexpr = NBJ * R               # own compressed tokens per sub-tile
-    pid = tl.program_id(0)
-    rh = tl.program_id(1)
-    row = rh // H
-    h = rh % H
+    h = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.program_id(2)
+    _pdl_launch_dependents(PDL)
+    rh = row * H + h
     b = (row // Tq).to(tl.int64)
     iq = row % Tq
-    if POS_PTR:   # device-side position (CUDA-graph replay) or a host int
-        t = tl.load(POS + b * spos).to(tl.int64) + iq
-    else:
-        t = pos_base.to(tl.int64) + iq
+    t = _query_pos(POS, spos, pos_base, b, iq, POS_PTR)
     g = tl.arange(0, GP)
     g_ok = g < G
     hq = (h * G + g).to(tl.int64)
     HQ = H * G
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
+    dk_ok = offs_dk[None, :] < DK
+    dv_ok = offs_dv[None, :] < DV
     q = tl.load(Q + b * sqb + iq * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=g_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)          # [GP, BDK]
-    n_vis = tl.minimum(tl.where(t + 1 >= L_CMP, (t + 1 - L_CMP) // STRIDE + 1, 0), NBUF)
+                mask=g_ok[:, None] & dk_ok, other=0.0)                          # [GP, BDK]
+    n_vis = _n_visible(t, NBUF, L_CMP, STRIDE)
     # sub-tiles holding a visible token (their load window starts r-1 tokens early)
     st_end = tl.where(n_vis > 0, (n_vis + LC - 1 + CCS - 1) // CCS, 0)
-    st_lo = pid * SUBS
+    st_lo = c * SUBS
     st_hi = tl.minimum(st_lo + SUBS, st_end).to(tl.int32)
+    # overlap (in stride chunks) of the sub-tile's tokens with the NBJ blocks it owns: the same for
+    # every sub-tile, so it is built once. Token rel (relative to the first own token) covers stride
+    # chunks [rel, rel + r - 1]; owned block jc covers [jc*u, jc*u + u - 1].
+    rel = tl.arange(0, BN) - (LC - 1)
+    jcol = tl.arange(0, NBJ_PAD)
+    lo = tl.maximum(rel[:, None], (jcol * R)[None, :])
+    hi = tl.minimum(rel[:, None] + LC - 1, (jcol * R + R - 1)[None, :])
+    cnt = tl.where((hi >= lo) & (jcol < NBJ)[None, :], hi - lo + 1, 0).to(tl.float32)   # [BN, NBJ_PAD]
+    own_rel = (rel >= 0) & (rel < CCS)
     m_run = tl.full([GP], float("-inf"), tl.float32)
     l_run = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BDV], tl.float32)
     kc_base = KC + b * skcb + h * skch
     vc_base = VC + b * svcb + h * svch
-    jcol = tl.arange(0, NBJ_PAD)
     sp_row = (row * HQ + hq).to(tl.int64)[:, None] * NBCAP
+    sp_ok = g_ok[:, None] & (jcol < NBJ)[None, :]
+    ms_row = rh.to(tl.int64) * NSUB
     for st in range(st_lo, st_hi):
-        i0 = st * CCS
-        ki = i0 - (LC - 1) + tl.arange(0, BN)                                   # [BN] with the halo
+        ki = st * CCS + rel                                                     # [BN] with the halo
         k_ok = (ki >= 0) & (ki < n_vis)
-        own = k_ok & (ki >= i0) & (ki < i0 + CCS)
+        own = k_ok & own_rel
         ki64 = ki.to(tl.int64)
-        k = tl.load(kc_base + ki64[:, None] * skct + offs_dk[None, :],
-                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(vc_base + ki64[:, None] * svct + offs_dv[None, :],
-                    mask=own[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        k = tl.load(kc_base + ki64[:, None] * skct + offs_dk[None, :], mask=k_ok[:, None] & dk_ok,
+                    other=0.0, eviction_policy="evict_first")
+        v = tl.load(vc_base + ki64[:, None] * svct + offs_dv[None, :], mask=own[:, None] & dv_ok,
+                    other=0.0, eviction_policy="evict_first")
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2        # [GP, BN]
         s = tl.where(k_ok[None, :], s, float("-inf"))
         m_s = tl.max(s, 1)                                                      # finite: a token is visible
         p = tl.exp2(s - m_s[:, None])
-        # block scores of the NBJ blocks this sub-tile owns: sp = p @ cnt (overlap in stride chunks)
-        jj = st * NBJ + jcol
-        lo = tl.maximum(ki[:, None], (jj * R)[None, :])
-        hi = tl.minimum(ki[:, None] + LC - 1, (jj * R + R - 1)[None, :])
-        cnt = tl.where((hi >= lo) & (jcol < NBJ)[None, :], hi - lo + 1, 0).to(tl.float32)
-        sp = tl.dot(p, cnt, input_precision=P_PREC)                             # [GP, NBJ_PAD]
-        tl.store(SP + sp_row + jj[None, :], sp, mask=g_ok[:, None] & (jcol < NBJ)[None, :])
-        tl.store(MS + (rh.to(tl.int64) * NSUB + st) * GP + g, m_s)
+        sp = _dot_split3(p, cnt, SPLIT)                                              # [GP, NBJ_PAD]
+        tl.store(SP + sp_row + (st * NBJ + jcol)[None, :], sp, mask=sp_ok)
+        tl.store(MS + (ms_row + st) * GP + g, m_s)
         # online softmax over the sub-tile's own tokens
         m_new = tl.maximum(m_run, m_s)
         alpha = tl.exp2(m_run - m_new)
@@ -114,231 +216,214 @@ def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, s
         l_run = l_run * alpha + tl.sum(p_own, 1)
         acc = acc * alpha[:, None] + tl.dot(p_own.to(v.dtype), v, input_precision=DOT_PREC)
         m_run = m_new
-    part = (row * NCH + pid).to(tl.int64) * HQ + hq                             # [GP] rows of [R, NCH, HQ]
-    wr = g_ok & ((tl.zeros([GP], tl.int64) + st_lo) < st_end)                   # vector mask (interpreter)
-    tl.store(CM + part, m_run, mask=wr)
-    tl.store(CL + part, l_run, mask=wr)
-    tl.store(CO + part[:, None] * DV + offs_dv[None, :], acc, mask=wr[:, None] & (offs_dv[None, :] < DV))
+    part = (row * NCH + c).to(tl.int64) * HQ + hq                               # rows of [R, NCH, HQ]
+    tl.store(CM + part, m_run, mask=g_ok)
+    tl.store(CL + part, l_run, mask=g_ok)
+    tl.store(CO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
 
 
 @triton.jit(do_not_specialize=["pos_base"])
-def _topn_kernel(POS, SP, MS, CM, CL, BI, spos, pos_base, sbb, sbt, sbh,
-                 Tq, H, NBUF, NCH, NSUB, NBCAP, SUBS,
-                 G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
-                 STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, NSEL: tl.constexpr,
-                 NSEL_P2: tl.constexpr, NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr,
-                 POS_PTR: tl.constexpr):
-    """Group scores from the per-head partials, then the deterministic top-n (one (row, kv head))."""
+def _score_kernel(POS, SP, MS, CM, CL, KEYS, spos, pos_base, Tq, H, NBUF, NCH, NSUB, NBCAP,
+                  G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
+                  STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, SL: tl.constexpr,
+                  NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr, POS_PTR: tl.constexpr,
+                  PDL: tl.constexpr):
+    """Group scores and comparison keys of one slice of SL blocks (see module doc)."""
     R: tl.constexpr = LSEL // STRIDE
     LC: tl.constexpr = L_CMP // STRIDE
-    CCS: tl.constexpr = NBJ * R
-    rh = tl.program_id(0)
-    row = rh // H
-    h = rh % H
+    s_id = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.program_id(2)
+    _pdl_launch_dependents(PDL)
+    rh = row * H + h
     b = (row // Tq).to(tl.int64)
     iq = row % Tq
-    if POS_PTR:
-        t = tl.load(POS + b * spos).to(tl.int64) + iq
-    else:
-        t = pos_base.to(tl.int64) + iq
-    n_vis = tl.minimum(tl.where(t + 1 >= L_CMP, (t + 1 - L_CMP) // STRIDE + 1, 0), NBUF)
-    st_end = tl.where(n_vis > 0, (n_vis + LC - 1 + CCS - 1) // CCS, 0)
-    nch_used = (st_end + SUBS - 1) // SUBS
-    cur = t // LSEL                                        # block of t; eligible blocks are 0..cur
-    j = tl.arange(0, NB_P2)
-    # block j has a visible compressed token (vector form of n_vis > 0: see the interpreter note)
-    vis = (j * R - (LC - 1) < n_vis) & (j <= cur) & ((tl.zeros([NB_P2], tl.int64) + n_vis) > 0)
-    st = (j // NBJ).to(tl.int64)
-    c = tl.arange(0, NCH_P2)
     HQ = H * G
-    s = tl.zeros([NB_P2], tl.float32)
-    for g0 in range(0, G, GC):                             # GC heads at a time: loads in flight together
-        g = g0 + tl.arange(0, GC)
-        g_ok = g < G
-        hq = (h * G + g).to(tl.int64)
-        cmask = (c < nch_used)[:, None] & g_ok[None, :]
-        coff = (row * NCH + c).to(tl.int64)[:, None] * HQ + hq[None, :]         # [NCH_P2, GC]
+    t = _query_pos(POS, spos, pos_base, b, iq, POS_PTR)
+    cur = t // LSEL                                        # block of t; eligible blocks are 0..cur
+    n_vis = _n_visible(t, NBUF, L_CMP, STRIDE)
+    j = s_id * SL + tl.arange(0, SL)
+    # block j has a visible compressed token (n_vis > 0 in vector form: the interpreter wants it)
+    vis = (j * R - (LC - 1) < n_vis) & (j <= cur) & ((tl.zeros([SL], tl.int64) + n_vis) > 0)
+    in_cap = j < NBCAP                                     # scratch rows exist (content valid where vis)
+    st = (j // NBJ).to(tl.int64)
+    cidx = tl.arange(0, NCH_P2)
+    _pdl_wait(PDL)
+    ssum = tl.zeros([SL], tl.float32)
+    for g0 in tl.static_range(0, GP, GC):                  # GC heads at a time (register budget)
+        gg = g0 + tl.arange(0, GC)
+        g_ok = gg < G
+        hq = (h * G + gg).to(tl.int64)
+        coff = (row * NCH + cidx).to(tl.int64)[:, None] * HQ + hq[None, :]       # [NCH_P2, GC]
+        cmask = (cidx < NCH)[:, None] & g_ok[None, :]
         cm = tl.load(CM + coff, mask=cmask, other=float("-inf"))
         cl = tl.load(CL + coff, mask=cmask, other=0.0)
+        lmask = g_ok[:, None] & in_cap[None, :]
+        ms = tl.load(MS + (rh.to(tl.int64) * NSUB + st)[None, :] * GP + gg[:, None], mask=lmask, other=0.0)
+        sp = tl.load(SP + (row * HQ + hq)[:, None] * NBCAP + j[None, :], mask=lmask, other=0.0)
         mx = tl.max(cm, 0)
         mx = tl.where(mx == float("-inf"), 0.0, mx)
         lse = mx + tl.log2(tl.maximum(tl.sum(tl.exp2(cm - mx[None, :]) * cl, 0), 1e-30))   # [GC]
-        jmask = g_ok[:, None] & vis[None, :]
-        ms = tl.load(MS + (rh.to(tl.int64) * NSUB + st)[None, :] * GP + g[:, None], mask=jmask, other=0.0)
-        sp = tl.load(SP + (row * HQ + hq)[:, None] * NBCAP + j[None, :], mask=jmask, other=0.0)
-        s += tl.sum(tl.where(jmask, tl.exp2(ms - lse[:, None]) * sp, 0.0), 0)
+        val = tl.exp2(ms - lse[:, None]) * sp
+        ssum += tl.sum(tl.where(g_ok[:, None] & vis[None, :], val, 0.0), 0)
     # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
-    mult = tl.full([NB_P2], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
-    x = s.to(tl.float64) * mult
+    mult = tl.full([SL], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
+    x = ssum.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int64)   # rint for 0 <= x < 2**52
     prio = tl.where(j == cur, 3, tl.where(j == 0, 2, tl.where(j == cur - 1, 1, 0))).to(tl.int64)
-    # one unique int64 key: priority, then grid score, then the lower index
+    # one unique int64 key: priority, then grid score, then the lower index; -1 = not eligible
     key = tl.where(j <= cur, (prio * FSTEP + grid) * NB_P2 + (NB_P2 - 1 - j), -1)
-    sel = tl.zeros([NB_P2], tl.int32)
-    for _ in range(NSEL):
-        m = tl.max(key, 0)
-        hit = (key == m) & (key >= 0)
-        sel = tl.where(hit, 1, sel)
-        key = tl.where(hit, -1, key)
-    slot = tl.cumsum(sel, 0) - 1
-    out = BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh
-    tl.store(out + slot, j.to(tl.int64), mask=sel > 0)
-    n_chosen = tl.sum(sel, 0)
-    k = tl.arange(0, NSEL_P2)
-    tl.store(out + k, tl.full([NSEL_P2], -1, tl.int64), mask=(k >= n_chosen) & (k < NSEL))
+    tl.store(KEYS + rh.to(tl.int64) * NB_P2 + j, key)
+
+
+@triton.jit(do_not_specialize=["pos_base"])
+def _rank_kernel(POS, KEYS, SEL, spos, pos_base, Tq, H, M: tl.constexpr, NB_P2: tl.constexpr,
+                 NSEL: tl.constexpr, NSEL_P2: tl.constexpr, CT: tl.constexpr, LSEL: tl.constexpr,
+                 POS_PTR: tl.constexpr, PDL: tl.constexpr):
+    """Exact global rank of M blocks against all NB_P2 keys of their (row, kv head); a block among
+    the top n_sel goes to slot = its rank (SEL[rh, rank] = block). No reductions in the loop: the
+    other keys arrive as [M, CT] broadcast loads and the comparisons accumulate elementwise."""
+    s_id = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.program_id(2)
+    _pdl_launch_dependents(PDL)
+    rh = (row * H + h).to(tl.int64)
+    kb = KEYS + rh * NB_P2
+    mine = s_id * M + tl.arange(0, M)
+    cols = tl.arange(0, CT)[None, :] + tl.zeros([M, 1], tl.int32)               # [M, CT]
+    _pdl_wait(PDL)
+    key = tl.load(kb + mine)
+    kmine = key[:, None]
+    acc = tl.zeros([M, CT], tl.int32)
+    for c0 in range(0, NB_P2, CT):
+        acc += (tl.load(kb + c0 + cols) > kmine).to(tl.int32)
+    rank = tl.sum(acc, 1)
+    sel = (rank < NSEL) & (key >= 0)
+    sb = SEL + rh * NSEL_P2
+    tl.store(sb + rank, mine.to(tl.int64), mask=sel)
+    if s_id == 0:  # fewer eligible blocks (0..cur) than n_sel: the remaining slots are empty
+        b = (row // Tq).to(tl.int64)
+        t = _query_pos(POS, spos, pos_base, b, row % Tq, POS_PTR)
+        n_take = tl.minimum(t // LSEL + 1, NSEL)
+        kk = tl.arange(0, NSEL_P2)
+        tl.store(sb + kk, tl.full([NSEL_P2], -1, tl.int64), mask=(kk >= n_take) & (kk < NSEL))
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, BI, SM, SL, SO, WM, WL, WO,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, BI, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    spos, swin, pos_base, win_base, sbb, sbt, sbh, Tq, H, NSS, NWC, scale_log2,
+                    spos, swin, pos_base, win_base, wmod, sbb, sbt, sbh, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
-                    SPB: tl.constexpr, SPB_P2: tl.constexpr, BS: tl.constexpr, W: tl.constexpr,
-                    BW: tl.constexpr, POS_PTR: tl.constexpr, DOT_PREC: tl.constexpr):
-    """pid < NSS: selected-block attention over SPB selected blocks; else window chunk pid - NSS."""
-    pid = tl.program_id(0)
-    rh = tl.program_id(1)
-    row = rh // H
-    h = rh % H
+                    NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
+                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
+    NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
+    h = tl.program_id(0)
+    p = tl.program_id(1)
+    row = tl.program_id(2)
+    _pdl_launch_dependents(PDL)
+    rh = row * H + h
     b = (row // Tq).to(tl.int64)
     iq = row % Tq
-    if POS_PTR:
-        t = tl.load(POS + b * spos).to(tl.int64) + iq
-        w0 = tl.load(WIN0 + b * swin).to(tl.int64)             # absolute position of window row 0
-    else:
-        t = pos_base.to(tl.int64) + iq
-        w0 = win_base.to(tl.int64)
+    t = _query_pos(POS, spos, pos_base, b, iq, POS_PTR)
     g = tl.arange(0, GP)
     g_ok = g < G
     hq = (h * G + g).to(tl.int64)
     HQ = H * G
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
+    dk_ok = offs_dk[None, :] < DK
+    dv_ok = offs_dv[None, :] < DV
+    tw = tl.arange(0, TW)
     q = tl.load(Q + b * sqb + iq * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=g_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+                mask=g_ok[:, None] & dk_ok, other=0.0)
+    is_slc = p < NSS
+    sb = SEL + rh.to(tl.int64) * NSEL_P2                    # slot -> block, slots in rank order
+    if is_slc:
+        _pdl_wait(PDL)
+        if p == 0:  # block_idx: the selected blocks ascending, -1 padded
+            kk = tl.arange(0, NSEL_P2)
+            a = tl.load(sb + kk, mask=kk < NSEL, other=-1)
+            a2 = tl.load(sb + kk[None, :] + tl.zeros([NSEL_P2, 1], tl.int32), mask=kk[None, :] < NSEL,
+                         other=-1)
+            big = tl.where(a2 < 0, 4611686018427387904, a2)                     # -1 sorts last
+            dst = tl.sum((big < a[:, None]).to(tl.int32), 1)                     # rank by block id
+            out = BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh
+            tl.store(out + dst, a, mask=a >= 0)
+            n_chosen = tl.sum((a >= 0).to(tl.int32), 0)
+            tl.store(out + kk, tl.full([NSEL_P2], -1, tl.int64), mask=(kk >= n_chosen) & (kk < NSEL))
+    if POS_PTR:
+        w0 = tl.load(WIN0 + b * swin).to(tl.int64)             # absolute position of window row 0
+    else:
+        w0 = win_base.to(tl.int64)
+    # window tiles: positions lo_w + c*TW + [0, TW); ring rows wrap at most once inside a tile
+    c_w = (p - NSS) * WSUB
+    lo_w = tl.maximum(t - W + 1, 0)
+    wm = tl.maximum(wmod, 1)
+    ring0 = (lo_w + c_w * TW) % wm
+    k_base = tl.where(is_slc, KS + b * sksb + h * sksh, KW + b * skwb + h * skwh)
+    v_base = tl.where(is_slc, VS + b * svsb + h * svsh, VW + b * svwb + h * svwh)
+    k_st = tl.where(is_slc, skst, skwt)
+    v_st = tl.where(is_slc, svst, svwt)
+    n_it = tl.where(is_slc, SPB * NBS, WSUB)
     m_run = tl.full([GP], float("-inf"), tl.float32)
     l_run = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BDV], tl.float32)
-    if pid < NSS:
-        ks_base = KS + b * sksb + h * sksh
-        vs_base = VS + b * svsb + h * svsh
-        slots = pid * SPB + tl.arange(0, SPB_P2)
-        js = tl.load(BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh + slots,
-                     mask=(slots < NSEL) & (tl.arange(0, SPB_P2) < SPB), other=-1)  # all ids at once
-        for i in range(SPB):
-            j = tl.sum(tl.where(tl.arange(0, SPB_P2) == i, js, 0), 0)
-            for sub in tl.static_range(0, LSEL, BS):
-                kk = sub + tl.arange(0, BS)
-                kp = j * LSEL + kk
-                ok = (kp >= 0) & (kk < LSEL) & (kp <= t)     # j = -1 (unused slot) gives kp < 0
-                k = tl.load(ks_base + kp[:, None] * skst + offs_dk[None, :],
-                            mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-                v = tl.load(vs_base + kp[:, None] * svst + offs_dv[None, :],
-                            mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-                s = tl.where(ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_run, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_run - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_run = l_run * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-                m_run = m_new
-        part = (row * NSS + pid).to(tl.int64) * HQ + hq
-        tl.store(SM + part, m_run, mask=g_ok)
-        tl.store(SL + part, l_run, mask=g_ok)
-        tl.store(SO + part[:, None] * DV + offs_dv[None, :], acc,
-                 mask=g_ok[:, None] & (offs_dv[None, :] < DV))
-    else:
-        c = pid - NSS
-        lo_w = tl.maximum(t - W + 1, 0)
-        kp = lo_w + c * BW + tl.arange(0, BW)                                   # absolute positions
-        ok = kp <= t
-        kr = kp - w0                                                            # rows of the window buffer
-        k = tl.load(KW + b * skwb + h * skwh + kr[:, None] * skwt + offs_dk[None, :],
-                    mask=ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        v = tl.load(VW + b * svwb + h * svwh + kr[:, None] * svwt + offs_dv[None, :],
-                    mask=ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m = tl.max(s, 1)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        p = tl.exp2(s - m_safe[:, None])
-        o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        part = (row * NWC + c).to(tl.int64) * HQ + hq
-        wr = g_ok & ((tl.zeros([GP], tl.int64) + lo_w + c * BW) <= t)
-        tl.store(WM + part, m, mask=wr)
-        tl.store(WL + part, tl.sum(p, 1), mask=wr)
-        tl.store(WO + part[:, None] * DV + offs_dv[None, :], o, mask=wr[:, None] & (offs_dv[None, :] < DV))
+    for it in range(n_it):
+        slot = p * SPB + it // NBS
+        jsel = tl.load(sb + slot, mask=is_slc & (slot < NSEL), other=-1)
+        kk2 = (it % NBS) * TW + tw
+        kp_s = jsel * LSEL + kk2                                                # -1 (empty slot): < 0
+        kp_w = lo_w + (c_w + it) * TW + tw                                       # absolute positions
+        r_ring = (ring0 + it * TW) % wm + tw            # valid rows span < w <= wmod: one wrap at most
+        r_ring = tl.where(r_ring >= wm, r_ring - wm, r_ring)
+        r_w = tl.where(wmod > 0, r_ring, kp_w - w0)                              # ring or linear rows
+        rows = tl.where(is_slc, kp_s, r_w)
+        ok = tl.where(is_slc, (kp_s >= 0) & (kk2 < LSEL) & (kp_s <= t), kp_w <= t)
+        k = tl.load(k_base + rows[:, None] * k_st + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
+        v = tl.load(v_base + rows[:, None] * v_st + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
+        m_run, l_run, acc = _attend_tile(q, k, v, ok, m_run, l_run, acc, scale_log2, DOT_PREC)
+    part = (row * NP2 + p).to(tl.int64) * HQ + hq
+    tl.store(XM + part, m_run, mask=g_ok)
+    tl.store(XL + part, l_run, mask=g_ok)
+    tl.store(XO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
 
 
 @triton.jit
-def _merge(M, L, O, base, n, offs_dv, DV: tl.constexpr, NP: tl.constexpr, HQ):
-    """Softmax-merge partials [n] at rows base + c*HQ of M/L [.., HQ] and O [.., HQ, DV] -> [BDV]."""
-    c = tl.arange(0, NP)
-    ok = c < n
-    rows = base + c.to(tl.int64) * HQ
-    m = tl.load(M + rows, mask=ok, other=float("-inf"))
-    lsum = tl.load(L + rows, mask=ok, other=0.0)
-    mx = tl.max(m, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    wt = tl.where(ok, tl.exp2(m - mx), 0.0)
-    o = tl.load(O + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0)
-    tot = tl.sum(wt * lsum, 0)
-    return tl.sum(wt[:, None] * o, 0), tot, mx
-
-
-@triton.jit(do_not_specialize=["pos_base"])
-def _combine_kernel(POS, GT, O, CM, CL, CO, WM, WL, WO, SM, SL, SO, spos, pos_base,
-                    sgb, sgt, sgh, sgk, sob, sot, soh, Tq, H, NBUF, NCH, NSS, SUBS,
-                    G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, L_CMP: tl.constexpr,
-                    STRIDE: tl.constexpr, LSEL: tl.constexpr, W: tl.constexpr, NBJ: tl.constexpr,
-                    NWC: tl.constexpr, NWC_P2: tl.constexpr, NSS_P2: tl.constexpr, BW: tl.constexpr,
-                    CB: tl.constexpr, POS_PTR: tl.constexpr):
-    R: tl.constexpr = LSEL // STRIDE
-    LC: tl.constexpr = L_CMP // STRIDE
-    CCS: tl.constexpr = NBJ * R
-    pid = tl.program_id(0)
-    HQ = H * G
-    row = pid // HQ
-    hq = pid % HQ
+def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, Tq, NCH, NSS, NP2,
+                    HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr,
+                    NP2_P2: tl.constexpr, PDL: tl.constexpr):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for one (row, query head)."""
+    hq = tl.program_id(0)
+    row = tl.program_id(1)
     b = (row // Tq).to(tl.int64)
-    iq = row % Tq
-    if POS_PTR:
-        t = tl.load(POS + b * spos).to(tl.int64) + iq
-    else:
-        t = pos_base.to(tl.int64) + iq
+    iq = (row % Tq).to(tl.int64)
     offs_dv = tl.arange(0, BDV)
-    # compressed branch: partials of the chunks that saw a visible token, CB chunks at a time
-    n_vis = tl.minimum(tl.where(t + 1 >= L_CMP, (t + 1 - L_CMP) // STRIDE + 1, 0), NBUF)
-    st_end = tl.where(n_vis > 0, (n_vis + LC - 1 + CCS - 1) // CCS, 0)
-    nch_used = ((st_end + SUBS - 1) // SUBS).to(tl.int32)
-    m_c = tl.full([], float("-inf"), tl.float32)
-    l_c = tl.zeros([], tl.float32)
-    o_c = tl.zeros([BDV], tl.float32)
-    for c0 in range(0, nch_used, CB):
-        o_p, l_p, m_p = _merge(CM, CL, CO, (row * NCH + c0).to(tl.int64) * HQ + hq, nch_used - c0,
-                               offs_dv, DV, CB, HQ)
-        m_new = tl.maximum(m_c, m_p)
-        a_old = tl.exp2(m_c - m_new)
-        a_new = tl.exp2(m_p - m_new)
-        o_c = o_c * a_old + o_p * a_new
-        l_c = l_c * a_old + l_p * a_new
-        m_c = m_new
-    o_cmp = tl.where(l_c > 0, o_c / tl.maximum(l_c, 1e-30), 0.0)                # exactly 0 when empty
-    lo_w = tl.maximum(t - W + 1, 0)
-    nwc_used = (t - lo_w + BW) // BW
-    o_w, l_w, _m = _merge(WM, WL, WO, (row * NWC).to(tl.int64) * HQ + hq, nwc_used, offs_dv, DV, NWC_P2, HQ)
-    o_s, l_s, _m = _merge(SM, SL, SO, (row * NSS).to(tl.int64) * HQ + hq, NSS, offs_dv, DV, NSS_P2, HQ)
-    gp = GT + b * sgb + iq.to(tl.int64) * sgt + hq.to(tl.int64) * sgh
+    dv_ok = offs_dv[None, :] < DV
+    gp = GT + b * sgb + iq * sgt + hq * sgh
     g0 = tl.load(gp).to(tl.float32)
     g1 = tl.load(gp + sgk).to(tl.float32)
     g2 = tl.load(gp + 2 * sgk).to(tl.float32)
-    o = g0 * o_cmp + g1 * (o_s / tl.maximum(l_s, 1e-30)) + g2 * (o_w / tl.maximum(l_w, 1e-30))
-    tl.store(O + b * sob + iq.to(tl.int64) * sot + hq.to(tl.int64) * soh + offs_dv, o.to(O.dtype.element_ty),
-             mask=offs_dv < DV)
+    c = tl.arange(0, NCH_P2)
+    c_ok = c < NCH
+    x = tl.arange(0, NP2_P2)
+    x_ok = x < NP2
+    crow = (row * NCH + c).to(tl.int64) * HQ + hq
+    xrow = (row * NP2 + x).to(tl.int64) * HQ + hq
+    _pdl_wait(PDL)
+    cm = tl.load(CM + crow, mask=c_ok, other=float("-inf"))
+    cl = tl.load(CL + crow, mask=c_ok, other=0.0)
+    co = tl.load(CO + crow[:, None] * DV + offs_dv[None, :], mask=c_ok[:, None] & dv_ok, other=0.0)
+    xm = tl.load(XM + xrow, mask=x_ok, other=float("-inf"))
+    xl = tl.load(XL + xrow, mask=x_ok, other=0.0)
+    xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok, other=0.0)
+    o_cmp = _merge(cm, cl, co, c_ok)                       # exactly 0 when no compressed token is visible
+    o_slc = _merge(xm, xl, xo, x_ok & (x < NSS))
+    o_win = _merge(xm, xl, xo, x_ok & (x >= NSS))
+    o = g0 * o_cmp + g1 * o_slc + g2 * o_win
+    tl.store(O + b * sob + iq * sot + hq * soh + offs_dv, o.to(O.dtype.element_ty), mask=offs_dv < DV)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,48 +444,103 @@ def _check(q: torch.Tensor, v: torch.Tensor, gates: torch.Tensor) -> None:
         raise NotImplementedError(f"d_k={q.shape[-1]} / d_v={v.shape[-1]} exceed {MAX_HEAD_DIM}")
 
 
+def tune_for(rows_h: int, tune: dict | None = None) -> dict:
+    """The launch knobs for rows_h (query row, kv head) pairs: TUNE, TUNE_LARGE on top for large
+    counts, then `tune` (explicit overrides)."""
+    tn = dict(TUNE)
+    if rows_h >= tn["large_rows"]:
+        tn.update(TUNE_LARGE)
+    tn.update(tune or {})
+    return tn
+
+
+def _warps(knob, elems: int) -> int:
+    """num_warps: the knob, or for "auto" about 32 elements of the largest tile per thread (1..8)."""
+    if knob != "auto":
+        return int(knob)
+    return max(1, min(8, next_pow2(triton.cdiv(elems, 32 * 32))))
+
+
 def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: int, n_sel: int,
-                w: int, target: int, cmp_tile: int) -> dict:
+                w: int, sms: int, tune: dict) -> dict:
     """Launch geometry from capacities only (so a captured graph fits every later step).
 
-    rows_h = B*Tq*H programs per split; n_cap compressed-token slots; s_cap raw-token slots;
-    target = wanted programs per split-K launch.
+    rows_h = B*Tq*H (row, kv head) pairs; n_cap compressed-token slots; s_cap raw-token slots;
+    sms = multiprocessors; tune = the knobs (tune_for).
     """
     r, u = l // d, l_sel // d
-    bn = max(16, next_pow2(max(cmp_tile, r + u)))
+    bn = max(16, next_pow2(max(tune["cmp_tile"], r + u)))
     nbj = (bn - (r - 1)) // u                       # selection blocks a sub-tile owns
-    ccs = nbj * u
     nb_vis_cap = (n_cap + r - 1 + u - 1) // u if n_cap > 0 else 0
     nsub = max(1, triton.cdiv(nb_vis_cap, nbj))
-    want = max(1, triton.cdiv(target, rows_h))
+    # split-K: about cmp_per_sm programs per multiprocessor in all (one resident wave)
+    want = max(1, int(tune["cmp_per_sm"] * sms) // rows_h)
     subs = triton.cdiv(nsub, min(want, nsub))
     nch = triton.cdiv(nsub, subs)
-    bw = min(WIN_TILE, max(16, next_pow2(w)))
-    nwc = triton.cdiv(min(w, s_cap), bw)
-    spb = triton.cdiv(n_sel, min(want, n_sel))
+    nb_p2 = max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1))
+    sl = min(nb_p2, max(2, next_pow2(tune["score_slice"])))
+    rm = min(nb_p2, max(2, next_pow2(tune["rank_block"])))
+    # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
+    # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
+    tw = min(max(16, next_pow2(l_sel)), tune["tile"])      # key tile (tokens) of both kinds
+    nbs = triton.cdiv(l_sel, tw)
+    nwt = triton.cdiv(min(w, max(s_cap, 1)), tw)
+    p2 = max(2, int(tune["sw_per_sm"] * sms) // rows_h)
+    tpp = max(1, triton.cdiv(n_sel * nbs + nwt, p2))
+    spb = triton.cdiv(n_sel, triton.cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
     nss = triton.cdiv(n_sel, spb)
-    nb_elig = (max(s_cap, 1) - 1) // l_sel + 1
-    return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), CCS=ccs, NSUB=nsub, NBCAP=nsub * nbj,
-                SUBS=subs, NCH=nch, BW=bw, NWC=nwc, SPB=spb, NSS=nss, NB_P2=max(16, next_pow2(nb_elig)))
+    wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpp))            # window tiles per window program
+    nwc = triton.cdiv(nwt, wsub)
+    return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
+                NCH=nch, NB_P2=nb_p2, NSEL_P2=max(2, next_pow2(n_sel)), SL=sl, NSL=nb_p2 // sl, RM=rm,
+                NRP=nb_p2 // rm, TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
+
+
+def _launch_all(specs: list, pdl: bool) -> None:
+    """Launch [(name, kernel, grid, args, constexprs)] in order; with pdl the kernels get PDL=True
+    (griddepcontrol in the code) and every launch but the first the launch_pdl attribute."""
+    for i, (name, kernel, grid, args, kw) in enumerate(specs):
+        extra = dict(launch_pdl=True) if pdl and i > 0 else {}
+        LAST_LAUNCH[name] = kernel[grid](*args, **kw, PDL=pdl, **extra)
+
+
+def _launch_with_pdl_fallback(specs: list, want_pdl: bool) -> None:
+    """Programmatic dependent launch when wanted and this Triton/driver takes it; learnt once, on the
+    first try outside a CUDA-graph capture (a failed launch must not happen inside one)."""
+    pdl = want_pdl and _PDL["ok"] is not False
+    if pdl and _PDL["ok"] is None and torch.cuda.is_current_stream_capturing():
+        pdl = False
+    if not pdl:
+        _launch_all(specs, False)
+        return
+    try:
+        _launch_all(specs, True)
+        _PDL["ok"] = True
+    except Exception:  # noqa: BLE001 - e.g. no launch_pdl in this Triton: plain launches from now on
+        if _PDL["ok"]:
+            raise
+        _PDL["ok"] = False
+        _launch_all(specs, False)
 
 
 def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                       v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
-                      *, pos0: int | torch.Tensor, win_pos0: int | torch.Tensor, l: int, d: int,
-                      l_sel: int, n_sel: int, w: int, scale: float,
-                      target_programs: int | None = None,
+                      *, pos0: int | torch.Tensor, win_pos0: int | torch.Tensor | None, l: int, d: int,
+                      l_sel: int, n_sel: int, w: int, scale: float, win_ring: int = 0,
+                      tune: dict | None = None, target_programs: int | None = None,
                       cmp_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA for queries at absolute positions pos0 .. pos0+Tq-1 against cache buffers (no checks of
     lengths here: nsa.ops.nsa_decode validates the int form).
 
     q [B,Tq,HQ,dk], gates [B,Tq,HQ,3]; k_cmp/v_cmp [B,Ncap,H,*] (compressed tokens; those visible at
-    t are read), k_slc/v_slc [B,Scap,H,*] (raw tokens 0..t), k_win/v_win [B,Swcap,H,*] (row r holds
-    absolute position win_pos0 + r). pos0 / win_pos0: Python ints, or int device tensors of shape
-    [1] or [B] (then nothing on the host depends on them: a CUDA graph of this call replays at any
-    position that fits the buffers). scale: the softmax scale. target_programs: split-K size
-    (default TUNE["per_sm"] x multiprocessors); cmp_tile: compressed tokens per sub-tile load (a
-    power of two, default TUNE["cmp_tile"]; tests shrink it). Returns (o [B,Tq,HQ,dv] in q.dtype,
-    block_idx [B,Tq,H,n_sel] int64 ascending, -1 padded).
+    t are read), k_slc/v_slc [B,Scap,H,*] (raw tokens 0..t), k_win/v_win [B,Swcap,H,*]: row r holds
+    absolute position win_pos0 + r, or, when win_ring > 0, position p sits at row p % win_ring
+    (a ring of win_ring >= w + Tq - 1 rows; win_pos0 is then ignored). pos0 / win_pos0: Python
+    ints, or int device tensors of shape [1] or [B] (then nothing on the host depends on them: a
+    CUDA graph of this call replays at any position that fits the buffers). scale: the softmax
+    scale. tune: launch knobs over tune_for(...) (tests shrink them); target_programs / cmp_tile:
+    shorthands for tune's cmp_per_sm (in programs in all) / cmp_tile. Returns (o [B,Tq,HQ,dv] in
+    q.dtype, block_idx [B,Tq,H,n_sel] int64 ascending, -1 padded).
     """
     _check(q, v_slc, gates)
     B, Tq, HQ, dk = q.shape
@@ -411,73 +551,84 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
         if x.shape[1] > 0 and x.stride(-1) != 1:
             raise ValueError(f"{name} needs a unit stride in its last dim, got strides {x.stride()}")
     dev = q.device
-    if target_programs is None:
-        target_programs = TUNE["per_sm"] * (_sm_count(dev.index or 0) if dev.type == "cuda" else 4)
-    if cmp_tile is None:
-        cmp_tile = TUNE["cmp_tile"]
     R = B * Tq
+    tn = tune_for(R * H, tune)
+    sms = _sm_count(dev.index or 0) if dev.type == "cuda" else CPU_SMS
+    if target_programs is not None:
+        tn["cmp_per_sm"] = tn["sw_per_sm"] = max(1, target_programs) / sms
+    if cmp_tile is not None:
+        tn["cmp_tile"] = cmp_tile
     n_cap = k_cmp.shape[1]
     plan = decode_plan(rows_h=R * H, n_cap=n_cap, s_cap=k_slc.shape[1], l=l, d=d, l_sel=l_sel,
-                       n_sel=n_sel, w=w, target=target_programs, cmp_tile=cmp_tile)
+                       n_sel=n_sel, w=w, sms=sms, tune=tn)
     if n_cap == 0:  # nothing compressed yet: any valid pointer, every load is masked off
         k_cmp, v_cmp = k_slc, v_slc
     pos_ptr = isinstance(pos0, torch.Tensor)
     if pos_ptr:
         pos_t, win_t = pos0, win_pos0
         if not isinstance(win_t, torch.Tensor):
-            raise ValueError("win_pos0 must be a tensor when pos0 is one (both device-side)")
+            if not win_ring:
+                raise ValueError("win_pos0 must be a tensor when pos0 is one (both device-side)")
+            win_t = pos_t
         spos = pos_t.stride(0) if pos_t.numel() > 1 else 0
         swin = win_t.stride(0) if win_t.numel() > 1 else 0
         pos_base = win_base = 0
     else:
         pos_t = win_t = q  # unused pointers
         spos = swin = 0
-        pos_base, win_base = int(pos0), int(win_pos0)
+        pos_base, win_base = int(pos0), (0 if win_ring else int(win_pos0))
     f32 = dict(device=dev, dtype=torch.float32)
-    NCH, NWC, NSS, NSUB = plan["NCH"], plan["NWC"], plan["NSS"], plan["NSUB"]
-    sp = torch.empty(R * HQ, plan["NBCAP"], **f32)
+    NCH, NP2, NSUB = plan["NCH"], plan["NP2"], plan["NSUB"]
     GP = max(16, next_pow2(G))
+    sp = torch.empty(R * HQ, plan["NBCAP"], **f32)
     ms = torch.empty(R * H, NSUB, GP, **f32)
-    # softmax partials (m, l, unnormalised o) of the cmp chunks, window chunks and selection splits
+    # softmax partials (m, l, unnormalised o) of the cmp chunks and of the selection/window programs
     cm, cl, co = (torch.empty(R, NCH, HQ, *e, **f32) for e in ((), (), (dv,)))
-    wm, wl, wo = (torch.empty(R, NWC, HQ, *e, **f32) for e in ((), (), (dv,)))
-    sm, sl, so = (torch.empty(R, NSS, HQ, *e, **f32) for e in ((), (), (dv,)))
+    xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
+    keys = torch.empty(R * H, plan["NB_P2"], device=dev, dtype=torch.int64)
+    sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
     bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     prec = dot_precision(q.dtype, q.is_cuda)
-    p_prec = "tf32x3" if q.is_cuda else "ieee"     # scores need ~fp32 accuracy whatever q's dtype
     sl2 = scale * LOG2E
     geo = dict(L_CMP=l, STRIDE=d, LSEL=l_sel, POS_PTR=pos_ptr)
-    big = max(bdk, bdv) >= 128 and GP >= 16
-    nb_p2 = plan["NB_P2"]
-    LAST_LAUNCH["cmp"] = _cmp_kernel[(NCH, R * H)](
-        q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, q.stride(0), q.stride(1), q.stride(2),
-        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1), v_cmp.stride(2),
-        spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2,
-        G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
-        NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, P_PREC=p_prec,
-        num_warps=TUNE["cmp_warps"] if big else 4, num_stages=TUNE["cmp_stages"], **geo)
-    LAST_LAUNCH["topn"] = _topn_kernel[(R * H,)](
-        pos_t, sp, ms, cm, cl, bi, spos, pos_base, bi.stride(0), bi.stride(1), bi.stride(2),
-        Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"],
-        G=G, GP=GP, GC=min(GP, max(1, 16384 // nb_p2)), NBJ=plan["NBJ"], NSEL=n_sel,
-        NSEL_P2=max(2, next_pow2(n_sel)), NB_P2=nb_p2, NCH_P2=max(2, next_pow2(NCH)), FSTEP=FORCED_STEP,
-        num_warps=TUNE["topn_warps"] if nb_p2 >= 1024 else (8 if nb_p2 >= 256 else 4), **geo)
-    LAST_LAUNCH["slc_win"] = _slc_win_kernel[(NSS + NWC, R * H)](
-        q, k_slc, v_slc, k_win, v_win, pos_t, win_t, bi, sm, sl, so, wm, wl, wo,
-        q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
-        v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1), k_win.stride(2),
-        v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base, win_base,
-        bi.stride(0), bi.stride(1), bi.stride(2), Tq, H, NSS, NWC, sl2,
-        G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, SPB=plan["SPB"],
-        SPB_P2=max(2, next_pow2(plan["SPB"])), BS=min(max(16, next_pow2(l_sel)), 64), W=w, BW=plan["BW"],
-        POS_PTR=pos_ptr, DOT_PREC=prec, num_warps=TUNE["slc_warps"] if big else 4,
-        num_stages=TUNE["slc_stages"])
-    LAST_LAUNCH["combine"] = _combine_kernel[(R * HQ,)](
-        pos_t, gates, o, cm, cl, co, wm, wl, wo, sm, sl, so, spos, pos_base,
-        gates.stride(0), gates.stride(1), gates.stride(2), gates.stride(3),
-        o.stride(0), o.stride(1), o.stride(2), Tq, H, n_cap, NCH, NSS, plan["SUBS"],
-        G=G, DV=dv, BDV=bdv, W=w, NBJ=plan["NBJ"], NWC=NWC, NWC_P2=max(2, next_pow2(NWC)),
-        NSS_P2=max(2, next_pow2(NSS)), BW=plan["BW"], CB=max(2, min(64, next_pow2(NCH))), num_warps=4, **geo)
+    nch_p2 = max(2, next_pow2(NCH))
+    cmp_args = (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, q.stride(0), q.stride(1), q.stride(2),
+                k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
+                v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2)
+    cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
+                  NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn["cmp_warps"],
+                  num_stages=tn["cmp_stages"], **geo)
+    SL, NB_P2, RM = plan["SL"], plan["NB_P2"], plan["RM"]
+    gc = GP
+    while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
+        gc //= 2
+    score_args = (pos_t, sp, ms, cm, cl, keys, spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
+    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
+                    num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
+    ct = min(16, NB_P2)
+    rank_args = (pos_t, keys, sel, spos, pos_base, Tq, H)
+    rank_kw = dict(M=RM, NB_P2=NB_P2, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"], CT=ct, LSEL=l_sel, POS_PTR=pos_ptr,
+                   num_warps=_warps(tn["rank_warps"], RM * ct * 4))
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, bi, xm, xl, xo,
+               q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
+               v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
+               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
+               win_base, int(win_ring), bi.stride(0), bi.stride(1), bi.stride(2), Tq, H, plan["NSS"], NP2,
+               sl2)
+    sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
+                 SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr,
+                 DOT_PREC=prec, num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
+    comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
+                 gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
+    np2_p2 = max(2, next_pow2(NP2))
+    comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
+                   num_warps=_warps(tn["comb_warps"], max(nch_p2, np2_p2) * bdv))
+    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
+                               ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
+                               ("rank", _rank_kernel, (plan["NRP"], H, R), rank_args, rank_kw),
+                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
+                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
+                              bool(tn["pdl"]) and q.is_cuda)
     return o, bi
