@@ -65,3 +65,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _restore_fp32_matmul_precision():
+    """Training code turns TF32 on process-wide (nsa.train.precision.enable_tf32); a later test that uses
+    an fp32 CUDA path as its reference must not inherit it, so every test gets the flags back."""
+    import torch
+    prec, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(prec)
+    torch.backends.cudnn.allow_tf32 = cudnn
