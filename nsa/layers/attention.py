@@ -27,11 +27,21 @@ from nsa.layers.rope import apply_rope
 BRANCHES = ("cmp", "slc", "win")
 
 
-@torch.compiler.disable
-def _attend(*args, **kwargs):
-    """nsa_ops.nsa_attention as an eager island: under torch.compile the graph breaks here, so the
-    Triton autograd.Function (its own launches, no host syncs) runs as written."""
+def _attend_eager(*args, **kwargs):
     return nsa_ops.nsa_attention(*args, **kwargs)
+
+
+_attend = _attend_eager
+
+
+def mark_op_eager_island() -> None:
+    """Make the NSA op an eager island for torch.compile (the graph breaks there, so the Triton
+    autograd.Function runs as written). Done on first use by TinyLM.compile_blocks rather than at
+    import: torch.compiler imports dynamo and triton, which must not happen before a CPU test run has
+    chosen TRITON_INTERPRET."""
+    global _attend
+    if _attend is _attend_eager:
+        _attend = torch.compiler.disable(_attend_eager)
 
 
 def validate_nsa_args(dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,

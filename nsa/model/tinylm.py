@@ -60,6 +60,8 @@ class TinyLM(nn.Module):
         """torch.compile each block in place (see class doc). One compiled graph serves every block:
         the blocks share code and shapes, and parameters are graph inputs."""
         import torch._dynamo
+        from nsa.layers.attention import mark_op_eager_island
+        mark_op_eager_island()
         # every block is a separate module instance; leave room for them plus train/eval variants
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     4 * len(self.blocks))
