@@ -105,7 +105,7 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
     from nsa.data.ray_data import iter_packed_batches
     from nsa.data.shards import check_data_path
     from nsa.model import TinyLM
-    from nsa.train import build_optimizer, build_scheduler, precision_from_config, train_step
+    from nsa.train import build_optimizer, build_scheduler, precision_from_config
     dev = torch.device("cuda" if cfg.runtime.use_gpu and torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.runtime.seed)
     prec = precision_from_config(cfg.runtime, dev)
@@ -114,18 +114,8 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
     sched = build_scheduler(opt, cfg.train)
     it = iter_packed_batches(check_data_path(cfg.data.path), cfg.train.seq_len, cfg.data.tokenizer,
                              cfg.train.batch_size, repeat=True, tiktoken_path=cfg.data.tiktoken_path)
-    def step(micro):
-        return train_step(model, micro, opt, sched, prec, grad_clip=cfg.train.grad_clip)
-    mode = "eager"
-    if cfg.runtime.cuda_graph:     # same rule as the pipeline's loop (nsa/train/loop.py)
-        from nsa.train.graphed import GraphedStep, graph_unsupported
-        why = graph_unsupported(model, opt, prec, dev)
-        if why is None:
-            step = GraphedStep(model, opt, sched, prec, grad_clip=cfg.train.grad_clip, device=dev,
-                               warmup=cfg.runtime.cuda_graph_warmup)
-            mode = "cuda_graph"
-        else:
-            mode = f"eager ({why})"
+    from nsa.train.graphed import single_device_step   # the pipeline's step-mode rule, on one device
+    step, mode = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
     step_ms, fetch_ms, tokens = [], [], 0
     for i in range(warmup + steps):
         t0 = time.perf_counter()

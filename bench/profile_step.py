@@ -62,19 +62,13 @@ def _sync(dev: torch.device) -> None:
 
 
 def profile_variant(name: str, overrides: list[str], steps: int, warmup: int, top: int) -> dict[str, Any]:
-    from nsa.train import train_step
     cfg, dev, prec, model, opt, sched, batch = _build(overrides)
 
-    if cfg.runtime.cuda_graph:
-        from nsa.train.graphed import GraphedStep
-        graphed = GraphedStep(model, opt, sched, prec, grad_clip=cfg.train.grad_clip, device=dev,
-                              warmup=cfg.runtime.cuda_graph_warmup)
+    from nsa.train.graphed import single_device_step
+    run_step, _ = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
 
-        def step():
-            return graphed([batch])
-    else:
-        def step():
-            return train_step(model, [batch], opt, sched, prec, grad_clip=cfg.train.grad_clip)
+    def step():
+        return run_step([batch])
 
     t0 = time.perf_counter()
     for _ in range(warmup + (cfg.runtime.cuda_graph_warmup + 1 if cfg.runtime.cuda_graph else 0)):

@@ -118,16 +118,13 @@ class GraphedStep:
                 g["lr"] = t
 
     # ------------------------------------------------------------------ steps
-    def _eager(self, micro: Sequence[torch.Tensor], poison: bool) -> StepResult:
-        self.eager_steps += 1
-        return train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=self.grad_clip,
-                          poison=poison, grad_sync=self.grad_sync)
-
     def _run_eager(self, micro: Sequence[torch.Tensor], poison: bool) -> StepResult:
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
+        self.eager_steps += 1
         with torch.cuda.stream(self._stream):   # warm-up off the default stream (capture rule)
-            res = self._eager(micro, poison)
+            res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=self.grad_clip,
+                             poison=poison, grad_sync=self.grad_sync)
         cur.wait_stream(self._stream)
         return res
 
@@ -175,6 +172,21 @@ class GraphedStep:
         # the outputs are overwritten by the next replay: hand out copies (device ops, no sync)
         return StepResult(loss=out.loss.clone(), grad_norm=out.grad_norm.clone(), finite=out.finite.clone(),
                           tokens=out.tokens)
+
+
+def single_device_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       scheduler: torch.optim.lr_scheduler.LRScheduler, prec: Precision, runtime_cfg: object, *,
+                       grad_clip: float, device: torch.device) -> tuple[Callable[..., StepResult], str]:
+    """(step(micro_batches) -> StepResult, mode text) for a one-device loop (benchmarks, profiler): the
+    graphed step where ``runtime_cfg.cuda_graph`` is on and applies, else ``train_step``."""
+    why = graph_unsupported(model, optimizer, prec, device) if getattr(runtime_cfg, "cuda_graph", False) else None
+    if getattr(runtime_cfg, "cuda_graph", False) and why is None:
+        return (GraphedStep(model, optimizer, scheduler, prec, grad_clip=grad_clip, device=device,
+                            warmup=runtime_cfg.cuda_graph_warmup), "cuda_graph")
+
+    def step(micro: Sequence[torch.Tensor]) -> StepResult:
+        return train_step(model, micro, optimizer, scheduler, prec, grad_clip=grad_clip)
+    return step, "eager" if why is None else f"eager ({why})"
 
 
 def close_step(step: object) -> None:
