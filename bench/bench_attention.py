@@ -172,12 +172,14 @@ SWEEP = {
     "attn.DKDV_TILE": [(32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3),
                        (64, 64, 4, 2)],
     "select.SLC_WARPS": [(8, 8, 8), (4, 8, 8)],
-    "select.SLC_DKDV_ROWS": [16, 32, 64],
+    "select.SLC_DKDV_ROWS": [32, 64, 128],
+    "select.SLC_STAGES": [(2, 1, 1), (2, 2, 2), (3, 2, 2), (2, 3, 3), (3, 1, 2)],
 }
 
 
-def sweep(B, T, HQ, H, dk, dv, warmup, iters):
-    """Times the stages a tile setting affects, for each candidate in SWEEP (ms)."""
+def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
+    """Times the stages a tile setting affects, for each candidate in SWEEP whose key starts with
+    `only` (ms)."""
     from nsa.ops.triton import attn, select
     mods = {"attn": attn, "select": select}
     q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
@@ -205,8 +207,11 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters):
     }
     stages["attn.DKDV_TILE"] = stages["attn.DQ_TILE"]
     stages["select.SLC_DKDV_ROWS"] = {"slc_bwd": stages["select.SLC_WARPS"]["slc_bwd"]}
+    stages["select.SLC_STAGES"] = stages["select.SLC_WARPS"]
     out = {}
     for key, cands in SWEEP.items():
+        if not key.startswith(only):
+            continue
         mod, name = key.split(".")
         orig = getattr(mods[mod], name)
         for cand in cands:
@@ -258,6 +263,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--breakdown", type=int, nargs="*", default=[], help="T values for per-stage times")
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the tile-config sweep")
+    ap.add_argument("--sweep-only", default="", help="sweep only the SWEEP keys with this prefix")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--decode", action="store_true", help="also time a decode step at 64k (B=1, 16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
@@ -296,7 +302,7 @@ def main() -> None:
         print(f"breakdown T={T}: " + " ".join(f"{k}={v:.2f}" for k, v in result["breakdown"][T].items()),
               flush=True)
     for T in a.sweep:
-        result.setdefault("sweep", {})[T] = sweep(a.B, T, *dims[1:], 1, 3)
+        result.setdefault("sweep", {})[T] = sweep(a.B, T, *dims[1:], 1, 3, a.sweep_only)
     if a.decode:
         for B in (1, 16):
             try:

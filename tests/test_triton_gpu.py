@@ -52,6 +52,43 @@ def run(x, backend, dtype, do):
 @pytest.mark.parametrize("T,HQ,H,dk,dv", [(8192, 16, 2, 128, 64), (8192, 4, 4, 64, 64),
                                           (65536, 16, 1, 64, 64)])
 def test_bf16_matches_fp32_torch(T, HQ, H, dk, dv):
+    _check_vs_fp32_torch(T, HQ, H, dk, dv)
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_dense_cmp_branch_matches_fp32_torch(backend, monkeypatch):
+    """The compressed branch on a dense SDPA kernel (residue split, cmp_dense.py) inside the full op."""
+    from nsa.ops.triton import cmp_dense
+    from nsa.ops.triton import function as tfn
+    be, why = cmp_dense.probe("cuda:0", torch.bfloat16, 128, 64, backends=(backend,))
+    if be is None:   # e.g. flash refuses d_k != d_v
+        pytest.skip(f"{backend} not usable here: {why}")
+    monkeypatch.setattr(tfn, "CMP_DENSE", backend)
+    _check_vs_fp32_torch(8192, 16, 2, 128, 64)
+
+
+def test_dense_cmp_policy():
+    """auto: dense only from CMP_DENSE_MIN_T on, with autograd recording, and never under
+    torch.use_deterministic_algorithms."""
+    from nsa.ops.triton import cmp_dense
+    from nsa.ops.triton import function as tfn
+    if cmp_dense.probe("cuda:0", torch.bfloat16, 64, 64)[0] is None:
+        pytest.skip("no dense backend here")
+    mk = lambda T: torch.zeros(1, T, 4, 64, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    kc = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) in cmp_dense.BACKENDS
+    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T - 1), kc, kc) is None
+    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T).float(), kc.float(), kc.float()) is None
+    with torch.no_grad():
+        assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) is None
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _check_vs_fp32_torch(T, HQ, H, dk, dv):
     assert triton_available()
     x = inputs(1, T, HQ, H, dk, dv, seed=T + HQ)
     g = torch.Generator(device="cuda").manual_seed(7 * T + HQ)

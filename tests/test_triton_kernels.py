@@ -97,6 +97,15 @@ def test_forward_backward_match_reference(case):
             assert gk.abs().max().item() == 0 if gk.numel() else True
 
 
+@pytest.mark.parametrize("case", ["g2_dk16_dv32", "g1_dk32_dv16_chunked", "g16_nsel1", "fp16_g2"])
+def test_dense_cmp_branch_matches_reference(case, monkeypatch):
+    """The compressed branch as one causal SDPA over residue-regrouped queries (cmp_dense.py; the
+    "math" stand-in on the CPU, cuDNN/flash in tests/test_triton_gpu.py), inside the full op."""
+    from nsa.ops.triton import function as tfn
+    monkeypatch.setattr(tfn, "CMP_DENSE", "math")
+    test_forward_backward_match_reference(case)
+
+
 def test_block_idx_long_sequence():
     """T = 200: many eligible blocks, so the top-n ranking (not only forced blocks) decides."""
     B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 1, 203, 2, 1, 16, 16, 8, 4, 8, 5, 8

@@ -71,6 +71,20 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
     return KernelPolicy.resolve(device, dtype, requested).backend
 
 
+def _cmp_dense_note() -> str:
+    """How the Triton backend runs the compressed branch (nsa.ops.triton.function.CMP_DENSE)."""
+    try:
+        from .triton import function as tfn
+    except Exception as exc:  # noqa: BLE001 - describing must not fail
+        return f"compressed-branch policy unknown ({type(exc).__name__})"
+    if tfn.CMP_DENSE == "off":
+        return "compressed branch on the Triton kernel (CMP_DENSE=off)"
+    if tfn.CMP_DENSE != "auto":
+        return f"compressed branch on dense SDPA {tfn.CMP_DENSE} (forced)"
+    return (f"compressed branch on dense SDPA (cudnn, else flash; probed once) when training at "
+            f"T >= {tfn.CMP_DENSE_MIN_T} without deterministic algorithms, else the Triton kernel")
+
+
 @dataclass(frozen=True)
 class KernelPolicy:
     """Per-branch backend choice with reasons. Build once (model construction), reuse per call."""
@@ -102,6 +116,8 @@ class KernelPolicy:
                 fallback = f"{requested}->torch"
         backends = {b: used for b in BRANCHES}
         reasons = {b: reason for b in BRANCHES}
+        if used == "triton":
+            reasons["cmp"] = reason + "; " + _cmp_dense_note()
         return cls(requested, str(dev), str(dtype).replace("torch.", ""), backends, reasons, fallback)
 
     @property

@@ -51,11 +51,12 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
 # loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
 # and the selection+window launches aim at; score_slice / rank_block = blocks per scoring / ranking
-# program; tile = key tokens per selection/window load (<= 64); *_warps: an int or "auto" (about 32
-# elements of the largest tile a thread); pdl = programmatic dependent launch (measured slower at
-# B=1). TUNE_LARGE overrides TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
+# program; rank_ct = keys compared per step of a ranking program's loop; tile = key tokens per
+# selection/window load (<= 64); *_warps: an int or "auto" (about 32 elements of the largest tile a
+# thread); pdl = programmatic dependent launch (measured slower at B=1). TUNE_LARGE overrides
+# TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            rank_block=64, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
+            rank_block=64, rank_ct=16, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
             comb_warps=4, pdl=False, large_rows=32)
 TUNE_LARGE: dict = dict(score_warps="auto", rank_warps="auto", comb_warps="auto", sw_per_sm=1)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
@@ -607,7 +608,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     score_args = (pos_t, sp, ms, cm, cl, keys, spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
     score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
-    ct = min(16, NB_P2)
+    ct = min(max(2, next_pow2(tn.get("rank_ct", 16))), NB_P2)
     rank_args = (pos_t, keys, sel, spos, pos_base, Tq, H)
     rank_kw = dict(M=RM, NB_P2=NB_P2, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"], CT=ct, LSEL=l_sel, POS_PTR=pos_ptr,
                    num_warps=_warps(tn["rank_warps"], RM * ct * 4))

@@ -6,6 +6,11 @@ window attention (o_win, lse_win) -> gated sum.
 Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
+
+Compressed branch on a dense kernel (CMP_DENSE): on CUDA with fp16/bf16 the compressed attention
+can run as one grouped-query causal SDPA call (cuDNN or flash, cmp_dense.py) outside the Function;
+its output and log-sum-exp come in as o_cmp / lse_cmp, the Function returns g_cmp * dO as their
+gradient and autograd runs that kernel's backward (dq of that branch is then added by autograd).
 """
 from __future__ import annotations
 
@@ -13,10 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
 from .select import slc_bwd, slc_fwd
+
+# "auto": the compressed branch on the first dense SDPA kernel (cmp_dense.BACKENDS) whose one-off
+# probe passes on this device/dtype/head size, when autograd records (the gain is in the backward),
+# T >= CMP_DENSE_MIN_T and torch.use_deterministic_algorithms is off (cuDNN's backward is not
+# bitwise repeatable at 64k); else the Triton kernel. "off": always the Triton kernel; "cudnn" /
+# "flash" / "math": that one (tests, benchmarks). H200, bf16, HQ=64, H=4, d=128, compressed branch
+# fwd / fwd+bwd, cuDNN vs Triton (bench/bench_cmp_dense.py): 8k 0.94/2.48 vs 0.43/1.94 ms, 16k
+# 1.91/5.38 vs 1.07/5.01, 32k 4.51/13.64 vs 3.54/15.36, 64k 12.07/39.85 vs 12.54/52.42.
+CMP_DENSE = "auto"
+CMP_DENSE_MIN_T = 32768
 
 
 @triton.jit
@@ -84,9 +100,13 @@ class NSATritonFunction(torch.autograd.Function):
     """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
 
     @staticmethod
-    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l, d, l_sel, n_sel, w, scale,
-                chunk):
-        o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
+    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, l, d, l_sel,
+                n_sel, w, scale, chunk):
+        ctx.ext_cmp = o_cmp_in is not None
+        if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
+            o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
+        else:
+            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
         o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale)
@@ -105,15 +125,20 @@ class NSATritonFunction(torch.autograd.Function):
         l, d, l_sel, w, scale, chunk = ctx.hp
         do = do.contiguous()
         dg = gate_grads(do, o_cmp, o_slc, o_win)                            # [B,T,HQ,3] fp32
-        dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
-                                stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
+        if ctx.ext_cmp:
+            dq, dkc, dvc = None, None, None
+            do_cmp = (do.float() * gates[..., :1].float()).to(o_cmp.dtype)
+        else:
+            dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
+                                    stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
+            do_cmp = None
         dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                gates[..., 1], l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
                                dq_dtype=torch.float32)
         dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
                                 stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype)
-        return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype),
-                None, None, None, None, None, None, None)
+        return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp,
+                None, None, None, None, None, None, None, None)
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
@@ -125,6 +150,27 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
-    return NSATritonFunction.apply(unit(q), unit(k_cmp), unit(v_cmp), unit(k_slc), unit(v_slc), unit(k_win),
-                                   unit(v_win), gates.contiguous(), l, d, l_sel, n_sel, w, scale,
-                                   dkdv_chunk)
+    q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
+    o_cmp = lse_cmp = None
+    be = cmp_dense_backend(q, k_cmp, v_cmp)
+    if be is not None:
+        o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
+        lse_cmp = lse_cmp.detach()
+    return NSATritonFunction.apply(q, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
+                                   gates.contiguous(), o_cmp, lse_cmp, l, d, l_sel, n_sel, w, scale, dkdv_chunk)
+
+
+def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> str | None:
+    """The dense SDPA backend the compressed branch uses for these inputs (CMP_DENSE), or None."""
+    if CMP_DENSE == "off" or k_cmp.shape[1] == 0:
+        return None
+    if CMP_DENSE != "auto":
+        return CMP_DENSE
+    if (not q.is_cuda or q.shape[1] < CMP_DENSE_MIN_T or torch.are_deterministic_algorithms_enabled()
+            or not (torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad
+                                                 or v_cmp.requires_grad))):
+        return None
+    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
+    if torch.cuda.is_current_stream_capturing() and not cmp_dense.probed(*key):
+        return None   # never probe inside a CUDA-graph capture (eager warm-up steps probe first)
+    return cmp_dense.probe(*key)[0]

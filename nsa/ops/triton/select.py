@@ -37,6 +37,9 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # the dK/dV kernel. H200, T=32k, HQ=64, H=4, d=128: fwd 4 warps 7.9 ms vs 8 warps 12.4; dK/dV 64 rows
 # 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5.
 SLC_WARPS = (4, 4, 8)
+# num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
+# with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
+SLC_STAGES = (2, 2, 2)
 SLC_DKDV_ROWS = 64
 
 
@@ -429,7 +432,8 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
         q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=2, num_warps=SLC_WARPS[0], **meta)
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=SLC_STAGES[0], num_warps=SLC_WARPS[0],
+        **meta)
     return o, lse
 
 
@@ -488,7 +492,7 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
         q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
-        num_stages=1, num_warps=SLC_WARPS[1], **meta)
+        num_stages=SLC_STAGES[1], num_warps=SLC_WARPS[1], **meta)
     inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
@@ -498,7 +502,8 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dkdv_kernel[(inv["w_max"],)](
         q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
         dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=1, num_warps=SLC_WARPS[2], GP=next_pow2(HQ // H),
+        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=SLC_STAGES[2], num_warps=SLC_WARPS[2],
+        GP=next_pow2(HQ // H),
         ROWS=max(SLC_DKDV_ROWS, next_pow2(HQ // H)), **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,

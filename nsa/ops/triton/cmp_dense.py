@@ -1,0 +1,191 @@
+"""Compressed-attention branch on a dense causal SDPA kernel (cuDNN or flash), via a residue split.
+
+Query t sees compressed token i iff i*d + l - 1 <= t (NSA_SPEC). Write t = d*m + r (0 <= r < d): the
+condition is i <= m + c_r with c_r = floor((r - l + 1) / d), a constant per residue. So the queries
+of one residue r, indexed by j = m + c_r, see exactly the compressed tokens 0..j: a plain top-left
+causal mask over a square [N, N] problem (N compressed tokens; j < N for every t < T). All d
+residues share the same keys, so they become d * G query heads per kv head of one grouped-query
+SDPA call (head order h, r, g), and the fastest dense kernels (cuDNN, flash) run the branch at
+their usual efficiency instead of a masked Triton kernel. Queries with j < 0 (t < l - 1 + ...) see
+no compressed token: o = 0, lse = -inf there, as in the reference.
+
+The regrouping is one row gather each way (q rows into SDPA order, SDPA output rows back), each
+with an exact inverse, so forward and backward are gathers: no scatter, no atomics. (The dense
+kernels' own backward may not be bitwise repeatable: cuDNN's was not at 64k.)
+The SDPA op is one of PyTorch's private aten entry points that return the log-sum-exp; autograd
+runs the same kernel family's backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# backends in the order tried by "auto"
+BACKENDS = ("cudnn", "flash")
+
+
+@functools.lru_cache(maxsize=64)
+def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str):
+    """Row maps between q/o rows (t, hq) of [B, T*HQ, *] and SDPA rows (h, r, g, j) of [B, HQ'*N, *]
+    (HQ' = d*HQ, head h*d*G + r*G + g, position j).
+
+    slot_src [HQ'*N]: the (t, hq) row an SDPA row reads (0 for padding rows, t >= T: their values
+    do not matter, their output gradient is zeroed); pad_rows: those padding rows; row_slot [T*HQ]:
+    the SDPA row of (t, hq) (0 for t < l - 1, which see no compressed token: zeroed)."""
+    G = HQ // H
+    r = torch.arange(d).view(d, 1)
+    j = torch.arange(N).view(1, N)
+    c = torch.tensor([(rr - l + 1) // d for rr in range(d)]).view(d, 1)
+    t = d * (j - c) + r                                             # [d, N] token of (r, j)
+    ok = (t >= 0) & (t < T)
+    hh = torch.arange(H).view(H, 1, 1, 1)
+    gg = torch.arange(G).view(1, 1, G, 1)
+    src = torch.where(ok, t, 0).view(1, d, 1, N) * HQ + hh * G + gg              # [H, d, G, N]
+    slot_src = src.reshape(-1)
+    pad_rows = (~ok).view(1, d, 1, N).expand(H, d, G, N).reshape(-1).nonzero().view(-1)
+    slot = torch.arange(H * d * G * N).view(H, d, G, N)
+    row_slot = torch.zeros(T * HQ, dtype=torch.int64)
+    okx = ok.view(1, d, 1, N).expand(H, d, G, N)
+    row_slot[slot_src.view(H, d, G, N)[okx]] = slot[okx]
+    return slot_src.to(device), pad_rows.to(device), row_slot.to(device)
+
+
+class _Rows(torch.autograd.Function):
+    """y = x[:, idx] (rows of [B, R, *]) with the rows in zero_out set to fill; backward
+    g_x = g[:, back] with the rows in zero_back set to 0, where back is idx's inverse (every row
+    that some y row reads is read by exactly one). zero_* are a prefix length (int) or an index
+    tensor. Gathers both ways: no scatter, no atomics."""
+
+    @staticmethod
+    def forward(ctx, x, idx, back, zero_out, zero_back, fill: float):
+        ctx.save_for_backward(back)
+        ctx.zero_back = zero_back
+        return _zero(x.index_select(1, idx), zero_out, fill)
+
+    @staticmethod
+    def backward(ctx, g):
+        (back,) = ctx.saved_tensors
+        return _zero(g.index_select(1, back), ctx.zero_back, 0.0), None, None, None, None, None
+
+
+def _zero(y: torch.Tensor, rows, fill: float) -> torch.Tensor:
+    if isinstance(rows, int):
+        if rows > 0:
+            y[:, :rows] = fill
+    elif rows.numel():
+        y.index_fill_(1, rows, fill)
+    return y
+
+
+def _sdpa_lse(q, k, v, scale: float, backend: str):
+    """q [B, HQ', N, dk], k/v [B, H, N, *] (GQA) -> (o [B, HQ', N, dv], lse [B, HQ', N] fp32, natural)."""
+    aten = torch.ops.aten
+    if backend == "cudnn":
+        out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+    elif backend == "flash":
+        out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    elif backend == "math":   # plain torch (CPU tests of the regrouping; O(N^2) memory)
+        G = q.shape[1] // k.shape[1]
+        s = torch.einsum("bhnd,bhmd->bhnm", q.float(), k.float().repeat_interleave(G, 1)) * scale
+        n = q.shape[2]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        o = torch.einsum("bhnm,bhmd->bhnd", torch.exp(s - lse[..., None]), v.float().repeat_interleave(G, 1))
+        return o.to(q.dtype), lse.detach()
+    else:
+        raise ValueError(f"cmp_dense backend must be one of {BACKENDS}, got {backend!r}")
+    o, lse = out[0], out[1]
+    return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
+
+
+def cmp_attention_dense(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, *, l: int, d: int,
+                        scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed-branch attention: q [B,T,HQ,dk], k_cmp/v_cmp [B,N,H,*] (N >= 1) ->
+    (o_cmp [B,T,HQ,dv] in q's dtype, lse_cmp fp32 [B,T,HQ], natural log, -inf where nothing is
+    visible; lse is not differentiable). Differentiable w.r.t. q, k_cmp, v_cmp through autograd."""
+    B, T, HQ, dk = q.shape
+    N, H, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
+    slot_src, pad_rows, row_slot = _maps(T, N, HQ, H, l, d, str(q.device))
+    prefix = min(l - 1, T) * HQ                  # (t, hq) rows with t < l - 1: nothing visible
+    qr = _Rows.apply(q.reshape(B, T * HQ, dk), slot_src, row_slot, 0, prefix, 0.0)
+    o, lse = _sdpa_lse(qr.view(B, d * HQ, N, dk), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale,
+                       backend)
+    o = o.contiguous().view(B, d * HQ * N, dv)
+    o_cmp = _Rows.apply(o, row_slot, slot_src, prefix, pad_rows, 0.0).view(B, T, HQ, dv)
+    lse_cmp = _zero(lse.reshape(B, d * HQ * N).index_select(1, row_slot), prefix, float("-inf"))
+    return o_cmp, lse_cmp.view(B, T, HQ)
+
+
+_PROBES: dict = {}
+
+
+def probed(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple = BACKENDS) -> bool:
+    """Whether probe() already ran for these arguments (it launches kernels: not during a capture)."""
+    return (device, dtype, dk, dv, backends) in _PROBES
+
+
+def probe(device: str, dtype: torch.dtype, dk: int, dv: int,
+          backends: tuple = BACKENDS) -> tuple[str | None, str]:
+    """The first of `backends` that runs a small grouped-query problem of this dtype and head sizes
+    here and matches a float32 reference (forward, lse and gradients), with the reason (e.g. flash
+    refuses d_k != d_v). Computed once per argument tuple."""
+    key = (device, dtype, dk, dv, tuple(backends))
+    if key not in _PROBES:
+        _PROBES[key] = _probe_once(*key)
+    return _PROBES[key]
+
+
+def _probe_once(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple) -> tuple[str | None, str]:
+    if not device.startswith("cuda"):
+        return None, "dense compressed branch needs CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None, f"dense SDPA kernels need fp16/bf16, got {dtype}"
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe(device, dtype, dk, dv, backends)
+
+
+def _probe(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple) -> tuple[str | None, str]:
+    why = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    B, T, HQ, H, l, d = 1, 200, 8, 2, 32, 16
+    N = (T - l) // d + 1
+    mk = lambda *s: torch.randn(*s, device=device, dtype=dtype, generator=gen)  # noqa: E731
+    q, kc, vc, do = mk(B, T, HQ, dk), mk(B, N, H, dk), mk(B, N, H, dv), mk(B, T, HQ, dv)
+    ref_o, ref_lse, ref_g = _reference(q, kc, vc, do, l, d, dk ** -0.5)
+    for be in backends:
+        try:
+            x = [t.detach().clone().requires_grad_() for t in (q, kc, vc)]
+            o, lse = cmp_attention_dense(*x, l=l, d=d, scale=dk ** -0.5, backend=be)
+            grads = torch.autograd.grad(o, x, do)
+            errs = [_rel(o, ref_o), _rel(torch.where(ref_lse.isinf(), 0.0, lse),
+                                         torch.where(ref_lse.isinf(), 0.0, ref_lse))]
+            errs += [_rel(g, r) for g, r in zip(grads, ref_g)]
+            if not bool((lse.isinf() == ref_lse.isinf()).all()) or max(errs) > 0.02:
+                why.append(f"{be}: mismatch {max(errs):.3g}")
+                continue
+            return be, f"{be} (probe rel err {max(errs):.1e})"
+        except Exception as exc:  # noqa: BLE001 - not supported here: try the next one
+            why.append(f"{be}: {type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}")
+    return None, "; ".join(why)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _reference(q, kc, vc, do, l, d, scale):
+    """fp32 masked softmax attention of the compressed branch (small shapes only)."""
+    x = [t.detach().float().requires_grad_() for t in (q, kc, vc)]
+    qf, kf, vf = x
+    T, N, G = qf.shape[1], kf.shape[1], qf.shape[2] // kf.shape[2]
+    kf_, vf_ = kf.repeat_interleave(G, 2), vf.repeat_interleave(G, 2)
+    s = torch.einsum("bthd,bnhd->bhtn", qf, kf_) * scale
+    vis = (torch.arange(N, device=q.device)[None, :] * d + l - 1) <= torch.arange(T, device=q.device)[:, None]
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)                                           # [B, HQ, T]
+    p = torch.where(vis, torch.exp(s - torch.where(lse.isinf(), 0.0, lse)[..., None]), 0.0)
+    o = torch.einsum("bhtn,bnhd->bthd", p, vf_)
+    grads = torch.autograd.grad(o, x, do.float())
+    return o.detach(), lse.transpose(1, 2).detach(), grads
