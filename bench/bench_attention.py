@@ -171,15 +171,15 @@ SWEEP = {
     "attn.DQ_TILE": [(128, 32, 8, 2), (64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 3)],
     "attn.DKDV_TILE": [(32, 64, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 8, 3),
                        (64, 64, 4, 2)],
-    "select.SLC_WARPS": [(8, 8, 8), (4, 8, 8)],
+    "select.SLC_WARPS": [(4, 4, 4), (4, 4, 8), (4, 2, 4), (4, 8, 4)],
     "select.SLC_DKDV_ROWS": [32, 64, 128],
-    "select.SLC_STAGES": [(2, 1, 1), (2, 2, 2), (3, 2, 2), (2, 3, 3), (3, 1, 2)],
+    "select.SLC_STAGES": [(2, 2, 2), (2, 2, 3), (2, 1, 2), (2, 2, 1), (2, 3, 3)],
 }
 
 
 def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
     """Times the stages a tile setting affects, for each candidate in SWEEP whose key starts with
-    `only` (ms)."""
+    `only` (ms). The backward calls pass the gates as the op does (a gated dO changes the kernels)."""
     from nsa.ops.triton import attn, select
     mods = {"attn": attn, "select": select}
     q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
@@ -197,13 +197,13 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
             "cmp_fwd": lambda: attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc),
             "win_fwd": lambda: attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc)},
         "attn.DQ_TILE": {
-            "cmp_bwd": lambda: attn.attn_bwd(q, kc, vc, do, lc, delta, None, stride=d, offset=l - 1, window=0,
-                                             scale=sc),
-            "win_bwd": lambda: attn.attn_bwd(q, kw, vw, do, lw, delta, None, stride=1, offset=0, window=w,
+            "cmp_bwd": lambda: attn.attn_bwd(q, kc, vc, do, lc, delta, g[..., 0], stride=d, offset=l - 1,
+                                             window=0, scale=sc),
+            "win_bwd": lambda: attn.attn_bwd(q, kw, vw, do, lw, delta, g[..., 2], stride=1, offset=0, window=w,
                                              scale=sc)},
         "select.SLC_WARPS": {
             "slc_fwd": lambda: select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc),
-            "slc_bwd": lambda: select.slc_bwd(q, ks, vs, bi, do, ls, delta, None, l_sel=l_sel, scale=sc)},
+            "slc_bwd": lambda: select.slc_bwd(q, ks, vs, bi, do, ls, delta, g[..., 1], l_sel=l_sel, scale=sc)},
     }
     stages["attn.DKDV_TILE"] = stages["attn.DQ_TILE"]
     stages["select.SLC_DKDV_ROWS"] = {"slc_bwd": stages["select.SLC_WARPS"]["slc_bwd"]}

@@ -81,8 +81,8 @@ def _cmp_dense_note() -> str:
         return "compressed branch on the Triton kernel (CMP_DENSE=off)"
     if tfn.CMP_DENSE != "auto":
         return f"compressed branch on dense SDPA {tfn.CMP_DENSE} (forced)"
-    return (f"compressed branch on dense SDPA (cudnn, else flash; probed once) when training at "
-            f"T >= {tfn.CMP_DENSE_MIN_T} without deterministic algorithms, else the Triton kernel")
+    return (f"compressed branch on dense SDPA (cudnn, else flash; probed once) at T >= "
+            f"{tfn.CMP_DENSE_MIN_T} without deterministic algorithms, else the Triton kernel")
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv]; k_slc/v_slc/k_win/v_win [B,T,H,dk|dv]; gates [B,T,HQ,3].
     Returns (o [B,T,HQ,dv] in q's dtype, block_idx [B,T,H,n_sel] int64 ascending, -1 padded).
     Differentiable w.r.t. q, every k/v and gates (fp32 accumulation, no atomics in our kernels).
-    From function.CMP_DENSE_MIN_T tokens on, with autograd recording, the compressed branch runs on
+    From function.CMP_DENSE_MIN_T tokens on the compressed branch runs on
     cuDNN/flash (function.CMP_DENSE), whose backward need not be bitwise repeatable; with
     torch.use_deterministic_algorithms(True) every branch stays on the deterministic kernels.
     """

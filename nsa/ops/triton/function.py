@@ -25,9 +25,10 @@ from .scores import select_blocks
 from .select import slc_bwd, slc_fwd
 
 # "auto": the compressed branch on the first dense SDPA kernel (cmp_dense.BACKENDS) whose one-off
-# probe passes on this device/dtype/head size, when autograd records (the gain is in the backward),
-# T >= CMP_DENSE_MIN_T and torch.use_deterministic_algorithms is off (cuDNN's backward is not
-# bitwise repeatable at 64k); else the Triton kernel. "off": always the Triton kernel; "cudnn" /
+# probe passes on this device/dtype/head size, for T >= CMP_DENSE_MIN_T (with or without autograd:
+# a no-grad forward, e.g. a reentrant checkpoint, must choose the same blocks as the recomputation)
+# and torch.use_deterministic_algorithms off (cuDNN's backward is not bitwise repeatable at 64k);
+# else the Triton kernel. "off": always the Triton kernel; "cudnn" /
 # "flash" / "math": that one (tests, benchmarks). H200, bf16, HQ=64, H=4, d=128, compressed branch
 # fwd / fwd+bwd, cuDNN vs Triton (bench/bench_cmp_dense.py): 8k 0.94/2.48 vs 0.43/1.94 ms, 16k
 # 1.91/5.38 vs 1.07/5.01, 32k 4.51/13.64 vs 3.54/15.36, 64k 12.07/39.85 vs 12.54/52.42.
@@ -166,9 +167,7 @@ def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor)
         return None
     if CMP_DENSE != "auto":
         return CMP_DENSE
-    if (not q.is_cuda or q.shape[1] < CMP_DENSE_MIN_T or torch.are_deterministic_algorithms_enabled()
-            or not (torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad
-                                                 or v_cmp.requires_grad))):
+    if not q.is_cuda or q.shape[1] < CMP_DENSE_MIN_T or torch.are_deterministic_algorithms_enabled():
         return None
     key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
     if torch.cuda.is_current_stream_capturing() and not cmp_dense.probed(*key):

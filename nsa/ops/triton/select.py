@@ -35,8 +35,9 @@ SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the
 FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # num_warps of the per-token selection kernels (fwd, dq, dK/dV) and (query, head) rows per step of
 # the dK/dV kernel. H200, T=32k, HQ=64, H=4, d=128: fwd 4 warps 7.9 ms vs 8 warps 12.4; dK/dV 64 rows
-# 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5.
-SLC_WARPS = (4, 4, 8)
+# 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5. 64k with 2 stages each: dK/dV
+# with 4 warps 38.7 ms (whole selection backward) vs 8 warps 46.3; 128 rows 41.1 vs 64 rows 46.0.
+SLC_WARPS = (4, 4, 4)
 # num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
 # with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
 SLC_STAGES = (2, 2, 2)
@@ -246,11 +247,11 @@ def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
     ridx = (b * T + t64) * HQ + hq
     lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
-    if HAS_GATE:
+    if HAS_GATE:   # the branch's dO is gate * dO: applied to p (dS = g p (dP - delta)), not to dO
         gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
-        do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
-        delta = delta * gate
-    return q, do, lse, delta
+    else:
+        gate = tl.full([q.shape[0]], 1.0, tl.float32)
+    return q, do, lse, delta, gate
 
 
 @triton.jit
@@ -271,8 +272,8 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
     hq = (h * G + rows).to(tl.int64)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    q, do, lse, delta = _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
-                                      sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+    q, do, lse, delta, gate = _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                                            sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
     dq = tl.zeros([GR, BDK], tl.float32)
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
@@ -288,7 +289,7 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
             v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                         mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]   # g * p
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
@@ -350,13 +351,11 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
         ridx = (b * T + t64) * (H * G) + hq
         lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
         delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
-        if HAS_GATE:
-            gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
-            do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
-            delta = delta * gate
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # [BS, ROWS]
         vis = (kp[:, None] <= t64[None, :]) & k_ok[:, None] & row_ok[None, :]
         pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
+        if HAS_GATE:   # the branch's dO is gate * dO: folded into p (g p), no converted dO tile
+            pT = pT * tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
