@@ -106,6 +106,21 @@ def test_dense_cmp_branch_matches_reference(case, monkeypatch):
     test_forward_backward_match_reference(case)
 
 
+def test_gather_rows_kernel_and_inverse_maps():
+    """The row gather of cmp_dense (-1 = zero row) and its maps: row_slot inverts slot_src exactly."""
+    from nsa.ops.triton import cmp_dense
+    x = torch.randn(2, 37, 24, device=DEV)
+    idx = torch.tensor([5, -1, 0, 36, 5, -1, 12], device=DEV)
+    y = cmp_dense.gather_rows(x, idx)
+    want = torch.where((idx >= 0).view(1, -1, 1), x[:, idx.clamp(min=0)], 0.0)
+    assert torch.equal(y, want)
+    T, N, HQ, H, l, d = 70, common.num_cmp_tokens(70, 8, 4), 6, 2, 8, 4
+    slot_src, row_slot = cmp_dense._maps(T, N, HQ, H, l, d, DEV)
+    ok = row_slot >= 0
+    assert torch.equal(slot_src[row_slot[ok]], torch.arange(T * HQ, device=DEV)[ok])
+    assert int(ok.sum()) == (T - (l - 1)) * HQ == int((slot_src >= 0).sum())
+
+
 def test_block_idx_long_sequence():
     """T = 200: many eligible blocks, so the top-n ranking (not only forced blocks) decides."""
     B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 1, 203, 2, 1, 16, 16, 8, 4, 8, 5, 8

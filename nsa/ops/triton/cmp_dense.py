@@ -18,8 +18,11 @@ runs the same kernel family's backward.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
+import triton.language as tl
 
 # backends in the order tried by "auto"
 BACKENDS = ("cudnn", "flash")
@@ -28,11 +31,11 @@ BACKENDS = ("cudnn", "flash")
 @functools.lru_cache(maxsize=64)
 def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str):
     """Row maps between q/o rows (t, hq) of [B, T*HQ, *] and SDPA rows (h, r, g, j) of [B, HQ'*N, *]
-    (HQ' = d*HQ, head h*d*G + r*G + g, position j).
+    (HQ' = d*HQ, head h*d*G + r*G + g, position j); -1 = no row (a zero row is produced).
 
-    slot_src [HQ'*N]: the (t, hq) row an SDPA row reads (0 for padding rows, t >= T: their values
-    do not matter, their output gradient is zeroed); pad_rows: those padding rows; row_slot [T*HQ]:
-    the SDPA row of (t, hq) (0 for t < l - 1, which see no compressed token: zeroed)."""
+    slot_src [HQ'*N]: the (t, hq) row an SDPA row reads (-1 for padding rows, t >= T);
+    row_slot [T*HQ]: the SDPA row of (t, hq) (-1 for t < l - 1, which see no compressed token).
+    Each is the other's inverse on the rows it maps."""
     G = HQ // H
     r = torch.arange(d).view(d, 1)
     j = torch.arange(N).view(1, N)
@@ -41,41 +44,59 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str):
     ok = (t >= 0) & (t < T)
     hh = torch.arange(H).view(H, 1, 1, 1)
     gg = torch.arange(G).view(1, 1, G, 1)
-    src = torch.where(ok, t, 0).view(1, d, 1, N) * HQ + hh * G + gg              # [H, d, G, N]
-    slot_src = src.reshape(-1)
-    pad_rows = (~ok).view(1, d, 1, N).expand(H, d, G, N).reshape(-1).nonzero().view(-1)
-    slot = torch.arange(H * d * G * N).view(H, d, G, N)
-    row_slot = torch.zeros(T * HQ, dtype=torch.int64)
     okx = ok.view(1, d, 1, N).expand(H, d, G, N)
-    row_slot[slot_src.view(H, d, G, N)[okx]] = slot[okx]
-    return slot_src.to(device), pad_rows.to(device), row_slot.to(device)
+    src = t.view(1, d, 1, N) * HQ + hh * G + gg                                  # [H, d, G, N]
+    slot_src = torch.where(okx, src, -1).reshape(-1)
+    row_slot = torch.full((T * HQ,), -1, dtype=torch.int64)
+    row_slot[src[okx]] = torch.arange(H * d * G * N).view(H, d, G, N)[okx]
+    return slot_src.to(device), row_slot.to(device)
+
+
+@triton.jit
+def _gather_rows_kernel(X, IDX, Y, n_out, sxb, syb, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    """Y[b, r, :] = X[b, IDX[r], :] (0 where IDX[r] < 0); rows of D contiguous elements."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    ok = r < n_out
+    src = tl.load(IDX + r, mask=ok, other=-1)
+    c = tl.arange(0, BD)
+    cm = c[None, :] < D
+    v = tl.load(X + b * sxb + src[:, None] * D + c[None, :], mask=(src >= 0)[:, None] & cm, other=0.0)
+    tl.store(Y + b * syb + r[:, None] * D + c[None, :], v, mask=ok[:, None] & cm)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, R, D] -> y [B, len(idx), D] with y[:, i] = x[:, idx[i]] and zero rows where idx < 0.
+    A Triton copy kernel on CUDA (and under TRITON_INTERPRET=1); torch's index_select elsewhere."""
+    B, _, D = x.shape
+    n = idx.numel()
+    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        x = x.contiguous()
+        y = torch.empty(B, n, D, device=x.device, dtype=x.dtype)
+        if n and B:
+            bd = max(16, triton.next_power_of_2(D))
+            br = max(1, min(64, 8192 // bd))
+            _gather_rows_kernel[(triton.cdiv(n, br), B)](x, idx, y, n, x.stride(0), y.stride(0), D=D, BD=bd,
+                                                         BR=br, num_warps=4)
+        return y
+    y = x.index_select(1, idx.clamp(min=0))
+    return y.masked_fill_((idx < 0).view(1, n, 1), 0)
 
 
 class _Rows(torch.autograd.Function):
-    """y = x[:, idx] (rows of [B, R, *]) with the rows in zero_out set to fill; backward
-    g_x = g[:, back] with the rows in zero_back set to 0, where back is idx's inverse (every row
-    that some y row reads is read by exactly one). zero_* are a prefix length (int) or an index
-    tensor. Gathers both ways: no scatter, no atomics."""
+    """y = gather_rows(x, idx); backward g_x = gather_rows(g, back), back being idx's inverse (every
+    row some y row reads is read by exactly one; -1 elsewhere). Gathers both ways: no scatter, no
+    atomics, deterministic."""
 
     @staticmethod
-    def forward(ctx, x, idx, back, zero_out, zero_back, fill: float):
+    def forward(ctx, x, idx, back):
         ctx.save_for_backward(back)
-        ctx.zero_back = zero_back
-        return _zero(x.index_select(1, idx), zero_out, fill)
+        return gather_rows(x, idx)
 
     @staticmethod
     def backward(ctx, g):
         (back,) = ctx.saved_tensors
-        return _zero(g.index_select(1, back), ctx.zero_back, 0.0), None, None, None, None, None
-
-
-def _zero(y: torch.Tensor, rows, fill: float) -> torch.Tensor:
-    if isinstance(rows, int):
-        if rows > 0:
-            y[:, :rows] = fill
-    elif rows.numel():
-        y.index_fill_(1, rows, fill)
-    return y
+        return gather_rows(g, back), None, None
 
 
 def _sdpa_lse(q, k, v, scale: float, backend: str):
@@ -106,14 +127,13 @@ def cmp_attention_dense(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tenso
     visible; lse is not differentiable). Differentiable w.r.t. q, k_cmp, v_cmp through autograd."""
     B, T, HQ, dk = q.shape
     N, H, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
-    slot_src, pad_rows, row_slot = _maps(T, N, HQ, H, l, d, str(q.device))
-    prefix = min(l - 1, T) * HQ                  # (t, hq) rows with t < l - 1: nothing visible
-    qr = _Rows.apply(q.reshape(B, T * HQ, dk), slot_src, row_slot, 0, prefix, 0.0)
+    slot_src, row_slot = _maps(T, N, HQ, H, l, d, str(q.device))
+    qr = _Rows.apply(q.reshape(B, T * HQ, dk), slot_src, row_slot)
     o, lse = _sdpa_lse(qr.view(B, d * HQ, N, dk), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale,
                        backend)
-    o = o.contiguous().view(B, d * HQ * N, dv)
-    o_cmp = _Rows.apply(o, row_slot, slot_src, prefix, pad_rows, 0.0).view(B, T, HQ, dv)
-    lse_cmp = _zero(lse.reshape(B, d * HQ * N).index_select(1, row_slot), prefix, float("-inf"))
+    o_cmp = _Rows.apply(o.contiguous().view(B, d * HQ * N, dv), row_slot, slot_src).view(B, T, HQ, dv)
+    lse = lse.reshape(B, d * HQ * N).index_select(1, row_slot.clamp(min=0))
+    lse_cmp = lse.masked_fill_((row_slot < 0).view(1, -1), float("-inf"))   # nothing visible: -inf
     return o_cmp, lse_cmp.view(B, T, HQ)
 
 

@@ -28,12 +28,12 @@ from .select import slc_bwd, slc_fwd
 # probe passes on this device/dtype/head size, for T >= CMP_DENSE_MIN_T (with or without autograd:
 # a no-grad forward, e.g. a reentrant checkpoint, must choose the same blocks as the recomputation)
 # and torch.use_deterministic_algorithms off (cuDNN's backward is not bitwise repeatable at 64k);
-# else the Triton kernel. "off": always the Triton kernel; "cudnn" /
-# "flash" / "math": that one (tests, benchmarks). H200, bf16, HQ=64, H=4, d=128, compressed branch
-# fwd / fwd+bwd, cuDNN vs Triton (bench/bench_cmp_dense.py): 8k 0.94/2.48 vs 0.43/1.94 ms, 16k
-# 1.91/5.38 vs 1.07/5.01, 32k 4.51/13.64 vs 3.54/15.36, 64k 12.07/39.85 vs 12.54/52.42.
+# else the Triton kernel. "off": always the Triton kernel; "cudnn" / "flash" / "math": that one
+# (tests, benchmarks). H200, bf16, HQ=64, H=4, d=128, compressed branch fwd / fwd+bwd ms, cuDNN vs
+# Triton (bench/bench_cmp_dense.py, 2026-11-24): 8k 0.40/1.73 vs 0.39/1.88, 16k 0.93/3.43 vs
+# 1.07/5.00, 32k 2.55/10.28 vs 3.46/15.19, 64k 8.36/34.41 vs 12.47/52.44.
 CMP_DENSE = "auto"
-CMP_DENSE_MIN_T = 32768
+CMP_DENSE_MIN_T = 8192
 
 
 @triton.jit

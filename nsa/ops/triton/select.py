@@ -41,7 +41,7 @@ SLC_WARPS = (4, 4, 4)
 # num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
 # with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
 SLC_STAGES = (2, 2, 2)
-SLC_DKDV_ROWS = 64
+SLC_DKDV_ROWS = 32   # 64k with gates (as the op runs it): 32 rows 34.1 ms, 64 rows 43.2, 128 rows 41.6
 
 
 # ----------------------------------------------------------------------------------------------
