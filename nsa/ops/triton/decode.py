@@ -51,14 +51,16 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
 # loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
 # and the selection+window launches aim at; score_slice / rank_block = blocks per scoring / ranking
-# program; rank_ct = keys compared per step of a ranking program's loop; tile = key tokens per
-# selection/window load (<= 64); *_warps: an int or "auto" (about 32 elements of the largest tile a
-# thread); pdl = programmatic dependent launch (measured slower at B=1). TUNE_LARGE overrides
-# TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
+# program; rank_ct = keys compared per step of a ranking program's loop (B=1, 64k: rank 6.9 -> 2.7 us
+# with 16 x 256 instead of 64 x 16); tile = key tokens per selection/window load (<= 64); *_warps:
+# an int or "auto" (about 32 elements of the largest tile a thread); pdl = programmatic dependent
+# launch (measured slower at B=1). TUNE_LARGE overrides TUNE from large_rows (query row, kv head)
+# pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            rank_block=64, rank_ct=16, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
+            rank_block=16, rank_ct=256, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
             comb_warps=4, pdl=False, large_rows=32)
-TUNE_LARGE: dict = dict(score_warps="auto", rank_warps="auto", comb_warps="auto", sw_per_sm=1)
+TUNE_LARGE: dict = dict(score_warps="auto", rank_block=64, rank_ct=16, rank_warps="auto", comb_warps="auto",
+                        sw_per_sm=1)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
 _PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
