@@ -121,6 +121,34 @@ def test_gather_rows_kernel_and_inverse_maps():
     assert int(ok.sum()) == (T - (l - 1)) * HQ == int((slot_src >= 0).sum())
 
 
+def test_dense_cmp_probe_is_isolated_from_checkpointing(monkeypatch):
+    """The one-off probe runs its own autograd inside the first (checkpointed) layer call; its saved
+    tensors must not count as the layer's, or the recomputation would not match (seen at 8k on GPU)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from nsa.ops.triton import cmp_dense
+
+    def fake_probe(device, dtype, dk, dv, backends):   # what the real probe does: a small autograd run
+        y = torch.randn(5, requires_grad=True)
+        torch.autograd.grad((y * y.sin()).sum(), [y])
+        return "math", "fake"
+
+    monkeypatch.setattr(cmp_dense, "_probe", fake_probe)
+    calls = []
+
+    def layer(x):
+        if not calls:   # first call only, as with the cached probe
+            cmp_dense._probe_once("cuda:0", torch.bfloat16, 8, 8, ("math",))
+        calls.append(1)
+        return (x * x).sin()
+
+    x = torch.randn(4, requires_grad=True)
+    with torch.no_grad():   # also under no_grad, as in an inference forward
+        assert cmp_dense._probe_once("cuda:0", torch.bfloat16, 8, 8, ("math",))[0] == "math"
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert len(calls) == 2 and torch.allclose(x.grad, 2 * x * (x * x).cos())
+
+
 def test_block_idx_long_sequence():
     """T = 200: many eligible blocks, so the top-n ranking (not only forced blocks) decides."""
     B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 1, 203, 2, 1, 16, 16, 8, 4, 8, 5, 8

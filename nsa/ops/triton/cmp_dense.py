@@ -161,7 +161,11 @@ def _probe_once(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tup
         return None, "dense compressed branch needs CUDA"
     if dtype not in (torch.float16, torch.bfloat16):
         return None, f"dense SDPA kernels need fp16/bf16, got {dtype}"
-    with torch.inference_mode(False), torch.enable_grad():
+    # its own autograd graph, isolated from the caller's: grad on even under no_grad/inference mode,
+    # and identity saved-tensor hooks so a surrounding activation checkpoint does not count (or
+    # offload) the probe's tensors as the layer's (the recomputation would then not match)
+    with torch.inference_mode(False), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):
         return _probe(device, dtype, dk, dv, backends)
 
 
