@@ -149,6 +149,30 @@ def test_dense_cmp_probe_is_isolated_from_checkpointing(monkeypatch):
     assert len(calls) == 2 and torch.allclose(x.grad, 2 * x * (x * x).cos())
 
 
+def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
+    """A dense-kernel refusal at run time: same result from the Triton kernel, counted and warned."""
+    from nsa.ops import dispatch
+    from nsa.ops.triton import cmp_dense
+    from nsa.ops.triton import function as tfn
+
+    def refuse(*a, **k):
+        raise RuntimeError("simulated refusal")
+
+    monkeypatch.setattr(tfn, "CMP_DENSE", "math")
+    monkeypatch.setattr(cmp_dense, "cmp_attention_dense", refuse)
+    monkeypatch.setattr(cmp_dense, "_PROBES", {})
+    dispatch.reset_fallback_counts()
+    x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=3)
+    args = [x[n].detach() for n in NAMES]
+    kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
+    with pytest.warns(RuntimeWarning, match="simulated refusal"):
+        o, bi = nsa_triton_apply(*args, **kw)
+    monkeypatch.setattr(tfn, "CMP_DENSE", "off")
+    o2, bi2 = nsa_triton_apply(*args, **kw)
+    assert torch.equal(o, o2) and torch.equal(bi, bi2)
+    assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
+
+
 def test_block_idx_long_sequence():
     """T = 200: many eligible blocks, so the top-n ranking (not only forced blocks) decides."""
     B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 1, 203, 2, 1, 16, 16, 8, 4, 8, 5, 8

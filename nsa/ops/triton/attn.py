@@ -121,7 +121,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
 def _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk, offs_dv,
                    sqb, sqt, sqh, sdb, sdt, sdh, T, HQ, sgt,
                    DK: tl.constexpr, DV: tl.constexpr, HAS_GATE: tl.constexpr):
-    """q [R, BDK], do [R, BDV] (times the row's gate), lse and delta in log2 units."""
+    """q [R, BDK], do [R, BDV], lse in log2 units, delta, and the rows' gates (1 without): the branch's
+    dO is gate * do, applied to p by the callers (dS = g p (dP - delta), dV += (g p)^T do), so no
+    converted dO tile is held."""
     q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
                 mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
     do = tl.load(DO + b * sdb + tok64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
@@ -131,9 +133,9 @@ def _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk, offs_
     delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
     if HAS_GATE:
         gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
-        do = (do.to(tl.float32) * gate[:, None]).to(q.dtype)
-        delta = delta * gate
-    return q, do, lse, delta
+    else:
+        gate = tl.full([q.shape[0]], 1.0, tl.float32)
+    return q, do, lse, delta, gate
 
 
 @triton.jit
@@ -157,8 +159,9 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
     tok64 = tok.to(tl.int64)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    q, do, lse, delta = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk, offs_dv,
-                                       sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
+    q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,
+                                             offs_dv, sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV,
+                                             HAS_GATE)
     t_first = pid_m * BT
     t_last = tl.minimum(t_first + BT - 1, T - 1)
     lo, hi = _key_range(t_first, t_last, N, STRIDE, OFFSET, WINDOW)
@@ -175,7 +178,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
-        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)   # [R, BN]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]   # [R, BN], g p
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)                          # [R, BN]
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
@@ -236,12 +239,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_, DV_,
         tok = m * BT + rows // GP
         row_ok = (tok < T) & (g < G)
         tok64 = tok.to(tl.int64)
-        q, do, lse, delta = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,
-                                           offs_dv, sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt,
-                                           DK, DV, HAS_GATE)
+        q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,
+                                                 offs_dv, sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt,
+                                                 DK, DV, HAS_GATE)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2                          # [BN, R]
         vis = _visible(pos[:, None], tok[None, :], STRIDE, WINDOW) & row_ok[None, :] & k_ok[:, None]
-        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
+        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0) * gate[None, :]                        # g p
         dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)                                      # [BN, R]
         dsT = pT * (dpT - delta[None, :])
@@ -268,12 +271,6 @@ def _geometry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     dv = v.shape[3]
     G = HQ // H
     return B, T, HQ, dk, N, H, dv, G
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 2  # interpreter: small, so that the tests exercise the split path
 
 
 def _num_sms(device: torch.device) -> int:

@@ -155,10 +155,29 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     o_cmp = lse_cmp = None
     be = cmp_dense_backend(q, k_cmp, v_cmp)
     if be is not None:
-        o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
-        lse_cmp = lse_cmp.detach()
+        try:
+            o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
+            lse_cmp = lse_cmp.detach()
+        except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _dense_failed(q, v_cmp, be, exc)
+            o_cmp = lse_cmp = None
     return NSATritonFunction.apply(q, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
                                    gates.contiguous(), o_cmp, lse_cmp, l, d, l_sel, n_sel, w, scale, dkdv_chunk)
+
+
+def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception) -> None:
+    """Falls back to the Triton kernel for this device/dtype/head size from now on: counted (telemetry)
+    and warned once."""
+    import warnings
+
+    from ..dispatch import count_fallback
+    count_fallback(f"cmp_dense:{be}->triton")
+    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], cmp_dense.BACKENDS)
+    cmp_dense._PROBES[key] = (None, f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}")
+    warnings.warn(f"compressed branch: {cmp_dense._PROBES[key][1]}; using the Triton kernel from now on",
+                  RuntimeWarning, stacklevel=3)
 
 
 def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> str | None:
