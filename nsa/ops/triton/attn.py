@@ -30,9 +30,11 @@ LOG2E = 1.4426950408889634
 # (32,128,8,2) 17.0 ms vs (16,32,4,2) 29.8 despite some register spilling; dq (128,32,8,2) 24.8 vs 30.1.
 # 64k re-sweep (H200, 2026-11-22T07:25Z, bench_attention.py --sweep 65536, no gate): dK/dV
 # (32,128,8,3) cmp_bwd 35.6 ms vs (32,128,8,2) 44.6, win_bwd 9.9 vs 12.2; dq (128,32,8,3) 43.6 vs 44.9.
+# Gated backward (gate folded into p, 2026-11-24, 64k): dK/dV (32,64,4,3) cmp_bwd 37.8 / win_bwd 10.5 ms vs
+# (32,128,8,3) 39.3 / 11.9, (32,128,4,3) 106.8 / 34.6; dq (128,32,8,3) stays best.
 FWD_TILE = (128, 64, 8, 3)
 DQ_TILE = (128, 32, 8, 3)
-DKDV_TILE = (32, 128, 8, 3)      # (query rows per step, keys per program, warps, stages)
+DKDV_TILE = (32, 64, 4, 3)       # (query rows per step, keys per program, warps, stages)
 BIG_FWD_TILE = (64, 32, 8, 2)    # head dims in (128, 256]
 BIG_DQ_TILE = (32, 32, 8, 1)
 BIG_DKDV_TILE = (16, 32, 8, 1)

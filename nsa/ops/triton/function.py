@@ -33,7 +33,7 @@ from .select import slc_bwd, slc_fwd
 # Triton (bench/bench_cmp_dense.py, 2026-11-24): 8k 0.40/1.73 vs 0.39/1.88, 16k 0.93/3.43 vs
 # 1.07/5.00, 32k 2.55/10.28 vs 3.46/15.19, 64k 8.36/34.41 vs 12.47/52.44.
 CMP_DENSE = "auto"
-CMP_DENSE_MIN_T = 8192
+CMP_DENSE_MIN_T = 16384   # at 8k the gated Triton kernel is as fast (full op 11.4-12.0 ms either way)
 
 
 @triton.jit
