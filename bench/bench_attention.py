@@ -45,6 +45,20 @@ def cuda_time(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def save_json(result: dict, name: str, copy_to: str | None = None, out_dir: str | None = None) -> str:
+    """Writes result to <out_dir or bench/out>/<name>_<date>.json (and a copy under copy_to); the path."""
+    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}_{dt.date.today().isoformat()}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    if copy_to:
+        os.makedirs(copy_to, exist_ok=True)
+        shutil.copy(path, copy_to)
+    print(f"wrote {path}")
+    return path
+
+
 def peak_mem(fn) -> float:
     """Peak GiB allocated during fn() above what was allocated before it."""
     torch.cuda.synchronize()
@@ -309,13 +323,7 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - report and continue
                 result.setdefault("decode", {})[B] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
             print(f"decode B={B} S=65536: {result['decode'][B]}", flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"attention_{dt.date.today().isoformat()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    if a.copy_to:
-        os.makedirs(a.copy_to, exist_ok=True)
-        shutil.copy(path, a.copy_to)
+    path = save_json(result, "attention", a.copy_to, a.out)
     print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  B,HQ,H,dk,dv={dims}")
     print(f"{'T':>6} {'nsa fwd':>9} {'dense fwd':>9} {'x':>6} {'nsa f+b':>9} {'dense f+b':>9} {'x':>6} "
           f"{'nsa GiB':>8} {'dense GiB':>9}  dense backend")
@@ -332,7 +340,6 @@ def main() -> None:
     else:
         first = next(iter(result["T"].values()), {}).get("fla", {})
         print(f"\nfla-core not timed: {first.get('why') or first.get('skipped') or first.get('error') or 'skipped'}")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

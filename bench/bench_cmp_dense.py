@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import shutil
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_attention import cuda_time  # noqa: E402
+from bench.bench_attention import cuda_time, save_json  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
 from nsa.ops.triton import attn, cmp_dense  # noqa: E402
 
@@ -92,14 +90,7 @@ def main() -> None:
     print(f"{'T':>6} {'impl':>7} {'fwd ms':>8} {'f+b ms':>8} {'x fwd':>6} {'x f+b':>6}  (x = Triton / impl)")
     for r in rows:
         print(f"{r[0]:>6} {r[1]:>7} {r[2]:>8.2f} {r[3]:>8.2f} {r[4]:>6.2f} {r[5]:>6.2f}")
-    os.makedirs("bench/out", exist_ok=True)
-    path = f"bench/out/cmp_dense_{dt.date.today().isoformat()}.json"
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1, default=str)
-    if a.copy_to:
-        os.makedirs(a.copy_to, exist_ok=True)
-        shutil.copy(path, a.copy_to)
-    print(f"wrote {path}")
+    save_json(res, "cmp_dense", a.copy_to)
 
 
 if __name__ == "__main__":

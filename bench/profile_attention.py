@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import shutil
 import sys
 from collections import defaultdict
 
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_attention import HP, nsa_inputs  # noqa: E402
+from bench.bench_attention import HP, nsa_inputs, save_json  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton  # noqa: E402
 
 
@@ -89,14 +87,7 @@ def main() -> None:
                   f"{r['ms_per_iter']:>8} {r['share']:>6.1%}")
         del x, qd, kd, vd
         torch.cuda.empty_cache()
-    os.makedirs("bench/out", exist_ok=True)
-    path = f"bench/out/profile_attention_{dt.date.today().isoformat()}.json"
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    if a.copy_to:
-        os.makedirs(a.copy_to, exist_ok=True)
-        shutil.copy(path, a.copy_to)
-    print(f"wrote {path}")
+    save_json(result, "profile_attention", a.copy_to)
 
 
 if __name__ == "__main__":
