@@ -18,7 +18,6 @@ runs the same kernel family's backward.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -66,21 +65,18 @@ def _gather_rows_kernel(X, IDX, Y, n_out, sxb, syb, D: tl.constexpr, BD: tl.cons
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [B, R, D] -> y [B, len(idx), D] with y[:, i] = x[:, idx[i]] and zero rows where idx < 0.
-    A Triton copy kernel on CUDA (and under TRITON_INTERPRET=1); torch's index_select elsewhere."""
+    """x [B, R, D] -> y [B, len(idx), D] with y[:, i] = x[:, idx[i]] and zero rows where idx < 0
+    (a Triton copy kernel, like every kernel of this package: CUDA, or the CPU under the interpreter)."""
     B, _, D = x.shape
     n = idx.numel()
-    if x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
-        x = x.contiguous()
-        y = torch.empty(B, n, D, device=x.device, dtype=x.dtype)
-        if n and B:
-            bd = max(16, triton.next_power_of_2(D))
-            br = max(1, min(64, 8192 // bd))
-            _gather_rows_kernel[(triton.cdiv(n, br), B)](x, idx, y, n, x.stride(0), y.stride(0), D=D, BD=bd,
-                                                         BR=br, num_warps=4)
-        return y
-    y = x.index_select(1, idx.clamp(min=0))
-    return y.masked_fill_((idx < 0).view(1, n, 1), 0)
+    x = x.contiguous()
+    y = torch.empty(B, n, D, device=x.device, dtype=x.dtype)
+    if n and B:
+        bd = max(16, triton.next_power_of_2(D))
+        br = max(1, min(64, 8192 // bd))
+        _gather_rows_kernel[(triton.cdiv(n, br), B)](x, idx, y, n, x.stride(0), y.stride(0), D=D, BD=bd, BR=br,
+                                                     num_warps=4)
+    return y
 
 
 class _Rows(torch.autograd.Function):
