@@ -152,6 +152,11 @@ def probe(device: str, dtype: torch.dtype, dk: int, dv: int,
     return _PROBES[key]
 
 
+def disable(device: str, dtype: torch.dtype, dk: int, dv: int, reason: str) -> None:
+    """Makes probe() answer (None, reason) for these arguments from now on (a run-time refusal)."""
+    _PROBES[(device, dtype, dk, dv, BACKENDS)] = (None, reason)
+
+
 def _probe_once(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple) -> tuple[str | None, str]:
     if not device.startswith("cuda"):
         return None, "dense compressed branch needs CUDA"

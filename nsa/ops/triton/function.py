@@ -174,10 +174,9 @@ def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception)
 
     from ..dispatch import count_fallback
     count_fallback(f"cmp_dense:{be}->triton")
-    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], cmp_dense.BACKENDS)
-    cmp_dense._PROBES[key] = (None, f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}")
-    warnings.warn(f"compressed branch: {cmp_dense._PROBES[key][1]}; using the Triton kernel from now on",
-                  RuntimeWarning, stacklevel=3)
+    why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
+    cmp_dense.disable(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], why)
+    warnings.warn(f"compressed branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
 
 
 def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> str | None:
