@@ -220,15 +220,11 @@ SWEEP = [dict(_BASE),
          dict(_BASE, slc_warps=4, slc_stages=2),
          dict(_BASE, sw_per_sm=1),
          dict(_BASE, sw_per_sm=4),
-         dict(_BASE, score_slice=64, rank_block=32),
-         dict(_BASE, score_slice=256, rank_block=128),
-         dict(_BASE, comb_warps="auto", score_warps="auto", rank_warps="auto"),
-         dict(_BASE, cmp_tile=32, cmp_per_sm=3, score_slice=64, rank_block=32),
-         dict(_BASE, sw_per_sm=1, slc_warps=4, slc_stages=2, cmp_stages=4),
-         dict(_BASE, rank_ct=64),
-         dict(_BASE, rank_ct=128, rank_block=32),
-         dict(_BASE, rank_ct=256, rank_block=16),
-         dict(_BASE, rank_ct=128, rank_block=16, rank_warps=2)]
+         dict(_BASE, score_slice=64),
+         dict(_BASE, score_slice=256),
+         dict(_BASE, comb_warps="auto", score_warps="auto"),
+         dict(_BASE, score_warps=8),
+         dict(_BASE, sw_per_sm=1, slc_warps=4, slc_stages=2, cmp_stages=4)]
 
 
 def _warm(cfg: dict, B: int, S: int, shape: tuple) -> str:

@@ -65,8 +65,8 @@ def test_score_constants_match_common():
 # launch geometries (tests/CPU assume 4 "multiprocessors"): few fat programs (several sub-tiles per
 # split-K chunk, several selected blocks / window tiles per program, 2-block scoring slices), many thin
 # ones (one sub-tile / block / window tile each, 4-block slices), and the defaults on small tiles
-TUNES = (dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, rank_block=4, tile=16),
-         dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, rank_block=2, tile=16),
+TUNES = (dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, tile=16),
+         dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, tile=16),
          dict(cmp_tile=16))
 
 
@@ -77,8 +77,10 @@ def test_plans_cover_every_split():
         for tn in TUNES:
             pl = tdec.decode_plan(rows_h=2 * H, n_cap=common.num_cmp_tokens(T, hp["l"], hp["d"]), s_cap=T,
                                   sms=tdec.CPU_SMS, tune=dict(tdec.TUNE, **tn), **hp)
-            seen |= {k for k in ("SUBS", "NCH", "NSL", "NRP", "SPB", "NSS", "WSUB", "NWC") if pl[k] > 1}
-    assert seen == {"SUBS", "NCH", "NSL", "NRP", "SPB", "NSS", "WSUB", "NWC"}
+            seen |= {k for k in ("SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC") if pl[k] > 1}
+            # scoring slices that sort and keep their best KR keys, and slices that keep them all
+            seen |= {"SORT" if pl["SL"] > pl["NSEL_P2"] else "KEEP"}
+    assert seen == {"SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC", "SORT", "KEEP"}
 
 
 def test_single_token_matches_prefill(case):
@@ -170,6 +172,24 @@ def test_ties_go_to_the_lower_block():
     for tn in TUNES[:2]:  # ties across scoring slices too
         od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
         check(od, id_, ro, ridx, 1e-5, ("ties", tn))
+
+
+def test_many_sorted_scoring_slices():
+    """Many blocks, few selected: several scoring slices each sort and keep only their best KR keys,
+    and the selection programs take the top n_sel of the union (ties included: q = 0 at one step)."""
+    HQ, H, dk, dv = 4, 2, 16, 16
+    hp = dict(l=16, d=8, l_sel=16, n_sel=3, w=16)
+    xs = make_inputs(1, 300, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=21, q_scale=2.0, device=DEV)
+    for t, tn, zero_q in ((299, dict(score_slice=8), False), (250, dict(score_slice=8), False),
+                          (299, dict(score_slice=8, sw_per_sm=250), True)):
+        pl = tdec.decode_plan(rows_h=H, n_cap=common.num_cmp_tokens(t + 1, hp["l"], hp["d"]), s_cap=t + 1,
+                              sms=tdec.CPU_SMS, tune=dict(tdec.TUNE, **tn), **hp)
+        assert pl["NSL"] > 1 and pl["SL"] > pl["NSEL_P2"] and pl["NCAND"] < pl["NB_P2"], pl
+        x = [torch.zeros_like(xs[0])] + xs[1:] if zero_q else xs
+        views, pos0, win_pos0 = decode_views(x, t, 1, hp["w"], hp["l"], hp["d"])
+        ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        check(od, id_, ro, ridx, 1e-5, (t, tn, zero_q))
 
 
 def test_fp16_inputs():

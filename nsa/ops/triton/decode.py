@@ -1,6 +1,6 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Five launches, no atomics, every grid sized from buffer capacities (never from the current length),
+Four launches, no atomics, every grid sized from buffer capacities (never from the current length),
 and the query position read from a device tensor when one is given, so one CUDA graph replays every
 step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
 axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
@@ -16,17 +16,17 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    Block slice s (SL blocks): lse_g from the chunk partials, group scores
    s[j] = sum_g exp2(m_sub[g] - lse_g) * sp[g, j], and the comparison key of nsa.ops.common (score
    grid 2**-20 of the normalised score, forced blocks by priority, ties to the lower index; one
-   unique int64 per block, -1 when not eligible) to scratch.
-3. ``_rank_kernel``   grid (NB/M, H, R)
-   Exact rank of M blocks against all keys (elementwise compare-accumulate over broadcast loads, no
-   reductions in the loop); each of the top n_sel writes its block id into slot = rank.
-4. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
-   Selection programs read the block ids of their SPB slots and attend over them (program 0 also
+   unique int64 per block, -1 when not eligible). Only the slice's best CK = min(SL, KR) keys can be
+   among the top n_sel (KR = next_pow2(n_sel)): a bitonic sort picks them, they go to scratch as
+   candidates (SL is at least NB/16, so there are at most 16*KR candidates per row and kv head).
+3. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
+   Selection programs sort the candidates of their (row, kv head) (bitonic, descending): slot k is
+   the k-th key; they read the block ids of their SPB slots and attend over them (program 0 also
    writes block_idx, ascending, -1 padded); window programs attend over WSUB*TW window tokens.
    Key tiles are dealt evenly over the programs. Softmax partials.
-5. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
+4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-TUNE["pdl"] (off by default: measured slower at B=1 on an H200) makes launches 2-5 programmatic
+TUNE["pdl"] (off by default: measured slower at B=1 on an H200) makes launches 2-4 programmatic
 dependent launches (each kernel lets its dependent start early; the dependent waits with
 griddepcontrol.wait right before reading the previous results).
 
@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_precision, next_pow2
+from .scores import _bitonic_sort
 
 LOG2E = 1.4426950408889634
 SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
@@ -50,17 +51,14 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # Launch knobs, chosen per regime by `bench/bench_decode.py --sweep` (H200, HQ=64, H=4, d=128, bf16,
 # 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
 # loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
-# and the selection+window launches aim at; score_slice / rank_block = blocks per scoring / ranking
-# program; rank_ct = keys compared per step of a ranking program's loop (B=1, 64k: rank 6.9 -> 2.7 us
-# with 16 x 256 instead of 64 x 16); tile = key tokens per selection/window load (<= 64); *_warps:
-# an int or "auto" (about 32 elements of the largest tile a thread); pdl = programmatic dependent
-# launch (measured slower at B=1). TUNE_LARGE overrides TUNE from large_rows (query row, kv head)
-# pairs on (bandwidth-bound).
+# and the selection+window launches aim at; score_slice = blocks per scoring program (raised to NB/16
+# so a selection program sorts at most 16*KR candidates); tile = key tokens per selection/window load
+# (<= 64); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
+# programmatic dependent launch (measured slower at B=1). TUNE_LARGE overrides TUNE from large_rows
+# (query row, kv head) pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            rank_block=16, rank_ct=256, rank_warps=4, sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64,
-            comb_warps=4, pdl=False, large_rows=32)
-TUNE_LARGE: dict = dict(score_warps="auto", rank_block=64, rank_ct=16, rank_warps="auto", comb_warps="auto",
-                        sw_per_sm=1)
+            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=False, large_rows=32)
+TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", sw_per_sm=1)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
 _PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,12 +224,13 @@ def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, s
 
 
 @triton.jit(do_not_specialize=["pos_base"])
-def _score_kernel(POS, SP, MS, CM, CL, KEYS, spos, pos_base, Tq, H, NBUF, NCH, NSUB, NBCAP,
+def _score_kernel(POS, SP, MS, CM, CL, CAND, spos, pos_base, Tq, H, NBUF, NCH, NSUB, NBCAP,
                   G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
                   STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, SL: tl.constexpr,
+                  LOGSL: tl.constexpr, KR: tl.constexpr, CK: tl.constexpr, NCAND: tl.constexpr,
                   NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr, POS_PTR: tl.constexpr,
                   PDL: tl.constexpr):
-    """Group scores and comparison keys of one slice of SL blocks (see module doc)."""
+    """Group scores and comparison keys of one slice of SL blocks; its best CK keys (see module doc)."""
     R: tl.constexpr = LSEL // STRIDE
     LC: tl.constexpr = L_CMP // STRIDE
     s_id = tl.program_id(0)
@@ -276,52 +275,26 @@ def _score_kernel(POS, SP, MS, CM, CL, KEYS, spos, pos_base, Tq, H, NBUF, NCH, N
     prio = tl.where(j == cur, 3, tl.where(j == 0, 2, tl.where(j == cur - 1, 1, 0))).to(tl.int64)
     # one unique int64 key: priority, then grid score, then the lower index; -1 = not eligible
     key = tl.where(j <= cur, (prio * FSTEP + grid) * NB_P2 + (NB_P2 - 1 - j), -1)
-    tl.store(KEYS + rh.to(tl.int64) * NB_P2 + j, key)
-
-
-@triton.jit(do_not_specialize=["pos_base"])
-def _rank_kernel(POS, KEYS, SEL, spos, pos_base, Tq, H, M: tl.constexpr, NB_P2: tl.constexpr,
-                 NSEL: tl.constexpr, NSEL_P2: tl.constexpr, CT: tl.constexpr, LSEL: tl.constexpr,
-                 POS_PTR: tl.constexpr, PDL: tl.constexpr):
-    """Exact global rank of M blocks against all NB_P2 keys of their (row, kv head); a block among
-    the top n_sel goes to slot = its rank (SEL[rh, rank] = block). No reductions in the loop: the
-    other keys arrive as [M, CT] broadcast loads and the comparisons accumulate elementwise."""
-    s_id = tl.program_id(0)
-    h = tl.program_id(1)
-    row = tl.program_id(2)
-    _pdl_launch_dependents(PDL)
-    rh = (row * H + h).to(tl.int64)
-    kb = KEYS + rh * NB_P2
-    mine = s_id * M + tl.arange(0, M)
-    cols = tl.arange(0, CT)[None, :] + tl.zeros([M, 1], tl.int32)               # [M, CT]
-    _pdl_wait(PDL)
-    key = tl.load(kb + mine)
-    kmine = key[:, None]
-    acc = tl.zeros([M, CT], tl.int32)
-    for c0 in range(0, NB_P2, CT):
-        acc += (tl.load(kb + c0 + cols) > kmine).to(tl.int32)
-    rank = tl.sum(acc, 1)
-    sel = (rank < NSEL) & (key >= 0)
-    sb = SEL + rh * NSEL_P2
-    tl.store(sb + rank, mine.to(tl.int64), mask=sel)
-    if s_id == 0:  # fewer eligible blocks (0..cur) than n_sel: the remaining slots are empty
-        b = (row // Tq).to(tl.int64)
-        t = _query_pos(POS, spos, pos_base, b, row % Tq, POS_PTR)
-        n_take = tl.minimum(t // LSEL + 1, NSEL)
-        kk = tl.arange(0, NSEL_P2)
-        tl.store(sb + kk, tl.full([NSEL_P2], -1, tl.int64), mask=(kk >= n_take) & (kk < NSEL))
+    out = CAND + rh.to(tl.int64) * NCAND + s_id * CK
+    if SL > KR:  # only the slice's best KR can reach the top n_sel: sort ascending, keep the last KR
+        srt = _bitonic_sort(tl.reshape(key, [1, SL]), 1, SL, LOGSL, 0)
+        tl.store(out + tl.arange(0, KR), tl.max(tl.reshape(srt, [SL // KR, KR]), 0))
+    else:
+        tl.store(out + tl.arange(0, SL), key)
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, BI, XM, XL, XO,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, CAND, BI, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
                     spos, swin, pos_base, win_base, wmod, sbb, sbt, sbh, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
-                    NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
+                    NSEL_P2: tl.constexpr, NCAND: tl.constexpr, NCP: tl.constexpr, LOGNCP: tl.constexpr,
+                    NB_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
                     WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
     """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
-    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers). A selection
+    program first takes the top n_sel of the scoring slices' candidate keys (slot = rank)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -343,20 +316,22 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, BI, XM, XL, XO,
     q = tl.load(Q + b * sqb + iq * sqt + hq[:, None] * sqh + offs_dk[None, :],
                 mask=g_ok[:, None] & dk_ok, other=0.0)
     is_slc = p < NSS
-    sb = SEL + rh.to(tl.int64) * NSEL_P2                    # slot -> block, slots in rank order
+    kr = tl.arange(0, NSEL_P2)
+    jtop = tl.full([NSEL_P2], -1, tl.int64)                 # slot (rank) -> block, -1 = empty
     if is_slc:
         _pdl_wait(PDL)
+        ci = tl.arange(0, NCP)
+        ck = tl.load(CAND + rh.to(tl.int64) * NCAND + ci, mask=ci < NCAND, other=-1)
+        srt = _bitonic_sort(tl.reshape(ck, [1, NCP]), 1, NCP, LOGNCP, 1)     # descending
+        top = tl.max(tl.reshape(srt, [NCP // NSEL_P2, NSEL_P2]), 0)          # the first NSEL_P2 keys
+        jtop = tl.where((top >= 0) & (kr < NSEL), NB_P2 - 1 - top % NB_P2, -1)
         if p == 0:  # block_idx: the selected blocks ascending, -1 padded
-            kk = tl.arange(0, NSEL_P2)
-            a = tl.load(sb + kk, mask=kk < NSEL, other=-1)
-            a2 = tl.load(sb + kk[None, :] + tl.zeros([NSEL_P2, 1], tl.int32), mask=kk[None, :] < NSEL,
-                         other=-1)
-            big = tl.where(a2 < 0, 4611686018427387904, a2)                     # -1 sorts last
-            dst = tl.sum((big < a[:, None]).to(tl.int32), 1)                     # rank by block id
+            big = tl.where(jtop < 0, 4611686018427387904, jtop)               # -1 sorts last
+            dst = tl.sum((big[None, :] < jtop[:, None]).to(tl.int32), 1)      # rank by block id
             out = BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh
-            tl.store(out + dst, a, mask=a >= 0)
-            n_chosen = tl.sum((a >= 0).to(tl.int32), 0)
-            tl.store(out + kk, tl.full([NSEL_P2], -1, tl.int64), mask=(kk >= n_chosen) & (kk < NSEL))
+            tl.store(out + dst, jtop, mask=jtop >= 0)
+            n_chosen = tl.sum((jtop >= 0).to(tl.int32), 0)
+            tl.store(out + kr, tl.full([NSEL_P2], -1, tl.int64), mask=(kr >= n_chosen) & (kr < NSEL))
     if POS_PTR:
         w0 = tl.load(WIN0 + b * swin).to(tl.int64)             # absolute position of window row 0
     else:
@@ -376,7 +351,7 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, BI, XM, XL, XO,
     acc = tl.zeros([GP, BDV], tl.float32)
     for it in range(n_it):
         slot = p * SPB + it // NBS
-        jsel = tl.load(sb + slot, mask=is_slc & (slot < NSEL), other=-1)
+        jsel = tl.where(slot < NSEL, tl.sum(tl.where(kr == slot, jtop, 0), 0), -1)
         kk2 = (it % NBS) * TW + tw
         kp_s = jsel * LSEL + kk2                                                # -1 (empty slot): < 0
         kp_w = lo_w + (c_w + it) * TW + tw                                       # absolute positions
@@ -481,8 +456,10 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     subs = triton.cdiv(nsub, min(want, nsub))
     nch = triton.cdiv(nsub, subs)
     nb_p2 = max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1))
-    sl = min(nb_p2, max(2, next_pow2(tune["score_slice"])))
-    rm = min(nb_p2, max(2, next_pow2(tune["rank_block"])))
+    kr = max(2, next_pow2(n_sel))
+    sl = min(nb_p2, max(2, next_pow2(tune["score_slice"]), nb_p2 // 16))
+    ck = min(sl, kr)                                # candidates per scoring slice
+    ncand = (nb_p2 // sl) * ck
     # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
     # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
     tw = min(max(16, next_pow2(l_sel)), tune["tile"])      # key tile (tokens) of both kinds
@@ -495,8 +472,8 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpp))            # window tiles per window program
     nwc = triton.cdiv(nwt, wsub)
     return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
-                NCH=nch, NB_P2=nb_p2, NSEL_P2=max(2, next_pow2(n_sel)), SL=sl, NSL=nb_p2 // sl, RM=rm,
-                NRP=nb_p2 // rm, TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
+                NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
+                NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
 
 
 def _launch_all(specs: list, pdl: bool) -> None:
@@ -588,8 +565,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     # softmax partials (m, l, unnormalised o) of the cmp chunks and of the selection/window programs
     cm, cl, co = (torch.empty(R, NCH, HQ, *e, **f32) for e in ((), (), (dv,)))
     xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
-    keys = torch.empty(R * H, plan["NB_P2"], device=dev, dtype=torch.int64)
-    sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
+    cand = torch.empty(R * H, plan["NCAND"], device=dev, dtype=torch.int64)   # per-slice best keys
     bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
@@ -603,26 +579,23 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
                   NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn["cmp_warps"],
                   num_stages=tn["cmp_stages"], **geo)
-    SL, NB_P2, RM = plan["SL"], plan["NB_P2"], plan["RM"]
+    SL, NB_P2 = plan["SL"], plan["NB_P2"]
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
         gc //= 2
-    score_args = (pos_t, sp, ms, cm, cl, keys, spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
-    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
+    score_args = (pos_t, sp, ms, cm, cl, cand, spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
+    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, KR=plan["NSEL_P2"],
+                    CK=plan["CK"], NCAND=plan["NCAND"], NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
-    ct = min(max(2, next_pow2(tn.get("rank_ct", 16))), NB_P2)
-    rank_args = (pos_t, keys, sel, spos, pos_base, Tq, H)
-    rank_kw = dict(M=RM, NB_P2=NB_P2, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"], CT=ct, LSEL=l_sel, POS_PTR=pos_ptr,
-                   num_warps=_warps(tn["rank_warps"], RM * ct * 4))
-    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, bi, xm, xl, xo,
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, cand, bi, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
                k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
                win_base, int(win_ring), bi.stride(0), bi.stride(1), bi.stride(2), Tq, H, plan["NSS"], NP2,
                sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
-                 SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr,
-                 DOT_PREC=prec, num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
+                 NCAND=plan["NCAND"], NCP=plan["NCP"], LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2,
+                 SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec, num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
                  gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
     np2_p2 = max(2, next_pow2(NP2))
@@ -630,7 +603,6 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                    num_warps=_warps(tn["comb_warps"], max(nch_p2, np2_p2) * bdv))
     _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
                                ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-                               ("rank", _rank_kernel, (plan["NRP"], H, R), rank_args, rank_kw),
                                ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
                                ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
                               bool(tn["pdl"]) and q.is_cuda)
