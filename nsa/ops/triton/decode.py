@@ -1,6 +1,6 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Four launches, no atomics, every grid sized from buffer capacities (never from the current length),
+Four launches, every grid sized from buffer capacities (never from the current length),
 and the query position read from a device tensor when one is given, so one CUDA graph replays every
 step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
 axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
@@ -18,11 +18,13 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    grid 2**-20 of the normalised score, forced blocks by priority, ties to the lower index; one
    unique int64 per block, -1 when not eligible). Only the slice's best CK = min(SL, KR) keys can be
    among the top n_sel (KR = next_pow2(n_sel)): a bitonic sort picks them, they go to scratch as
-   candidates (SL is at least NB/16, so there are at most 16*KR candidates per row and kv head).
+   candidates (SL is at least NB/16, so there are at most 16*KR per row and kv head). The last
+   slice program of a (row, kv head) to finish (a split-K semaphore: an acq_rel counter it resets,
+   so the counters stay zero between launches) sorts the candidates: slot k = the k-th best key's
+   block, and block_idx (ascending, -1 padded). Keys are unique, so the result is deterministic.
 3. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
-   Selection programs sort the candidates of their (row, kv head) (bitonic, descending): slot k is
-   the k-th key; they read the block ids of their SPB slots and attend over them (program 0 also
-   writes block_idx, ascending, -1 padded); window programs attend over WSUB*TW window tokens.
+   Selection programs read the block ids of their SPB slots and attend over them; window programs
+   attend over WSUB*TW window tokens.
    Key tiles are dealt evenly over the programs. Softmax partials.
 4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
@@ -224,13 +226,15 @@ def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, s
 
 
 @triton.jit(do_not_specialize=["pos_base"])
-def _score_kernel(POS, SP, MS, CM, CL, CAND, spos, pos_base, Tq, H, NBUF, NCH, NSUB, NBCAP,
-                  G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
+def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, sbt, sbh, Tq, H, NBUF, NCH,
+                  NSUB, NBCAP, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
                   STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, SL: tl.constexpr,
-                  LOGSL: tl.constexpr, KR: tl.constexpr, CK: tl.constexpr, NCAND: tl.constexpr,
+                  LOGSL: tl.constexpr, NSL: tl.constexpr, NSEL: tl.constexpr, KR: tl.constexpr,
+                  CK: tl.constexpr, NCAND: tl.constexpr, NCP: tl.constexpr, LOGNCP: tl.constexpr,
                   NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr, POS_PTR: tl.constexpr,
                   PDL: tl.constexpr):
-    """Group scores and comparison keys of one slice of SL blocks; its best CK keys (see module doc)."""
+    """Group scores and comparison keys of one slice of SL blocks, its best CK keys as candidates;
+    the last slice program of the (row, kv head) to finish picks the top n_sel (see module doc)."""
     R: tl.constexpr = LSEL // STRIDE
     LC: tl.constexpr = L_CMP // STRIDE
     s_id = tl.program_id(0)
@@ -275,26 +279,48 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, spos, pos_base, Tq, H, NBUF, NCH, N
     prio = tl.where(j == cur, 3, tl.where(j == 0, 2, tl.where(j == cur - 1, 1, 0))).to(tl.int64)
     # one unique int64 key: priority, then grid score, then the lower index; -1 = not eligible
     key = tl.where(j <= cur, (prio * FSTEP + grid) * NB_P2 + (NB_P2 - 1 - j), -1)
-    out = CAND + rh.to(tl.int64) * NCAND + s_id * CK
+    cbase = CAND + rh.to(tl.int64) * NCAND
     if SL > KR:  # only the slice's best KR can reach the top n_sel: sort ascending, keep the last KR
         srt = _bitonic_sort(tl.reshape(key, [1, SL]), 1, SL, LOGSL, 0)
-        tl.store(out + tl.arange(0, KR), tl.max(tl.reshape(srt, [SL // KR, KR]), 0))
+        tl.store(cbase + s_id * CK + tl.arange(0, KR), tl.max(tl.reshape(srt, [SL // KR, KR]), 0))
     else:
-        tl.store(out + tl.arange(0, SL), key)
+        tl.store(cbase + s_id * CK + tl.arange(0, SL), key)
+    # the last of the NSL slice programs takes the top n_sel of all candidates: split-K semaphore
+    # (all threads' stores, a CTA barrier, then one release-acquire increment; the last resets it)
+    last = True
+    if NSL > 1:
+        tl.debug_barrier()
+        done = tl.atomic_add(CNT + rh, 1, sem="acq_rel", scope="gpu")
+        last = done == NSL - 1
+    if last:
+        if NSL > 1:
+            tl.atomic_xchg(CNT + rh, 0, sem="relaxed", scope="gpu")
+        ci = tl.arange(0, NCP)
+        ck = tl.load(cbase + ci, mask=ci < NCAND, other=-1, cache_modifier=".cg")
+        srt = _bitonic_sort(tl.reshape(ck, [1, NCP]), 1, NCP, LOGNCP, 1)     # descending
+        top = tl.max(tl.reshape(srt, [NCP // KR, KR]), 0)                    # the best KR keys, ranked
+        kr = tl.arange(0, KR)
+        jtop = tl.where((top >= 0) & (kr < NSEL), NB_P2 - 1 - top % NB_P2, -1)
+        tl.store(SEL + rh.to(tl.int64) * KR + kr, jtop)                      # slot (rank) -> block
+        # block_idx: the selected blocks ascending, -1 padded
+        big = tl.where(jtop < 0, 4611686018427387904, jtop)                  # -1 sorts last
+        dst = tl.sum((big[None, :] < jtop[:, None]).to(tl.int32), 1)         # rank by block id
+        out = BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh
+        tl.store(out + dst, jtop, mask=jtop >= 0)
+        n_chosen = tl.sum((jtop >= 0).to(tl.int32), 0)
+        tl.store(out + kr, tl.full([KR], -1, tl.int64), mask=(kr >= n_chosen) & (kr < NSEL))
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, CAND, BI, XM, XL, XO,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    spos, swin, pos_base, win_base, wmod, sbb, sbt, sbh, Tq, H, NSS, NP2, scale_log2,
+                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
-                    NSEL_P2: tl.constexpr, NCAND: tl.constexpr, NCP: tl.constexpr, LOGNCP: tl.constexpr,
-                    NB_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
+                    NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
                     WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
     """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
-    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers). A selection
-    program first takes the top n_sel of the scoring slices' candidate keys (slot = rank)."""
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -316,22 +342,9 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, CAND, BI, XM, XL, XO,
     q = tl.load(Q + b * sqb + iq * sqt + hq[:, None] * sqh + offs_dk[None, :],
                 mask=g_ok[:, None] & dk_ok, other=0.0)
     is_slc = p < NSS
-    kr = tl.arange(0, NSEL_P2)
-    jtop = tl.full([NSEL_P2], -1, tl.int64)                 # slot (rank) -> block, -1 = empty
+    sb = SEL + rh.to(tl.int64) * NSEL_P2                    # slot -> block, slots in rank order
     if is_slc:
         _pdl_wait(PDL)
-        ci = tl.arange(0, NCP)
-        ck = tl.load(CAND + rh.to(tl.int64) * NCAND + ci, mask=ci < NCAND, other=-1)
-        srt = _bitonic_sort(tl.reshape(ck, [1, NCP]), 1, NCP, LOGNCP, 1)     # descending
-        top = tl.max(tl.reshape(srt, [NCP // NSEL_P2, NSEL_P2]), 0)          # the first NSEL_P2 keys
-        jtop = tl.where((top >= 0) & (kr < NSEL), NB_P2 - 1 - top % NB_P2, -1)
-        if p == 0:  # block_idx: the selected blocks ascending, -1 padded
-            big = tl.where(jtop < 0, 4611686018427387904, jtop)               # -1 sorts last
-            dst = tl.sum((big[None, :] < jtop[:, None]).to(tl.int32), 1)      # rank by block id
-            out = BI + b * sbb + iq.to(tl.int64) * sbt + h * sbh
-            tl.store(out + dst, jtop, mask=jtop >= 0)
-            n_chosen = tl.sum((jtop >= 0).to(tl.int32), 0)
-            tl.store(out + kr, tl.full([NSEL_P2], -1, tl.int64), mask=(kr >= n_chosen) & (kr < NSEL))
     if POS_PTR:
         w0 = tl.load(WIN0 + b * swin).to(tl.int64)             # absolute position of window row 0
     else:
@@ -351,7 +364,7 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, CAND, BI, XM, XL, XO,
     acc = tl.zeros([GP, BDV], tl.float32)
     for it in range(n_it):
         slot = p * SPB + it // NBS
-        jsel = tl.where(slot < NSEL, tl.sum(tl.where(kr == slot, jtop, 0), 0), -1)
+        jsel = tl.load(sb + slot, mask=is_slc & (slot < NSEL), other=-1)
         kk2 = (it % NBS) * TW + tw
         kp_s = jsel * LSEL + kk2                                                # -1 (empty slot): < 0
         kp_w = lo_w + (c_w + it) * TW + tw                                       # absolute positions
@@ -411,6 +424,23 @@ def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot,
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict = {}   # (device, stream) -> int32 semaphores, zero between kernels
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 split-K semaphores for a launch on the current stream. The kernels leave them
+    at zero, so one buffer per (device, stream) serves every later call; inside a CUDA-graph capture
+    without a large enough buffer a fresh zeroed one is captured (its memset replays with the graph)."""
+    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    buf = torch.zeros(max(n, 64), device=dev, dtype=torch.int32)
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _COUNTERS[key] = buf
+    return buf
 
 
 def _check(q: torch.Tensor, v: torch.Tensor, gates: torch.Tensor) -> None:
@@ -566,6 +596,8 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     cm, cl, co = (torch.empty(R, NCH, HQ, *e, **f32) for e in ((), (), (dv,)))
     xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
     cand = torch.empty(R * H, plan["NCAND"], device=dev, dtype=torch.int64)   # per-slice best keys
+    sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
+    cnt = _counters(dev, R * H)                                                # zeros, left at zero
     bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
@@ -583,18 +615,19 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
         gc //= 2
-    score_args = (pos_t, sp, ms, cm, cl, cand, spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
-    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, KR=plan["NSEL_P2"],
-                    CK=plan["CK"], NCAND=plan["NCAND"], NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
+    score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base, bi.stride(0), bi.stride(1),
+                  bi.stride(2), Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
+    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, NSL=plan["NSL"],
+                    NSEL=n_sel, KR=plan["NSEL_P2"], CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
+                    LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
-    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, cand, bi, xm, xl, xo,
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
                k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
-               win_base, int(win_ring), bi.stride(0), bi.stride(1), bi.stride(2), Tq, H, plan["NSS"], NP2,
+               win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
                sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
-                 NCAND=plan["NCAND"], NCP=plan["NCP"], LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2,
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec, num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
                  gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
