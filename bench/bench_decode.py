@@ -224,7 +224,21 @@ SWEEP = [dict(_BASE),
          dict(_BASE, score_slice=256),
          dict(_BASE, comb_warps="auto", score_warps="auto"),
          dict(_BASE, score_warps=8),
-         dict(_BASE, sw_per_sm=1, slc_warps=4, slc_stages=2, cmp_stages=4)]
+         dict(_BASE, cmp_maxnreg=168, cmp_stages=2, cmp_per_sm=3),
+         dict(_BASE, slc_warps=4, slc_stages=3, sw_per_sm=3),
+         # M = G = 16 rows: more warps split the key axis (cross-warp reductions and layout
+         # conversions through shared memory), fewer warps leave room for more programs
+         dict(_BASE, cmp_warps=2),
+         dict(_BASE, cmp_warps=2, cmp_per_sm=4),
+         dict(_BASE, cmp_warps=2, cmp_per_sm=4, cmp_stages=2),
+         dict(_BASE, cmp_warps=1, cmp_per_sm=4),
+         dict(_BASE, cmp_warps=1, cmp_per_sm=8, cmp_stages=2),
+         dict(_BASE, slc_warps=2, sw_per_sm=2),
+         dict(_BASE, slc_warps=2, sw_per_sm=4),
+         dict(_BASE, slc_warps=2, sw_per_sm=4, slc_stages=2),
+         dict(_BASE, slc_warps=1, sw_per_sm=4),
+         dict(_BASE, slc_warps=1, sw_per_sm=8, slc_stages=2),
+         dict(_BASE, cmp_warps=2, cmp_per_sm=4, slc_warps=2, sw_per_sm=4)]
 
 
 def _warm(cfg: dict, B: int, S: int, shape: tuple) -> str:
