@@ -288,10 +288,12 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
     else:
         tl.store(cbase + s_id * CK + tl.arange(0, SL), key)
     # the last of the NSL slice programs takes the top n_sel of all candidates: split-K semaphore
-    # (all threads' stores, a CTA barrier, then one release-acquire increment; the last resets it)
+    # (all threads' stores, a CTA barrier, then one release-acquire increment; the last resets it).
+    # The barrier is needed with one slice too: the tail reads what other threads of this program
+    # stored (a GPU race the sequential interpreter cannot show: found by the 8k GPU test).
+    tl.debug_barrier()
     last = True
     if NSL > 1:
-        tl.debug_barrier()
         done = tl.atomic_add(CNT + rh, 1, sem="acq_rel", scope="gpu")
         last = done == NSL - 1
     if last:

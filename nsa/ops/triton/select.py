@@ -37,7 +37,10 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # the dK/dV kernel. H200, T=32k, HQ=64, H=4, d=128: fwd 4 warps 7.9 ms vs 8 warps 12.4; dK/dV 64 rows
 # 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5. 64k with 2 stages each: dK/dV
 # with 4 warps 38.7 ms (whole selection backward) vs 8 warps 46.3; 128 rows 41.1 vs 64 rows 46.0.
-SLC_WARPS = (4, 4, 4)
+# 64k with gates (bench_attention.py --sweep 65536 --sweep-only select.SLC_WARPS, H200): fwd 2 warps
+# 15.7 ms vs 4 warps 16.1, 1 warp 18.8; backward (dq 2, dK/dV 4) 33.4 vs (4, 4) 34.3; dK/dV with 2
+# warps 551 (spills).
+SLC_WARPS = (2, 2, 4)
 # num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
 # with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
 SLC_STAGES = (2, 2, 2)
