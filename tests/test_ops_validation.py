@@ -97,6 +97,18 @@ def test_policy_on_cpu_and_fallback_counting():
     assert torch.equal(o_p, o_t)
 
 
+def test_triton_policy_names_each_branch_choice(monkeypatch):
+    """With triton usable, the policy line says how the compressed and the window branch run and why
+    (measured alternatives, flash-attn availability), and the other branches keep the plain reason."""
+    monkeypatch.setattr(dispatch, "_triton_status", lambda dev: (True, "triton kernels available"))
+    pol = KernelPolicy.resolve("cuda", torch.bfloat16)
+    assert pol.backend == "triton"
+    assert "compressed branch" in pol.reasons["cmp"] and "CMP_DENSE" not in pol.reasons["win"]
+    assert "FlexAttention" in pol.reasons["win"] and "flash-attn" in pol.reasons["win"]
+    assert pol.reasons["slc"] == "triton kernels available"
+    assert "FlexAttention" in str(pol)
+
+
 def test_triton_unsupported_shape_falls_back(monkeypatch):
     """A triton hook raising NotImplementedError falls back to torch and is counted."""
     class FakeTriton:

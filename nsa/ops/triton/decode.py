@@ -28,9 +28,9 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    Key tiles are dealt evenly over the programs. Softmax partials.
 4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-TUNE["pdl"] (off by default: measured slower at B=1 on an H200) makes launches 2-4 programmatic
-dependent launches (each kernel lets its dependent start early; the dependent waits with
-griddepcontrol.wait right before reading the previous results).
+TUNE["pdl"] makes launches 2-4 programmatic dependent launches (each kernel lets its dependent start
+early; the dependent waits with griddepcontrol.wait right before reading the previous results). It is
+on for few rows (B=1 at 64k on an H200: 25.7 vs 26.6 us) and off in TUNE_LARGE (B=16: 96.4 vs 92.3).
 
 Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*]
 (linear from win_pos0, or a ring of win_ring rows: position p at row p % win_ring),
@@ -57,12 +57,12 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # so a selection program sorts at most 16*KR candidates); tile = key tokens per selection/window load
 # (<= 64); *_maxnreg: a register cap per thread (None: the compiler's choice; a lower cap lets more
 # programs share a multiprocessor); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
-# programmatic dependent launch (measured slower at B=1). TUNE_LARGE overrides TUNE from large_rows
+# programmatic dependent launch. TUNE_LARGE overrides TUNE from large_rows
 # (query row, kv head) pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=False, large_rows=32,
+            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32,
             cmp_maxnreg=None, slc_maxnreg=None)
-TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", sw_per_sm=1)
+TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
 _PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
