@@ -57,12 +57,11 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # so a selection program sorts at most 16*KR candidates); tile = key tokens per selection/window load
 # (<= 64); *_maxnreg: a register cap per thread (None: the compiler's choice; a lower cap lets more
 # programs share a multiprocessor); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
-# programmatic dependent launch; win_stream = the window programs as a separate launch on a side
-# stream, concurrent with the compressed pass (CUDA only; joined before the combine). TUNE_LARGE overrides TUNE from large_rows
+# programmatic dependent launch. TUNE_LARGE overrides TUNE from large_rows
 # (query row, kv head) pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
             sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32,
-            cmp_maxnreg=None, slc_maxnreg=None, win_stream=False)
+            cmp_maxnreg=None, slc_maxnreg=None)
 TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
 _PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
@@ -319,7 +318,7 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
 def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, P0, scale_log2,
+                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
@@ -328,7 +327,7 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
     run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
-    p = tl.program_id(1) + P0                               # P0 > 0: a window-only launch
+    p = tl.program_id(1)
     row = tl.program_id(2)
     _pdl_launch_dependents(PDL)
     rh = row * H + h
@@ -431,15 +430,7 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_SIDE: dict = {}       # device -> the side stream of the window programs (TUNE["win_stream"])
 _COUNTERS: dict = {}   # (device, stream) -> int32 semaphores, zero between kernels
-
-
-def _side_stream(dev: torch.device) -> torch.cuda.Stream:
-    key = str(dev)
-    if key not in _SIDE:
-        _SIDE[key] = torch.cuda.Stream(dev)
-    return _SIDE[key]
 
 
 def _counters(dev: torch.device, n: int) -> torch.Tensor:
@@ -643,7 +634,8 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
                k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
-               win_base, int(win_ring), Tq, H, plan["NSS"], NP2, 0, sl2)
+               win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
+               sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
                  num_warps=tn["slc_warps"], num_stages=tn["slc_stages"], **_regcap(tn["slc_maxnreg"], q))
@@ -652,23 +644,9 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     np2_p2 = max(2, next_pow2(NP2))
     comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
                    num_warps=_warps(tn["comb_warps"], max(nch_p2, np2_p2) * bdv))
-    pdl = bool(tn["pdl"]) and q.is_cuda
-    if not (tn["win_stream"] and q.is_cuda and plan["NWC"] > 0):
-        _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
-                                   ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-                                   ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
-                                   ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)], pdl)
-        return o, bi
-    # the window programs on a side stream, concurrent with the compressed pass (their own, smaller
-    # footprint fits beside its programs on a multiprocessor), joined before the combine
-    main, side = torch.cuda.current_stream(dev), _side_stream(dev)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        w_args = sw_args[:-2] + (plan["NSS"], sl2)
-        LAST_LAUNCH["win"] = _slc_win_kernel[(H, plan["NWC"], R)](*w_args, **sw_kw, PDL=False)
     _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
                                ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-                               ("slc_win", _slc_win_kernel, (H, plan["NSS"], R), sw_args, sw_kw)], pdl)
-    main.wait_stream(side)
-    _launch_all([("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)], False)
+                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
+                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
+                              bool(tn["pdl"]) and q.is_cuda)
     return o, bi
