@@ -92,8 +92,8 @@ def _win_note() -> str:
         fa = "flash-attn installed but not wired (untested here)"
     except Exception:  # noqa: BLE001 - any import problem means "not available"
         fa = "flash-attn not installed"
-    return ("window branch on the own Triton kernel (H200, 64k, w=512: fwd 4.1 ms vs compiled FlexAttention "
-            f"4.6, fwd+bwd 14.5 vs 16.1; bench/bench_window.py); {fa}")
+    return ("window branch on the own Triton kernel (H200, 64k, w=512: fwd 4.15 ms vs compiled FlexAttention "
+            f"4.54, fwd+bwd 13.5 vs 16.0; bench/bench_window.py); {fa}")
 
 
 @dataclass(frozen=True)
