@@ -20,8 +20,10 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    among the top n_sel (KR = next_pow2(n_sel)): a bitonic sort picks them, they go to scratch as
    candidates (SL is at least NB/16, so there are at most 16*KR per row and kv head). The last
    slice program of a (row, kv head) to finish (a split-K semaphore: an acq_rel counter it resets,
-   so the counters stay zero between launches) sorts the candidates: slot k = the k-th best key's
-   block, and block_idx (ascending, -1 padded). Keys are unique, so the result is deterministic.
+   so the counters stay zero between launches) merges the slices' sorted lists (a bitonic merge
+   tree: slices alternate direction, so a pair's elementwise max holds their best KR) into slot k =
+   the k-th best key's block, and block_idx (ascending, -1 padded). Keys are unique, so the result
+   is deterministic.
 3. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
    Selection programs read the block ids of their SPB slots and attend over them; window programs
    attend over WSUB*TW window tokens.
@@ -146,6 +148,24 @@ def _merge(m, l, o, ok):
     return tl.where(tot > 0, osum / tl.maximum(tot, 1e-30), 0.0)
 
 
+@triton.jit
+def _cmpx_rows(x, ROWS: tl.constexpr, K: tl.constexpr, S: tl.constexpr, desc):
+    """One bitonic-merge step (pairs i, i ^ S) of each row of x [ROWS, K], direction per row."""
+    y = tl.reshape(x, [ROWS, K // (2 * S), 2, S])
+    partner = tl.sum(y, 2, keep_dims=True) - y              # the pair's sum minus self (see scores.py)
+    flip = (tl.arange(0, 2)[None, None, :, None] + desc[:, None, None, None]) % 2
+    y = tl.where((y > partner) != (flip == 1), partner, y)
+    return tl.reshape(y, [ROWS, K])
+
+
+@triton.jit
+def _merge_rows(x, ROWS: tl.constexpr, K: tl.constexpr, LOGK: tl.constexpr, desc):
+    """Sorts each bitonic row of x [ROWS, K]; row i descending where desc[i] == 1, else ascending."""
+    for jj in tl.static_range(0, LOGK):
+        x = _cmpx_rows(x, ROWS, K, 1 << (LOGK - 1 - jj), desc)
+    return x
+
+
 # ----------------------------------------------------------------------------------------- kernels
 @triton.jit(do_not_specialize=["pos_base"])
 def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, skch, svcb, svct, svch,
@@ -231,7 +251,8 @@ def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, s
 def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, sbt, sbh, Tq, H, NBUF, NCH,
                   NSUB, NBCAP, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
                   STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, SL: tl.constexpr,
-                  LOGSL: tl.constexpr, NSL: tl.constexpr, NSEL: tl.constexpr, KR: tl.constexpr,
+                  LOGSL: tl.constexpr, NSL: tl.constexpr, LOGNSL: tl.constexpr, NSEL: tl.constexpr,
+                  KR: tl.constexpr, LOGKR: tl.constexpr,
                   CK: tl.constexpr, NCAND: tl.constexpr, NCP: tl.constexpr, LOGNCP: tl.constexpr,
                   NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr, POS_PTR: tl.constexpr,
                   PDL: tl.constexpr):
@@ -282,9 +303,12 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
     # one unique int64 key: priority, then grid score, then the lower index; -1 = not eligible
     key = tl.where(j <= cur, (prio * FSTEP + grid) * NB_P2 + (NB_P2 - 1 - j), -1)
     cbase = CAND + rh.to(tl.int64) * NCAND
-    if SL > KR:  # only the slice's best KR can reach the top n_sel: sort ascending, keep the last KR
+    if SL > KR:  # only the slice's best KR can reach the top n_sel: sort ascending, keep the last KR;
+        # stored descending for even slices, ascending for odd ones (pairs merge without a flip)
         srt = _bitonic_sort(tl.reshape(key, [1, SL]), 1, SL, LOGSL, 0)
-        tl.store(cbase + s_id * CK + tl.arange(0, KR), tl.max(tl.reshape(srt, [SL // KR, KR]), 0))
+        kk = tl.arange(0, KR)
+        pos = tl.where(s_id % 2 == 0, KR - 1 - kk, kk)
+        tl.store(cbase + s_id * CK + pos, tl.max(tl.reshape(srt, [SL // KR, KR]), 0))
     else:
         tl.store(cbase + s_id * CK + tl.arange(0, SL), key)
     # the last of the NSL slice programs takes the top n_sel of all candidates: split-K semaphore
@@ -301,8 +325,17 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
             tl.atomic_xchg(CNT + rh, 0, sem="relaxed", scope="gpu")
         ci = tl.arange(0, NCP)
         ck = tl.load(cbase + ci, mask=ci < NCAND, other=-1, cache_modifier=".cg")
-        allc = _bitonic_sort(tl.reshape(ck, [1, NCP]), 1, NCP, LOGNCP, 1)    # descending
-        top = tl.max(tl.reshape(allc, [NCP // KR, KR]), 0)                   # the best KR keys, ranked
+        if SL > KR and NSL > 1:
+            # merge tree over the sorted slices: a (descending, ascending) pair's elementwise max
+            # holds their best KR as a bitonic row; one merge sorts it, rows alternating direction
+            tree = tl.reshape(ck, [NSL, KR])
+            for lev in tl.static_range(LOGNSL):
+                tree = tl.max(tl.reshape(tree, [NSL >> (lev + 1), 2, KR]), 1)
+                tree = _merge_rows(tree, NSL >> (lev + 1), KR, LOGKR, 1 - tl.arange(0, NSL >> (lev + 1)) % 2)
+            top = tl.reshape(tree, [KR])                                     # descending: slot k = top[k]
+        else:
+            allc = _bitonic_sort(tl.reshape(ck, [1, NCP]), 1, NCP, LOGNCP, 1)    # descending
+            top = tl.max(tl.reshape(allc, [NCP // KR, KR]), 0)                   # the best KR keys, ranked
         kr = tl.arange(0, KR)
         jtop = tl.where((top >= 0) & (kr < NSEL), NB_P2 - 1 - top % NB_P2, -1)
         tl.store(SEL + rh.to(tl.int64) * KR + kr, jtop)                      # slot (rank) -> block
@@ -627,7 +660,8 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base, bi.stride(0), bi.stride(1),
                   bi.stride(2), Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
     score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, NSL=plan["NSL"],
-                    NSEL=n_sel, KR=plan["NSEL_P2"], CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
+                    LOGNSL=plan["NSL"].bit_length() - 1, NSEL=n_sel, KR=plan["NSEL_P2"],
+                    LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
                     LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
     sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
