@@ -187,14 +187,16 @@ SWEEP = {
     "select.SLC_WARPS": [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2), (4, 4, 2), (4, 2, 4)],
     "select.SLC_DKDV_ROWS": [16, 32, 64],
     "select.SLC_STAGES": [(2, 2, 2), (2, 2, 3), (2, 2, 1), (2, 2, 4)],
+    "scores.SCORE_TILE": [(256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2),
+                          (256, 64, 8, 4, 0, 2)],
 }
 
 
 def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
     """Times the stages a tile setting affects, for each candidate in SWEEP whose key starts with
     `only` (ms). The backward calls pass the gates as the op does (a gated dO changes the kernels)."""
-    from nsa.ops.triton import attn, select
-    mods = {"attn": attn, "select": select}
+    from nsa.ops.triton import attn, scores, select
+    mods = {"attn": attn, "select": select, "scores": scores}
     q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
     sc = dk ** -0.5
     l, d, l_sel, n_sel, w = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"], HP["w"]
@@ -218,6 +220,8 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
             "slc_fwd": lambda: select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc),
             "slc_bwd": lambda: select.slc_bwd(q, ks, vs, bi, do, ls, delta, g[..., 1], l_sel=l_sel, scale=sc)},
     }
+    stages["scores.SCORE_TILE"] = {
+        "select": lambda: scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc)}
     stages["attn.DKDV_TILE"] = stages["attn.DQ_TILE"]
     stages["select.SLC_DKDV_ROWS"] = {"slc_bwd": stages["select.SLC_WARPS"]["slc_bwd"]}
     stages["select.SLC_STAGES"] = stages["select.SLC_WARPS"]

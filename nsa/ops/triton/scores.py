@@ -45,8 +45,11 @@ GRID_BITS = 21       # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**21
 # H200, T=64k, B=1, HQ=64, H=4, d_k=128, bf16, triton 3.6 (unfused scores + top-n: 24.7 ms):
 # (128, 64, 8, 2, 2, 2) 10.3-10.6 ms; stages 3: 10.2; (256, 64, 8, 2, 0, 2) 10.5; (256, 64, 8, 2, 2, 2)
 # 12.0; (128, 64, 4, 2, 2, 2) 11.5; (128, 32, 8, 2, 2, 2) 12.1; (128, 64, 4, 2, 0, 2) 14.8.
-# Module-level so benchmarks can try others (bench/bench_select.py).
-SCORE_TILE = (128, 64, 8, 2, 2, 2)
+# 2026-11-24 (bench_attention.py --sweep 65536 --sweep-only scores.): (128, 64, 8, 2, 2, 2) 10.52,
+# stages 3 10.48, stages 4 10.81, (64, 64, 4, 3, 2, 2) 11.54, (256, 64, 8, 3, 0, 2) 10.13 (16 tokens
+# per tile, the exact fp32 map).
+# Module-level so benchmarks can try others (bench/bench_select.py, bench_attention.py --sweep).
+SCORE_TILE = (256, 64, 8, 3, 0, 2)
 BIG_SCORE_TILE = (128, 64, 8, 2, 2, 2)  # head dims in (128, 256]
 SKIP_MERGE = False   # skip a chunk's merge when no token of the tile gains (no gain on random data)
 
