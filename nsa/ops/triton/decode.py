@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_precision, next_pow2
-from .scores import _bitonic_sort
+from .scores import _bitonic_sort, _merge_rows
 
 LOG2E = 1.4426950408889634
 SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
@@ -146,24 +146,6 @@ def _merge(m, l, o, ok):
     tot = tl.sum(wt * l, 0)
     osum = tl.sum(wt[:, None] * o, 0)
     return tl.where(tot > 0, osum / tl.maximum(tot, 1e-30), 0.0)
-
-
-@triton.jit
-def _cmpx_rows(x, ROWS: tl.constexpr, K: tl.constexpr, S: tl.constexpr, desc):
-    """One bitonic-merge step (pairs i, i ^ S) of each row of x [ROWS, K], direction per row."""
-    y = tl.reshape(x, [ROWS, K // (2 * S), 2, S])
-    partner = tl.sum(y, 2, keep_dims=True) - y              # the pair's sum minus self (see scores.py)
-    flip = (tl.arange(0, 2)[None, None, :, None] + desc[:, None, None, None]) % 2
-    y = tl.where((y > partner) != (flip == 1), partner, y)
-    return tl.reshape(y, [ROWS, K])
-
-
-@triton.jit
-def _merge_rows(x, ROWS: tl.constexpr, K: tl.constexpr, LOGK: tl.constexpr, desc):
-    """Sorts each bitonic row of x [ROWS, K]; row i descending where desc[i] == 1, else ascending."""
-    for jj in tl.static_range(0, LOGK):
-        x = _cmpx_rows(x, ROWS, K, 1 << (LOGK - 1 - jj), desc)
-    return x
 
 
 # ----------------------------------------------------------------------------------------- kernels

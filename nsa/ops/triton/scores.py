@@ -88,6 +88,24 @@ def _bitonic_merge(x, BT: tl.constexpr, K: tl.constexpr, LOGK: tl.constexpr, DES
     return x
 
 
+@triton.jit
+def _cmpx_rows(x, ROWS: tl.constexpr, K: tl.constexpr, S: tl.constexpr, desc):
+    """One bitonic-merge step (pairs i, i ^ S) of each row of x [ROWS, K], direction per row."""
+    y = tl.reshape(x, [ROWS, K // (2 * S), 2, S])
+    partner = tl.sum(y, 2, keep_dims=True) - y              # as in _cmpx
+    flip = (tl.arange(0, 2)[None, None, :, None] + desc[:, None, None, None]) % 2
+    y = tl.where((y > partner) != (flip == 1), partner, y)
+    return tl.reshape(y, [ROWS, K])
+
+
+@triton.jit
+def _merge_rows(x, ROWS: tl.constexpr, K: tl.constexpr, LOGK: tl.constexpr, desc):
+    """Sorts each bitonic row of x [ROWS, K]; row i descending where desc[i] == 1, else ascending."""
+    for jj in tl.static_range(0, LOGK):
+        x = _cmpx_rows(x, ROWS, K, 1 << (LOGK - 1 - jj), desc)
+    return x
+
+
 # ----------------------------------------------------------------------------------------------
 # per-chunk pieces
 
