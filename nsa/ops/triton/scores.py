@@ -47,7 +47,8 @@ GRID_BITS = 21       # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**21
 # 12.0; (128, 64, 4, 2, 2, 2) 11.5; (128, 32, 8, 2, 2, 2) 12.1; (128, 64, 4, 2, 0, 2) 14.8.
 # 2026-11-24 (bench_attention.py --sweep 65536 --sweep-only scores.): (128, 64, 8, 2, 2, 2) 10.52,
 # stages 3 10.48, stages 4 10.81, (64, 64, 4, 3, 2, 2) 11.54, (256, 64, 8, 3, 0, 2) 10.13 (16 tokens
-# per tile, the exact fp32 map).
+# per tile, the exact fp32 map); 128-token chunks (256, 128, 8, 3, 0, 2) 12.55, (128, 128, 8, 3, 2, 2)
+# 13.62; 32 tokens per tile (512, 64, 8, 3, 0, 2) 11.13. 128k: 40.8 vs 53.3 ms for the old default.
 # Module-level so benchmarks can try others (bench/bench_select.py, bench_attention.py --sweep).
 SCORE_TILE = (256, 64, 8, 3, 0, 2)
 BIG_SCORE_TILE = (128, 64, 8, 2, 2, 2)  # head dims in (128, 256]
