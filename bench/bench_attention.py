@@ -186,7 +186,8 @@ SWEEP = {
     "attn.DKDV_TILE": [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
     "select.SLC_WARPS": [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2), (4, 4, 2), (4, 2, 4)],
     "select.SLC_DKDV_ROWS": [16, 32, 64],
-    "select.SLC_STAGES": [(2, 2, 2), (2, 2, 3), (2, 2, 1), (2, 2, 4)],
+    "select.SLC_STAGES": [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)],
+    "select.SLC_BS": [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)],
     "scores.SCORE_TILE": [(256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 128, 8, 3, 0, 2),
                           (128, 128, 8, 3, 2, 2), (256, 128, 8, 2, 0, 2), (512, 64, 8, 3, 0, 2)],
 }
@@ -225,6 +226,7 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
     stages["attn.DKDV_TILE"] = stages["attn.DQ_TILE"]
     stages["select.SLC_DKDV_ROWS"] = {"slc_bwd": stages["select.SLC_WARPS"]["slc_bwd"]}
     stages["select.SLC_STAGES"] = stages["select.SLC_WARPS"]
+    stages["select.SLC_BS"] = stages["select.SLC_WARPS"]
     out = {}
     for key, cands in SWEEP.items():
         if not key.startswith(only):

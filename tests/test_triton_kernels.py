@@ -97,6 +97,15 @@ def test_forward_backward_match_reference(case):
             assert gk.abs().max().item() == 0 if gk.numel() else True
 
 
+@pytest.mark.parametrize("case", ["g3_lsel24_slc_only", "g1_dk32_dv16_chunked"])
+def test_selection_sub_block_tiles(case, monkeypatch):
+    """Key tiles smaller than a selected block (select.SLC_BS): several tiles per block, the last
+    one partly past l_sel (l_sel=24 in 16-row tiles), in the forward and the dq kernel."""
+    from nsa.ops.triton import select as tsel
+    monkeypatch.setattr(tsel, "SLC_BS", (16, 16))
+    test_forward_backward_match_reference(case)
+
+
 @pytest.mark.parametrize("case", ["g2_dk16_dv32", "g1_dk32_dv16_chunked", "g16_nsel1", "fp16_g2"])
 def test_dense_cmp_branch_matches_reference(case, monkeypatch):
     """The compressed branch as one causal SDPA over residue-regrouped queries (cmp_dense.py; the

@@ -44,6 +44,9 @@ SLC_WARPS = (2, 2, 4)
 # num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
 # with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
 SLC_STAGES = (2, 2, 2)
+# key rows per pipeline stage of the forward and dq kernels (capped by l_sel; a smaller tile halves
+# the shared memory per stage, so more programs fit on a multiprocessor)
+SLC_BS = (64, 64)
 SLC_DKDV_ROWS = 32   # 64k with gates (as the op runs it): 32 rows 34.1 ms, 64 rows 43.2, 128 rows 41.6
 
 
@@ -214,25 +217,25 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
     bi_base = BI + b * sbb + t64 * sbt + h * sbh
-    for slot in range(NSEL):
-        j = tl.load(bi_base + slot)
-        for sub in tl.static_range(0, LSEL, BS):   # unrolled: lets the slot loop pipeline
-            kk = sub + tl.arange(0, BS)
-            kp = j * LSEL + kk                                              # [BS] int64 positions
-            k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
-            k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
-                        mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            s = tl.where(k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
-                        mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+    NSUB: tl.constexpr = (LSEL + BS - 1) // BS          # key tiles per selected block
+    for it in range(NSEL * NSUB):                        # one flat loop: one tile per pipeline stage
+        j = tl.load(bi_base + it // NSUB)
+        kk = (it % NSUB) * BS + tl.arange(0, BS)
+        kp = j * LSEL + kk                                                  # [BS] int64 positions
+        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+        k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
+                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
+                    mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
@@ -281,21 +284,21 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
     k_base = K + b * skb + h * skh
     v_base = V + b * svb + h * svh
     bi_base = BI + b * sbb + t64 * sbt + h * sbh
-    for slot in range(NSEL):
-        j = tl.load(bi_base + slot)
-        for sub in tl.static_range(0, LSEL, BS):   # unrolled: lets the slot loop pipeline
-            kk = sub + tl.arange(0, BS)
-            kp = j * LSEL + kk
-            k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
-            k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
-                        mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-            v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
-                        mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-            p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]   # g * p
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    NSUB: tl.constexpr = (LSEL + BS - 1) // BS          # key tiles per selected block
+    for it in range(NSEL * NSUB):                        # one flat loop: one tile per pipeline stage
+        j = tl.load(bi_base + it // NSUB)
+        kk = (it % NSUB) * BS + tl.arange(0, BS)
+        kp = j * LSEL + kk
+        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+        k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
+                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
+                    mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        p = tl.where(k_ok[None, :], tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]   # g * p
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     dq = dq * scale
     dq_off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     dq_mask = row_ok[:, None] & (offs_dk[None, :] < DK)
@@ -434,7 +437,7 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
         q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), num_stages=SLC_STAGES[0], num_warps=SLC_WARPS[0],
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), SLC_BS[0]), num_stages=SLC_STAGES[0], num_warps=SLC_WARPS[0],
         **meta)
     return o, lse
 
@@ -493,7 +496,7 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dq_kernel[(T, B * H)](
         q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), 64), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), SLC_BS[1]), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
         num_stages=SLC_STAGES[1], num_warps=SLC_WARPS[1], **meta)
     inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
