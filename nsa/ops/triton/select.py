@@ -45,7 +45,8 @@ SLC_WARPS = (2, 2, 4)
 # with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
 SLC_STAGES = (2, 2, 2)
 # key rows per pipeline stage of the forward and dq kernels (capped by l_sel; a smaller tile halves
-# the shared memory per stage, so more programs fit on a multiprocessor)
+# the shared memory per stage, so more programs fit on a multiprocessor). 64k sweep (fwd / whole
+# backward ms): (64, 64) 15.8 / 33.6, (32, 32) 17.8 / 34.5 (3 stages: 16.6 / 34.7), (16, 16) 21.3 / 38.4.
 SLC_BS = (64, 64)
 SLC_DKDV_ROWS = 32   # 64k with gates (as the op runs it): 32 rows 34.1 ms, 64 rows 43.2, 128 rows 41.6
 
