@@ -56,11 +56,11 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
 # loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
 # and the selection+window launches aim at; score_slice = blocks per scoring program (raised to NB/16
-# so a selection program sorts at most 16*KR candidates); tile = key tokens per selection/window load
-# (<= 64); *_maxnreg: a register cap per thread (None: the compiler's choice; a lower cap lets more
-# programs share a multiprocessor); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
-# programmatic dependent launch. TUNE_LARGE overrides TUNE from large_rows
-# (query row, kv head) pairs on (bandwidth-bound).
+# so the scoring tail merges at most 16 sorted candidate lists); tile = key tokens per selection/window
+# load (<= 64); *_maxnreg: a register cap per thread (None: the compiler's choice; a lower cap lets
+# more programs share a multiprocessor; 128/168 were slower); *_warps: an int or "auto" (about 32
+# elements of the largest tile a thread); pdl = programmatic dependent launch. TUNE_LARGE overrides
+# TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
             sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32,
             cmp_maxnreg=None, slc_maxnreg=None)
