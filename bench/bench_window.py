@@ -9,10 +9,11 @@ causal window (key j visible to query t iff t - w < j <= t), GQA.
 
 ours fwd = attn_fwd; ours fwd+bwd = attn_fwd + attn_bwd (gate 1) with delta = rowsum(dO * o)
 computed once outside the timing: in the NSA op that row sum is the window gate's gradient, which the
-op computes anyway (flex computes it inside its backward, so its time includes it). flex on [B, H, T, d] contiguous copies (the layout it is fastest on; the
-transposes our [B, T, H, d] layout would need are not timed, which favours flex). Checks flex's output
-against ours (relative RMS) so both compute the same mask. Prints a table and writes
-bench/out/window_<date>.json (and a copy under $OUT).
+op computes anyway (flex computes it inside its backward, so its time includes it). flex runs on
+[B, H, T, d] contiguous copies (the layout it is fastest on; the transposes our [B, T, H, d] layout
+would need are not timed, which favours flex). Checks flex's output against ours (relative RMS) so
+both compute the same mask. Prints a table and writes bench/out/window_<date>.json (and a copy under
+$OUT).
 """
 from __future__ import annotations
 
