@@ -41,6 +41,20 @@ BIG_DKDV_TILE = (16, 32, 8, 1)
 
 
 @triton.jit
+def online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One online-softmax step over a key tile: s [R, N] scores in log2 units (-inf where masked),
+    v [N, D]; returns the new running max, sum and unnormalised output (rows with nothing visible
+    so far keep m = -inf and contribute 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _key_range(t_first, t_last, N, STRIDE: tl.constexpr, OFFSET: tl.constexpr, WINDOW: tl.constexpr):
     """[lo, hi) of keys visible to at least one token of [t_first, t_last]."""
     hi = tl.where(t_last >= OFFSET, (t_last - OFFSET) // STRIDE + 1, 0)
@@ -101,15 +115,9 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2          # [R, BN], log2 units
         vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + ki64[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]          # exactly 0 when nothing is visible
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))

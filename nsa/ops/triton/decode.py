@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_precision, next_pow2
+from .attn import online_softmax_step
 from .scores import _bitonic_sort, _merge_rows
 
 LOG2E = 1.4426950408889634
@@ -108,13 +109,7 @@ def _attend_tile(q, k, v, ok, m_run, l_run, acc, scale_log2, DOT_PREC: tl.conste
     """One online-softmax step of q [GP, BDK] over a key tile k/v [BN, *] with valid columns ok."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
     s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_run, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_run - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_run = l_run * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-    return m_new, l_run, acc
+    return online_softmax_step(s, v, m_run, l_run, acc, DOT_PREC)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_precision, next_pow2, row_block
+from .attn import online_softmax_step
 
 LOG2E = 1.4426950408889634
 SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
@@ -228,15 +229,9 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(k_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
