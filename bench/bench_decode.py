@@ -212,8 +212,8 @@ def breakdown(c, S, iters: int = 20) -> dict:
 
 _BASE = dict(tdec.TUNE)
 # Variants tried on an H200 at 64k and dropped (2026-11-24, slower at both batch sizes): cmp_tile 32
-# or 128, cmp_per_sm 3-4, cmp_warps 1, 2 or 8, cmp_stages 2 or 4, cmp_maxnreg 128/168 (the compressed
-# pass stalls on instruction latency, not on memory: ncu shows 2 warps per scheduler and short-
+# or 128, cmp_per_sm 3-4, cmp_warps 1, 2 or 8, cmp_stages 2 or 4, a maxnreg cap of 128/168 (the
+# compressed pass stalls on instruction latency, not on memory: ncu shows 2 warps per scheduler and short-
 # scoreboard/wait stalls), slc_warps 1 or 2, score_slice 64/256, score_warps 8; the window programs
 # as a separate launch on a side stream beside the compressed pass (B=1 26.4 vs 24.5 us, B=16 83.7 vs
 # 81.4: the compressed pass leaves no room for them on a multiprocessor).

@@ -58,13 +58,11 @@ FORCED_STEP = 2 ** (SCORE_BITS + 1)
 # loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
 # and the selection+window launches aim at; score_slice = blocks per scoring program (raised to NB/16
 # so the scoring tail merges at most 16 sorted candidate lists); tile = key tokens per selection/window
-# load (<= 64); *_maxnreg: a register cap per thread (None: the compiler's choice; a lower cap lets
-# more programs share a multiprocessor; 128/168 were slower); *_warps: an int or "auto" (about 32
-# elements of the largest tile a thread); pdl = programmatic dependent launch. TUNE_LARGE overrides
-# TUNE from large_rows (query row, kv head) pairs on (bandwidth-bound).
+# load (<= 64); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
+# programmatic dependent launch. TUNE_LARGE overrides TUNE from large_rows (query row, kv head)
+# pairs on (bandwidth-bound).
 TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32,
-            cmp_maxnreg=None, slc_maxnreg=None)
+            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32)
 TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)
 LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
 _PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
@@ -483,11 +481,6 @@ def _warps(knob, elems: int) -> int:
     return max(1, min(8, next_pow2(triton.cdiv(elems, 32 * 32))))
 
 
-def _regcap(cap, q: torch.Tensor) -> dict:
-    """The maxnreg launch option (CUDA only; the interpreter has no registers)."""
-    return dict(maxnreg=int(cap)) if cap and q.is_cuda else {}
-
-
 def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: int, n_sel: int,
                 w: int, sms: int, tune: dict) -> dict:
     """Launch geometry from capacities only (so a captured graph fits every later step).
@@ -629,7 +622,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                 v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2)
     cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
                   NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn["cmp_warps"],
-                  num_stages=tn["cmp_stages"], **geo, **_regcap(tn["cmp_maxnreg"], q))
+                  num_stages=tn["cmp_stages"], **geo)
     SL, NB_P2 = plan["SL"], plan["NB_P2"]
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
@@ -649,7 +642,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
-                 num_warps=tn["slc_warps"], num_stages=tn["slc_stages"], **_regcap(tn["slc_maxnreg"], q))
+                 num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
                  gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
     np2_p2 = max(2, next_pow2(NP2))
