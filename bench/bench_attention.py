@@ -168,7 +168,7 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     t("win_fwd", lambda: attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc))
     t("combine", lambda: function.combine(oc, os_, ow, g))
     do = torch.randn_like(oc)
-    dg = function.gate_grads(do, oc, os_, ow)
+    dg, _ = function.gate_grads(do, oc, os_, ow)
     t("gate_bwd", lambda: function.gate_grads(do, oc, os_, ow))
     delta = dg[..., 0].contiguous()
     t("cmp_bwd", lambda: attn.attn_bwd(q, kc, vc, do, lc, delta, g[..., 0], stride=d, offset=l - 1,

@@ -216,7 +216,10 @@ _BASE = dict(tdec.TUNE)
 # compressed pass stalls on instruction latency, not on memory: ncu shows 2 warps per scheduler and short-
 # scoreboard/wait stalls), slc_warps 1 or 2, score_slice 64/256, score_warps 8; the window programs
 # as a separate launch on a side stream beside the compressed pass (B=1 26.4 vs 24.5 us, B=16 83.7 vs
-# 81.4: the compressed pass leaves no room for them on a multiprocessor).
+# 81.4: the compressed pass leaves no room for them on a multiprocessor). Transposed tiles in the
+# split-K and selection+window kernels (keys as the MMA's M side, so 64-key tiles could use Hopper's
+# warpgroup MMA; 2026-11-24T19:10Z): B=16 81.3 vs 80.9 us, B=1 27.0 vs 24.2 (and an illegal address
+# from one variant on the GPU that the interpreter did not show), so the code was not kept.
 _L = dict(comb_warps="auto", score_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)  # B=16 (64k) best
 SWEEP = [dict(_BASE),
          dict(_BASE, pdl=False),

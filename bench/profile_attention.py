@@ -1,6 +1,6 @@
 """Per-kernel device time of one NSA forward+backward (Triton backend) under torch.profiler.
 
-    python bench/profile_attention.py --T 8192 65536 [--iters 5]
+    python bench/profile_attention.py --T 8192 65536 [--iters 5] [--ops]
 
 Paper sizes as bench_attention.py (B=1, HQ=64, H=4, d=128, bf16). Prints, per T, every kernel's
 average device microseconds per call, calls per step and share of the step, and the dense SDPA
@@ -48,11 +48,31 @@ def kernel_table(fn, iters: int) -> tuple[list[dict], float]:
     return rows, total / iters / 1e3
 
 
+def op_table(fn, iters: int, top: int = 25) -> list[dict]:
+    """The aten ops with the most device time of their own (kernels they launched), by input shapes:
+    names the producer of each glue kernel (copies, casts, adds) in the kernel table."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages(group_by_input_shape=True):
+        own = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        if evt.key.startswith("aten::") and own > 0:
+            rows.append(dict(op=evt.key, shapes=str(evt.input_shapes)[:120], calls_per_iter=evt.count / iters,
+                             ms_per_iter=round(own / iters / 1e3, 3)))
+    return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--ops", action="store_true", help="also list the aten ops with the most own device time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_attention needs a CUDA device")
@@ -85,6 +105,12 @@ def main() -> None:
         for r in rows:
             print(f"  {r['kernel'][:70]:<70} {r['us_per_call']:>9} {r['calls_per_iter']:>6g} "
                   f"{r['ms_per_iter']:>8} {r['share']:>6.1%}")
+        if a.ops:
+            ops = op_table(nsa_step, a.iters)
+            result["runs"][str(T)]["aten_ops"] = ops
+            print(f"  {'aten op (own device time)':<28} {'ms':>8} {'calls':>6}  input shapes")
+            for r in ops:
+                print(f"  {r['op']:<28} {r['ms_per_iter']:>8} {r['calls_per_iter']:>6g}  {r['shapes']}")
         del x, qd, kd, vd
         torch.cuda.empty_cache()
     save_json(result, "profile_attention", a.copy_to)

@@ -55,15 +55,19 @@ def _combine_fwd_kernel(OC, OS, OW, GT, O, n_rows, DV: tl.constexpr, BDV: tl.con
 
 
 @triton.jit
-def _gate_bwd_kernel(DO, OC, OS, OW, DG, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32)."""
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                     BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr):
+    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO (the
+    gradient of a compressed-branch output computed outside, in dO's dtype), from the same read."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = r < n_rows
     c = tl.arange(0, BDV)
     m = ok[:, None] & (c[None, :] < DV)
     off = r[:, None] * DV + c[None, :]
     do = tl.load(DO + off, mask=m, other=0.0).to(tl.float32)
+    if WRITE_DOC:
+        g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DOC + off, (g0[:, None] * do).to(DOC.dtype.element_ty), mask=m)
     tl.store(DG + r * 3, tl.sum(do * tl.load(OC + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
@@ -86,15 +90,20 @@ def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates
     return o
 
 
-def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor) -> torch.Tensor:
-    """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous."""
+def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
+               gates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous. With gates [B,T,HQ,3] also
+    returns g_cmp * dO in dO's dtype (else None)."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
+    doc = torch.empty_like(do) if gates is not None else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
     if n_rows == 0:
-        return dg
+        return dg, doc
     nb, bdv, block = _rows_grid(n_rows, dv)
-    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, n_rows, DV=dv, BDV=bdv, BLOCK=block)
-    return dg
+    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates if gates is not None else dg,
+                            doc if doc is not None else do, n_rows, DV=dv, BDV=bdv, BLOCK=block,
+                            WRITE_DOC=gates is not None)
+    return dg, doc
 
 
 class NSATritonFunction(torch.autograd.Function):
@@ -125,10 +134,10 @@ class NSATritonFunction(torch.autograd.Function):
          lse_cmp, lse_slc, lse_win, block_idx) = ctx.saved_tensors
         l, d, l_sel, w, scale, chunk = ctx.hp
         do = do.contiguous()
-        dg = gate_grads(do, o_cmp, o_slc, o_win)                            # [B,T,HQ,3] fp32
+        # dgates [B,T,HQ,3] fp32, and for an outside compressed branch its output's gradient g_cmp * dO
+        dg, do_cmp = gate_grads(do, o_cmp, o_slc, o_win, gates if ctx.ext_cmp else None)
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
-            do_cmp = (do.float() * gates[..., :1].float()).to(o_cmp.dtype)
         else:
             dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
                                     stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
