@@ -219,7 +219,9 @@ _BASE = dict(tdec.TUNE)
 # 81.4: the compressed pass leaves no room for them on a multiprocessor). Transposed tiles in the
 # split-K and selection+window kernels (keys as the MMA's M side, so 64-key tiles could use Hopper's
 # warpgroup MMA; 2026-11-24T19:10Z): B=16 81.3 vs 80.9 us, B=1 27.0 vs 24.2 (and an illegal address
-# from one variant on the GPU that the interpreter did not show), so the code was not kept.
+# from one variant on the GPU that the interpreter did not show), so the code was not kept. More, shorter
+# selection/window programs with fewer stages (19:30Z): B=16 sw_per_sm 6 (2 stages) 84.1, 8 (1 stage) 85.4,
+# 12 (1 stage) 91.3, 8 with 32-key tiles 86.1 vs 80.3 us; B=1 sw_per_sm 4 with 1 stage 25.2 vs 24.1.
 _L = dict(comb_warps="auto", score_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)  # B=16 (64k) best
 SWEEP = [dict(_BASE),
          dict(_BASE, pdl=False),
@@ -301,6 +303,29 @@ def apply_choice(best: dict) -> None:
         tdec.TUNE_LARGE.update({k: v for k, v in best[Bs[-1]].items() if tdec.TUNE.get(k) != v})
 
 
+def stage_costs(c, S, reps) -> dict:
+    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4,
+    and of a graph with one trivial kernel: the differences are each launch's cost on the critical
+    path (the truncated steps compute garbage; only their time is used)."""
+    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+    args = [c[n] for n in names]
+    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
+    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    sc = c["q"].shape[-1] ** -0.5
+    orig = tdec._launch_with_pdl_fallback
+    one = torch.zeros(1, device="cuda")
+    out = {"trivial": {"cold_us": time_cold(graphed(lambda: one.add_(1)), reps),
+                       "hot_us": time_hot(graphed(lambda: one.add_(1)), reps)}}
+    try:
+        for n in (1, 2, 3, 4):
+            tdec._launch_with_pdl_fallback = lambda specs, pdl, n=n: orig(specs[:n], pdl)
+            replay = graphed(lambda: tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=sc, **HP))
+            out[f"first_{n}"] = {"cold_us": time_cold(replay, reps), "hot_us": time_hot(replay, reps)}
+    finally:
+        tdec._launch_with_pdl_fallback = orig
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--S", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
@@ -313,6 +338,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="time the SWEEP launch knobs at the largest S first and use the best for the table")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
+    ap.add_argument("--stages", action="store_true",
+                    help="at the largest S: graph times of the first 1..4 launches (critical-path cost of each)")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the SWEEP variants first")
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the SWEEP variants (--jobs processes) and exit")
@@ -344,6 +371,14 @@ def main() -> None:
         result["sweep"] = {"S": S, "us": {str(B): v for B, v in sweeps.items()},
                            "chosen": {str(B): _key(v) for B, v in best.items()}}
         print(f"chosen: {result['sweep']['chosen']}", flush=True)
+    if a.stages:
+        for B in a.B:
+            c = make_cache(B, max(a.S), a.HQ, a.H, a.dk, a.dv)
+            result[f"stages_B{B}"] = st = stage_costs(c, max(a.S), a.reps)
+            print(f"stages B={B} S={max(a.S)}: " + ", ".join(
+                f"{k} {v['cold_us']:.1f}/{v['hot_us']:.1f}" for k, v in st.items()) + " us (cold/hot)", flush=True)
+            del c
+            torch.cuda.empty_cache()
     result["tune"] = dict(tdec.TUNE)
     result["tune_large"] = dict(tdec.TUNE_LARGE)
     for B in a.B:
