@@ -45,6 +45,16 @@ def cuda_time(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def t_args(doc: str, default_t=(8192, 65536)) -> argparse.ArgumentParser:
+    """The command line shared by the per-T GPU scripts: --T (sequence lengths), --iters, --copy-to
+    (also copy the JSON there); the caller adds its own flags. doc: the script's docstring."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--T", type=int, nargs="+", default=list(default_t))
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--copy-to", default=None, help="also copy the JSON into this directory")
+    return ap
+
+
 def save_json(result: dict, name: str, copy_to: str | None = None, out_dir: str | None = None) -> str:
     """Writes result to <out_dir or bench/out>/<name>_<date>.json (and a copy under copy_to); the path."""
     out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")

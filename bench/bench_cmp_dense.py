@@ -8,7 +8,6 @@ the three gradients against the Triton kernel. Prints a table, writes bench/out/
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import sys
@@ -17,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_attention import cuda_time, save_json  # noqa: E402
+from bench.bench_attention import cuda_time, save_json, t_args  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
 from nsa.ops.triton import attn, cmp_dense  # noqa: E402
 
@@ -28,10 +27,7 @@ def rel(a, b):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--copy-to", default=None)
+    ap = t_args(__doc__)
     a = ap.parse_args()
     B, HQ, H, dk, dv, l, d = 1, 64, 4, 128, 128, 32, 16
     sc = dk ** -0.5

@@ -12,7 +12,6 @@ TB/s; writes bench/out/slc_roof_<date>.json (and a copy under --copy-to).
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import sys
@@ -23,7 +22,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_attention import HP, cuda_time, nsa_inputs, save_json  # noqa: E402
+from bench.bench_attention import HP, cuda_time, nsa_inputs, save_json, t_args  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 
@@ -64,10 +63,7 @@ def load_only(k, v, bi, local: bool, warps: int, stages: int, bs: int = 64):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--copy-to", default=None)
+    ap = t_args(__doc__)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_slc_roof needs a CUDA device")

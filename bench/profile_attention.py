@@ -9,7 +9,6 @@ copy under --copy-to).
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import os
 import sys
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_attention import HP, nsa_inputs, save_json  # noqa: E402
+from bench.bench_attention import HP, nsa_inputs, save_json, t_args  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton  # noqa: E402
 
 
@@ -68,10 +67,7 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--copy-to", default=None)
+    ap = t_args(__doc__)
     ap.add_argument("--ops", action="store_true", help="also list the aten ops with the most own device time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
