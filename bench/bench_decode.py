@@ -220,10 +220,10 @@ _BASE = dict(tdec.TUNE)
 # split-K and selection+window kernels (keys as the MMA's M side, so 64-key tiles could use Hopper's
 # warpgroup MMA; 2026-11-24T19:10Z): B=16 81.3 vs 80.9 us, B=1 27.0 vs 24.2 (and an illegal address
 # from one variant on the GPU that the interpreter did not show), so the code was not kept. More, shorter
-# selection/window programs with fewer stages (19:30Z): B=16 sw_per_sm 6 (2 stages) 84.1, 8 (1 stage) 85.4,
+# selection/window programs with fewer stages (19:28Z): B=16 sw_per_sm 6 (2 stages) 84.1, 8 (1 stage) 85.4,
 # 12 (1 stage) 91.3, 8 with 32-key tiles 86.1 vs 80.3 us; B=1 sw_per_sm 4 with 1 stage 25.2 vs 24.1.
 # The whole step as one persistent launch (one program per multiprocessor taking the four launches'
-# items round-robin, per-(row, kv head) counters instead of kernel boundaries; 20:05Z): B=1 38.4-41.1 vs
+# items round-robin, per-(row, kv head) counters instead of kernel boundaries; 19:35Z): B=1 38.4-41.1 vs
 # 24.2 us, B=16 135.7-169.9 vs 80.4 (239 registers, one 4-warp program per multiprocessor), not kept.
 _L = dict(comb_warps="auto", score_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)  # B=16 (64k) best
 SWEEP = [dict(_BASE),
