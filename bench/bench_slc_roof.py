@@ -6,8 +6,9 @@
 For the block_idx the op really chooses (paper sizes, random inputs, B=1, HQ=64, H=4, d=128, bf16),
 times the forward (select.slc_fwd; the whole backward for scale) and a "load only"
 kernel with the same grid, loop and loads but no attention maths (it adds the tiles elementwise), so
-its time is the cost of moving the bytes; plus the same loads from the tokens' own neighbourhood
-(block t//l_sel - slot: best L2 locality). Prints ms, the bytes each program reads (L2 -> SM) and
+its time is the cost of moving the bytes; the same loads feeding one small MMA per tile ("load+mma":
+Triton pipelines such loads with async copies, as in the real kernels); and the plain loads from the
+tokens' own neighbourhood (block t//l_sel - slot: best L2 locality). Prints ms, the bytes each program reads (L2 -> SM) and
 TB/s; writes bench/out/slc_roof_<date>.json (and a copy under --copy-to).
 """
 from __future__ import annotations
@@ -30,12 +31,16 @@ from nsa.ops.triton import select as tsel  # noqa: E402
 @triton.jit
 def _load_only_kernel(K, V, BI, OUT, skt, skh, svt, svh, sbt, sbh, H,
                       LSEL: tl.constexpr, NSEL: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                      LOCAL: tl.constexpr):
+                      LOCAL: tl.constexpr, DOT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     t64 = t.to(tl.int64)
     offs = tl.arange(0, D)
-    acc = tl.zeros([BS, D], tl.float32)
+    if DOT:   # the tiles feed an MMA (ones[16, BS] @ tile), as in the real kernels: Triton then
+        acc = tl.zeros([16, D], tl.float32)    # pipelines the loads (async copies) as it does there
+        ones = tl.full([16, BS], 1.0, K.dtype.element_ty)
+    else:
+        acc = tl.zeros([BS, D], tl.float32)
     k_base = K + h * skh
     v_base = V + h * svh
     NSUB: tl.constexpr = (LSEL + BS - 1) // BS
@@ -49,16 +54,20 @@ def _load_only_kernel(K, V, BI, OUT, skt, skh, svt, svh, sbt, sbh, H,
         ok = (kp >= 0) & (kp <= t)
         k = tl.load(k_base + kp[:, None] * skt + offs[None, :], mask=ok[:, None], other=0.0)
         v = tl.load(v_base + kp[:, None] * svt + offs[None, :], mask=ok[:, None], other=0.0)
-        acc += k.to(tl.float32) + v.to(tl.float32)
+        if DOT:
+            acc = tl.dot(ones, k, acc)
+            acc = tl.dot(ones, v, acc)
+        else:
+            acc += k.to(tl.float32) + v.to(tl.float32)
     tl.store(OUT + (t64 * H + h) * D + offs, tl.sum(acc, 0))
 
 
-def load_only(k, v, bi, local: bool, warps: int, stages: int, bs: int = 64):
+def load_only(k, v, bi, local: bool, warps: int, stages: int, bs: int = 64, dot: bool = False):
     T, H, D = k.shape[1], k.shape[2], k.shape[3]
     out = torch.empty(T, H, D, device=k.device, dtype=torch.float32)
     _load_only_kernel[(T, H)](k, v, bi, out, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
                               bi.stride(1), bi.stride(2), H, LSEL=HP["l_sel"], NSEL=HP["n_sel"], D=D,
-                              BS=bs, LOCAL=local, num_warps=warps, num_stages=stages)
+                              BS=bs, LOCAL=local, DOT=dot, num_warps=warps, num_stages=stages)
     return out
 
 
@@ -92,6 +101,9 @@ def main() -> None:
                 runs[f"load_only w{warps} s{stages}"] = (
                     lambda w=warps, s=stages: load_only(ks, vs, bi, False, w, s))
         runs["load_only local w2 s2"] = lambda: load_only(ks, vs, bi, True, 2, 2)
+        for warps, stages in ((2, 2), (2, 3), (4, 2), (4, 3)):
+            runs[f"load+mma w{warps} s{stages}"] = (
+                lambda w=warps, s=stages: load_only(ks, vs, bi, False, w, s, dot=True))
         res = {"GB_read": round(gb, 2)}
         print(f"\nT={T}: selected K/V rows read per pass {gb:.1f} GB (L2 -> SM)")
         print(f"  {'kernel':<24} {'ms':>8} {'TB/s':>7}")
