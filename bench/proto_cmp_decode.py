@@ -28,49 +28,29 @@ from bench.bench_decode import graphed, time_cold, time_hot  # noqa: E402
 
 
 @triton.jit
-def _flat_kernel(Q, KC, VC, CM, CL, CO, N, H, NCH, SUBS, scale_log2,
-                 G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
-    h = tl.program_id(0)
-    c = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    g = tl.arange(0, G)
-    od = tl.arange(0, D)
-    HQ = H * G
-    q = tl.load(Q + (b * HQ + h * G + g)[:, None] * D + od[None, :])
-    m = tl.full([G], float("-inf"), tl.float32)
-    l = tl.zeros([G], tl.float32)
-    acc = tl.zeros([G, D], tl.float32)
-    for st in range(c * SUBS, tl.minimum(c * SUBS + SUBS, tl.cdiv(N, BN))):
-        ki = st * BN + tl.arange(0, BN)
-        ok = ki < N
-        rows = ((b * N + ki) * H + h)[:, None] * D + od[None, :]
-        k = tl.load(KC + rows, mask=ok[:, None], other=0.0)
-        v = tl.load(VC + rows, mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    part = ((b * NCH + c) * HQ + h * G + g)
-    tl.store(CM + part, m)
-    tl.store(CL + part, l)
-    tl.store(CO + part[:, None] * D + od[None, :], acc)
+def _step(q, k, v, ok, m, l, acc, scale_log2):
+    """One online-softmax step of q [G, D] over the key tile k/v [BN, D] (valid columns ok)."""
+    s = tl.dot(q, tl.trans(k)) * scale_log2
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
 
 
 @triton.jit
-def _tma_kernel(Q, KD, VD, CM, CL, CO, N, H, NCH, SUBS, scale_log2,
-                G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
-    """The flat kernel with K/V tiles loaded by TMA (host tensor descriptors over [B, N, H, D])."""
+def _flat_kernel(Q, KC, VC, CM, CL, CO, N, H, NCH, SUBS, scale_log2,
+                 G: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, TMA: tl.constexpr):
+    """KC/VC: pointers, or with TMA host tensor descriptors over [B, N, H, D] (TMA tile loads)."""
     h = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2)
+    b64 = b.to(tl.int64)
     g = tl.arange(0, G)
     od = tl.arange(0, D)
     HQ = H * G
-    b64 = b.to(tl.int64)
     q = tl.load(Q + (b64 * HQ + h * G + g)[:, None] * D + od[None, :])
     m = tl.full([G], float("-inf"), tl.float32)
     l = tl.zeros([G], tl.float32)
@@ -78,16 +58,14 @@ def _tma_kernel(Q, KD, VD, CM, CL, CO, N, H, NCH, SUBS, scale_log2,
     for st in range(c * SUBS, tl.minimum(c * SUBS + SUBS, tl.cdiv(N, BN))):
         ki = st * BN + tl.arange(0, BN)
         ok = ki < N
-        k = tl.reshape(KD.load([b, st * BN, h, 0]), [BN, D])
-        v = tl.reshape(VD.load([b, st * BN, h, 0]), [BN, D])
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        if TMA:
+            k = tl.reshape(KC.load([b, st * BN, h, 0]), [BN, D])
+            v = tl.reshape(VC.load([b, st * BN, h, 0]), [BN, D])
+        else:
+            rows = ((b64 * N + ki) * H + h)[:, None] * D + od[None, :]
+            k = tl.load(KC + rows, mask=ok[:, None], other=0.0)
+            v = tl.load(VC + rows, mask=ok[:, None], other=0.0)
+        m, l, acc = _step(q, k, v, ok, m, l, acc, scale_log2)
     part = ((b64 * NCH + c) * HQ + h * G + g)
     tl.store(CM + part, m)
     tl.store(CL + part, l)
@@ -165,14 +143,16 @@ def run(kind, q, kc, vc, nch, subs, sc, cfg):
         from triton.tools.tensor_descriptor import TensorDescriptor
         kd = TensorDescriptor.from_tensor(kc, [1, cfg["bn"], 1, D])
         vd = TensorDescriptor.from_tensor(vc, [1, cfg["bn"], 1, D])
-        _tma_kernel[(H, nch, B)](q, kd, vd, cm, cl, co, N, H, nch, subs, sc * 1.4426950408889634,
-                                 G=HQ // H, D=D, BN=cfg["bn"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+        _flat_kernel[(H, nch, B)](q, kd, vd, cm, cl, co, N, H, nch, subs, sc * 1.4426950408889634,
+                                  G=HQ // H, D=D, BN=cfg["bn"], TMA=True, num_warps=cfg["warps"],
+                                  num_stages=cfg["stages"])
     elif kind == "load":
         _load_kernel[(H, nch, B)](q, kc, vc, cm, cl, co, N, H, nch, subs, sc, G=HQ // H, D=D, BN=cfg["bn"],
                                   num_warps=cfg["warps"], num_stages=cfg["stages"])
     elif kind == "flat":
         _flat_kernel[(H, nch, B)](q, kc, vc, cm, cl, co, N, H, nch, subs, sc * 1.4426950408889634,
-                                  G=HQ // H, D=D, BN=cfg["bn"], num_warps=cfg["warps"], num_stages=cfg["stages"])
+                                  G=HQ // H, D=D, BN=cfg["bn"], TMA=False, num_warps=cfg["warps"],
+                                  num_stages=cfg["stages"])
     else:
         _warps_kernel[(H, nch, B)](q, kc, vc, cm, cl, co, N, H, nch, subs, sc * 1.4426950408889634,
                                    G=HQ // H, D=D, NW=cfg["nw"], BW=cfg["bw"], num_warps=cfg["warps"],
