@@ -108,16 +108,22 @@ def make_cache(B, S, HQ, H, dk, dv, dtype=torch.bfloat16):
                 gates=torch.rand(B, 1, HQ, 3, device="cuda", dtype=dtype), win_pos0=S - w)
 
 
+def step_inputs(c, S):
+    """The decode call's tensors in nsa_decode order, and the query / window-start positions as
+    device tensors (the CUDA-graph form)."""
+    args = [c[n] for n in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")]
+    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
+    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    return args, pos, win
+
+
 def bench_nsa(c, S, reps, sweeping: bool = False):
-    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
-    args = [c[n] for n in names]
+    args, pos, win = step_inputs(c, S)
     res = {}
 
     def eager():
         return nsa_decode(*args, pos0=S - 1, win_pos0=c["win_pos0"], **HP, backend="triton")
 
-    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
-    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
     sc = c["q"].shape[-1] ** -0.5
 
     def device_pos():
@@ -143,10 +149,7 @@ def bench_nsa(c, S, reps, sweeping: bool = False):
 
 def check_against_torch(c, S) -> dict:
     """The kernel (current knobs, device positions) against the fp32 torch path on the same cache."""
-    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
-    args = [c[n] for n in names]
-    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
-    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    args, pos, win = step_inputs(c, S)
     o, bi = tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP)
     ro, rbi = nsa_decode(*[x.float() for x in args], pos0=S - 1, win_pos0=c["win_pos0"], **HP,
                          backend="torch")
@@ -186,9 +189,7 @@ def bench_dense(c, reps):
 def breakdown(c, S, iters: int = 20) -> dict:
     """Per-kernel device microseconds (torch.profiler, L2 warm) and registers / spills per kernel."""
     from torch.profiler import ProfilerActivity, profile
-    args = [c[n] for n in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")]
-    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
-    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    args, pos, win = step_inputs(c, S)
 
     def call():  # without PDL: a dependent kernel's time would include its wait for the previous one
         return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=c["q"].shape[-1] ** -0.5, **HP,
@@ -310,15 +311,12 @@ def stage_costs(c, S, reps) -> dict:
     """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4,
     and of a graph with one trivial kernel: the differences are each launch's cost on the critical
     path (the truncated steps compute garbage; only their time is used)."""
-    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
-    args = [c[n] for n in names]
-    pos = torch.full((1,), S - 1, dtype=torch.int64, device="cuda")
-    win = torch.full((1,), c["win_pos0"], dtype=torch.int64, device="cuda")
+    args, pos, win = step_inputs(c, S)
     sc = c["q"].shape[-1] ** -0.5
     orig = tdec._launch_with_pdl_fallback
     one = torch.zeros(1, device="cuda")
-    out = {"trivial": {"cold_us": time_cold(graphed(lambda: one.add_(1)), reps),
-                       "hot_us": time_hot(graphed(lambda: one.add_(1)), reps)}}
+    trivial = graphed(lambda: one.add_(1))
+    out = {"trivial": {"cold_us": time_cold(trivial, reps), "hot_us": time_hot(trivial, reps)}}
     try:
         for n in (1, 2, 3, 4):
             tdec._launch_with_pdl_fallback = lambda specs, pdl, n=n: orig(specs[:n], pdl)
