@@ -138,7 +138,7 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ ray loop
 def run_ray(cfg: RunConfig, sources: dict[str, str], steps: int, warmup: int, out_dir: Path) -> dict[str, Any]:
-    import builder
+    from nsa.launch import builder
     from nsa.config import config_from_dict
     d = cfg.to_dict()
     d["train"].update(steps=warmup + steps)
@@ -203,7 +203,7 @@ def main() -> int:
     profile = a.config or str(ROOT / "pipelines" / "configs" / ("tiny_cpu.yaml" if a.tiny else "prod_50k.yaml"))
     cfg, sources = resolve_config(profile, (TINY if a.tiny else []) + list(a.overrides))
     steps, warmup = a.steps or (4 if a.tiny else 30), a.warmup if a.warmup is not None else (2 if a.tiny else 5)
-    import builder
+    from nsa.launch import builder
     builder.validate_inputs(cfg)                       # absolute paths, data present (auto-prepare default)
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

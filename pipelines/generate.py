@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from _cli import UserError, main_entry
-
 import torch
 
 from nsa.config import config_from_dict
+from nsa.launch.cli import UserError, main_entry
 from nsa.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint_file
 
 

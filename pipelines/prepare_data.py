@@ -18,14 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-# Allow `python pipelines/prepare_data.py` from a checkout without `pip install -e .`.
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from nsa.data.shards import write_shards  # noqa: E402
-from nsa.data.sources import SOURCES, iter_source  # noqa: E402
-from nsa.data.tokenizers import get_tokenizer  # noqa: E402
+from nsa.data.shards import write_shards
+from nsa.data.sources import SOURCES, iter_source
+from nsa.data.tokenizers import get_tokenizer
 
 DEFAULT_OUT = "data/fineweb_local"
 DEFAULT_MAX_BYTES = 30_000_000  # sized for the tiny CPU profile: ~30M byte tokens

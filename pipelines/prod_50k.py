@@ -14,20 +14,9 @@ GPUs/CPUs fit the cluster. Same exit codes as train.py.
 """
 from __future__ import annotations
 
-from _cli import build_parser, load_config, main_entry, print_header
-from builder import launch
+from nsa.launch.entry import run_train
 
 DEFAULT_PROFILE = "pipelines/configs/prod_50k.yaml"
 
-
-def main() -> int:
-    args = build_parser("prod_50k.py", __doc__.split("\n")[1], DEFAULT_PROFILE).parse_args()
-    cfg, sources = load_config(args)
-    print_header("prod_50k", cfg, sources, args.config)
-    if args.print_config:
-        return 0
-    return launch(cfg, sources, prefix="prod50k").exit_code
-
-
 if __name__ == "__main__":
-    main_entry(main)
+    run_train("prod_50k", __doc__, DEFAULT_PROFILE, prefix="prod50k")

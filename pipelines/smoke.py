@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _cli import build_parser, load_config, main_entry, print_header
-from builder import launch, replace_cfg
-
+from nsa.launch.builder import launch, replace_cfg
+from nsa.launch.cli import build_parser, load_config, main_entry, print_header
 from nsa.telemetry import read_heartbeat
 
 DEFAULT_PROFILE = "pipelines/configs/tiny_cpu.yaml"

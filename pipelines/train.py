@@ -13,20 +13,9 @@ request), 1 training failed / non-finite halt, 2 bad input (config, data, checkp
 """
 from __future__ import annotations
 
-from _cli import build_parser, load_config, main_entry, print_header
-from builder import launch
+from nsa.launch.entry import run_train
 
 DEFAULT_PROFILE = "pipelines/configs/tiny_cpu.yaml"
 
-
-def main() -> int:
-    args = build_parser("train.py", __doc__.split("\n")[1], DEFAULT_PROFILE).parse_args()
-    cfg, sources = load_config(args)
-    print_header("train", cfg, sources, args.config)
-    if args.print_config:
-        return 0
-    return launch(cfg, sources, prefix="train").exit_code
-
-
 if __name__ == "__main__":
-    main_entry(main)
+    run_train("train", __doc__, DEFAULT_PROFILE, prefix="train")

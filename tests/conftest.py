@@ -18,16 +18,15 @@ if "TRITON_INTERPRET" not in os.environ:
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = REPO / "pipelines"
 TINY_PROFILE = str(PIPELINES / "configs" / "tiny_cpu.yaml")
-for p in (str(REPO), str(PIPELINES)):        # `import builder` / `import _cli` like the entry points do
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if str(REPO) not in sys.path:                 # this checkout's nsa, also without `pip install -e .`
+    sys.path.insert(0, str(REPO))
 
 
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance with 4 logical CPUs (2 workers x 0.5 CPU + Ray Data tasks fit on 2 cores)."""
     ray = pytest.importorskip("ray")
-    import builder
+    from nsa.launch import builder
     started = not ray.is_initialized()
     if started:
         builder.start_local_ray(num_cpus=4)

@@ -3,6 +3,7 @@ line naming the field or file; --help lists the keys; generate.py decodes from a
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -36,21 +37,18 @@ def test_help_lists_every_config_key():
 
 @pytest.fixture()
 def run_train(monkeypatch, capsys):
-    """train.py's main in-process; connecting to Ray would mean validation came too late."""
-    import _cli
-    import builder
-    import train
+    """pipelines/train.py run in-process as __main__; connecting to Ray would mean validation came too late."""
+    from nsa.launch import builder
 
     def no_ray(cfg):
         raise AssertionError("connect_ray reached: input validation must happen before Ray starts")
 
     monkeypatch.setattr(builder, "connect_ray", no_ray)
-    monkeypatch.setattr(train, "launch", builder.launch)
 
     def go(*args):
         monkeypatch.setattr(sys, "argv", ["train.py", *args])
         with pytest.raises(SystemExit) as e:
-            _cli.guarded(train.main)()
+            runpy.run_path(str(PIPELINES / "train.py"), run_name="__main__")
         return e.value.code, capsys.readouterr().err
     return go
 

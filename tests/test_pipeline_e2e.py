@@ -1,5 +1,5 @@
 """End-to-end on a local Ray instance (2 CPU workers, gloo DDP, Ray Data, real text), in-process through
-pipelines/builder.launch. Two launches of one run "a" cover the whole lifecycle:
+nsa/launch/builder.launch. Two launches of one run "a" cover the whole lifecycle:
 
   launch 1: runtime.fault=halt@12  -> .HALT after step 12 -> checkpoint 12, clean stop
   launch 2: same logging.name      -> Ray resumes by name from checkpoint 12; runtime.fault=kill@28 makes
@@ -26,7 +26,7 @@ STEPS, SAVE, HALT_AT, KILL_AT = 40, 20, 12, 28
 
 
 def _launch(data, root, **kw):
-    import builder
+    from nsa.launch import builder
     kw = {"train__steps": STEPS, "train__save_every": SAVE, "train__eval_every": SAVE, "logging__name": "a",
           "logging__mlflow": True, "logging__tensorboard": True, **kw}
     cfg, src = resolve_config(TINY_PROFILE, tiny_overrides(data, root, **kw))

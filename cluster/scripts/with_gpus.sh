@@ -5,7 +5,7 @@
 #   bash cluster/scripts/with_gpus.sh release        # drop a standing request (e.g. after a SIGKILL)
 #
 # Why: the driver sizes and checks its worker group from the GPUs that are ALIVE when it starts
-# (pipelines/builder.py: runtime.num_workers=-1 counts them, check_resources fails fast when a fixed
+# (nsa/launch/builder.py: runtime.num_workers=-1 counts them, check_resources fails fast when a fixed
 # count does not fit). On a cluster scaled to zero GPU nodes that is 0 and the run is refused. This
 # script runs on the head inside the Ray job (RAY_ADDRESS is set there; on a head shell it uses "auto"):
 # it calls ray.autoscaler.sdk.request_resources with <gpus> one-GPU bundles, waits until that many GPUs

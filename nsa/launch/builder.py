@@ -30,20 +30,14 @@ import math
 import os
 import secrets
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:          # importable as `builder` from tests, lanes and the entry points alike
-    sys.path.insert(0, _HERE)
-
-from _cli import UserError  # noqa: E402  (_cli also puts the repo root on sys.path)
-
-from nsa.config import DataConfig, RunConfig, dump_yaml  # noqa: E402
-from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint  # noqa: E402
+from nsa.config import DataConfig, RunConfig, dump_yaml
+from nsa.launch.cli import UserError
+from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
 DEFAULT_DATA_PATH = DataConfig.path
 MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the train workers (RAY_NOTES)

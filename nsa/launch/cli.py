@@ -12,12 +12,11 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional, get_type_hints
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:       # `python pipelines/x.py` from a checkout without pip install -e .
-    sys.path.insert(0, str(REPO_ROOT))
+from nsa.config import SECTIONS, ConfigError, RunConfig, resolve_config
 
-from nsa.config import SECTIONS, ConfigError, RunConfig, resolve_config  # noqa: E402
-
+# the checkout this package lives in (nsa/launch/cli.py -> repo root): profiles given relative to the
+# repository resolve from any working directory
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "pipelines" / "configs"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -1,7 +1,7 @@
 """Ray Train glue: ``train_loop_per_worker(config)`` for ``TorchTrainer``. The only nsa module that imports
 ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
 
-``config`` (built by pipelines/builder.py): {"cfg": RunConfig.to_dict(), "run_dir": abs path,
+``config`` (built by nsa/launch/builder.py): {"cfg": RunConfig.to_dict(), "run_dir": abs path,
 "mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
 
 Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
@@ -83,7 +83,7 @@ class RayEnv:
 
 def _worker_logging() -> None:
     """WARNING and above from this worker reach the console (a locally started instance runs Ray's
-    actors at ERROR, see pipelines/builder.start_local_ray); Ray Train's INFO line per report
+    actors at ERROR, see nsa/launch/builder.start_local_ray); Ray Train's INFO line per report
     ("Reporting training result ...") stays off: our progress lines and heartbeats say the same."""
     root = logging.getLogger()
     root.setLevel(logging.WARNING)
