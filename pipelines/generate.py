@@ -21,7 +21,7 @@ from nsa.train.checkpoint import load_checkpoint, load_model_weights, resolve_ch
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n")[1],
+    p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", required=True, help="run dir, checkpoint dir or checkpoint.pt file")
     p.add_argument("--prompt", default="Hello NSA!", help="text to continue (default: %(default)r)")

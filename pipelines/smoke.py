@@ -33,7 +33,7 @@ DEFAULT_PROFILE = "pipelines/configs/tiny_cpu.yaml"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = build_parser("smoke.py", __doc__.split("\n")[1], DEFAULT_PROFILE)
+    p = build_parser("smoke.py", __doc__.split("\n")[0], DEFAULT_PROFILE)
     p.add_argument("--phase1-steps", type=int, default=200, help="steps of Phase 1 (default 200)")
     p.add_argument("--max-step-ratio", type=float, default=3.0,
                    help="Phase 1: max p95/p50 of step time after warm-up (default 3.0; shared CPUs are noisy)")

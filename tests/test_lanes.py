@@ -1,20 +1,25 @@
-"""A/B lanes (lanes/ab_grid.py + lanes/lanes.yaml): the lanes file, lane configs, hang verdicts, and one
-real Ray Tune grid (a good lane beside a crashing one) with MLflow runs and the summary files."""
+"""A/B lanes (lanes/ab_grid.py -> nsa/launch/lanes/, lanes/lanes.yaml): the lanes file, lane configs, hang
+verdicts, and one real Ray Tune grid (a good lane beside a crashing one) with MLflow runs and the summary files."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "lanes") not in sys.path:
-    sys.path.insert(0, str(REPO / "lanes"))
+from nsa.launch.lanes import cli as lanes_cli
+from nsa.launch.lanes.configs import lane_config
+from nsa.launch.lanes.plan import plan_grid
+from nsa.launch.lanes.records import lane_record
+from nsa.launch.lanes.resources import size_concurrency
+from nsa.launch.lanes.schema import DEFAULT_LANES, Lane, LaneError, load_lanes, select_lanes
+from nsa.launch.lanes.watchdog import SILENCE_FLOOR_S, hang_verdict
 
-import ab_grid  # noqa: E402
-from ab_grid import Lane, LaneError, hang_verdict, lane_config, lane_record, load_lanes, select_lanes  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml")
 RUNBOOK_LANES = ("baseline", "conservative", "fast_path", "fp32", "bf16", "deterministic", "anomaly",
@@ -29,7 +34,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 # ---------------------------------------------------------------------------------------- no Ray
 def test_lanes_yaml_parses_and_every_lane_resolves(tmp_path):
-    defaults, lanes = load_lanes(ab_grid.DEFAULT_LANES)
+    defaults, lanes = load_lanes(DEFAULT_LANES)
     default_names = [ln.name for ln in select_lanes(lanes, None)]
     assert set(RUNBOOK_LANES) <= set(default_names)
     for lane in lanes.values():
@@ -61,11 +66,28 @@ def test_precedence_cli_over_lane_over_flags(tmp_path):
 
 
 def test_unknown_lane_is_a_clear_error(capsys):
-    _, lanes = load_lanes(ab_grid.DEFAULT_LANES)
+    _, lanes = load_lanes(DEFAULT_LANES)
     with pytest.raises(LaneError, match=r"unknown lane\(s\) \['nope'\]; known lanes: baseline"):
         select_lanes(lanes, ["baseline", "nope"])
-    assert ab_grid.main(["--only", "baseline,nope"]) == 2
+    assert lanes_cli.main(["--only", "baseline,nope"]) == 2
     assert "unknown lane(s) ['nope']" in capsys.readouterr().err
+
+
+def test_entry_point_runs_from_another_directory(tmp_path):
+    """`python lanes/ab_grid.py` imports the package by name (no sys.path edits): --help and --list work
+    from any working directory, and a bad lane is exit code 2 with one error line."""
+    script = str(REPO / "lanes" / "ab_grid.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}     # this checkout's nsa, as `pip install -e .` would give
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, script, *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+    r = run("--list")
+    assert r.returncode == 0 and "baseline" in r.stdout, r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and "--max-concurrent" in r.stdout and "Ray Tune grid" in r.stdout, r.stderr
+    r = run("--only", "nope")
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown lane(s)") and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("body, match", [
@@ -97,9 +119,9 @@ def test_hang_verdict_rules():
     assert hang_verdict(recovered, grace=5, stall_s=10, since=0, now=130) is None
     assert hang_verdict(stalled, grace=0, stall_s=10, since=0, now=1e6) is None          # disabled
     silent = [hb("step_start", 100.0)]                      # no stall record (e.g. the paused first fetch)
-    assert hang_verdict(silent, grace=5, stall_s=10, since=0, now=100 + ab_grid.SILENCE_FLOOR_S - 1) is None
-    assert "no heartbeat" in hang_verdict(silent, grace=5, stall_s=10, since=0, now=100 + ab_grid.SILENCE_FLOOR_S + 1)
-    assert "the lane started" in hang_verdict([], grace=5, stall_s=10, since=0, now=ab_grid.SILENCE_FLOOR_S + 1)
+    assert hang_verdict(silent, grace=5, stall_s=10, since=0, now=100 + SILENCE_FLOOR_S - 1) is None
+    assert "no heartbeat" in hang_verdict(silent, grace=5, stall_s=10, since=0, now=100 + SILENCE_FLOOR_S + 1)
+    assert "the lane started" in hang_verdict([], grace=5, stall_s=10, since=0, now=SILENCE_FLOOR_S + 1)
 
 
 def test_lane_record_fails_a_completed_lane_with_a_stall(tmp_path):
@@ -145,12 +167,12 @@ lanes:
 def test_grid_runs_lanes_reports_failure_and_tags_mlflow(ray_session, tmp_path, capsys):
     lanes = _write(tmp_path, GRID_LANES)
     root = tmp_path / "runs"
-    args = ab_grid.build_parser().parse_args(["--lanes", str(lanes), "data.source=synthetic", f"logging.root={root}"])
-    plan = ab_grid.plan_grid(args)
+    args = lanes_cli.build_parser().parse_args(["--lanes", str(lanes), "data.source=synthetic", f"logging.root={root}"])
+    plan = plan_grid(args)
     with pytest.raises(LaneError, match=r"--max-concurrent=1000: each lane holds up to 0.26 CPU"):
-        ab_grid.size_concurrency(plan, 1000)          # refused before fit(): Ray would wait forever
-    assert 1 <= ab_grid.size_concurrency(plan, None) <= 2
-    code = ab_grid.main(["--lanes", str(lanes), "--name", "g1", "--max-concurrent", "2", "--stall-seconds", "120",
+        size_concurrency(plan, 1000)          # refused before fit(): Ray would wait forever
+    assert 1 <= size_concurrency(plan, None) <= 2
+    code = lanes_cli.main(["--lanes", str(lanes), "--name", "g1", "--max-concurrent", "2", "--stall-seconds", "120",
                          "data.source=synthetic", f"logging.root={root}"])
     out = capsys.readouterr().out
     assert code == 1, out[-3000:]                       # a lane failed -> non-zero exit

@@ -8,9 +8,9 @@ from nsa.launch.cli import build_parser, load_config, main_entry, print_header
 
 def train_main(name: str, doc: str, default_profile: str, prefix: str) -> int:
     """Parse ``--config`` + overrides, print the resolved config, then validate and launch the run.
-    ``name`` is the program (``train``, ``prod_50k``), ``doc`` its module docstring (line 2 = description),
+    ``name`` is the program (``train``, ``prod_50k``), ``doc`` its module docstring (first line = description),
     ``prefix`` starts fresh run names (``<prefix>-<time>-<hex>``)."""
-    args = build_parser(f"{name}.py", doc.split("\n")[1], default_profile).parse_args()
+    args = build_parser(f"{name}.py", doc.split("\n")[0], default_profile).parse_args()
     cfg, sources = load_config(args)
     print_header(name, cfg, sources, args.config)
     if args.print_config:
