@@ -2,9 +2,11 @@
 it) and a small real-text data set prepared once per session from the offline local corpus."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -43,6 +45,15 @@ def tiny_data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline_data") / "tiny"
     write_shards(iter_source("local", None, max_bytes=1_500_000, seed=0), out, val_docs=8, shard_bytes=600_000)
     return out
+
+
+def load_entry_point(path: Path) -> ModuleType:
+    """An entry-point script (e.g. pipelines/smoke.py) as a module, without putting its folder on sys.path;
+    its ``if __name__ == "__main__"`` block does not run."""
+    spec = importlib.util.spec_from_file_location(f"entry_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_overrides(data: Path, root: Path, **extra: object) -> list[str]:

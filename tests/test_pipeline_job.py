@@ -54,6 +54,9 @@ def head_cluster():
     tmp = tempfile.mkdtemp(prefix="rj", dir="/tmp")          # short: unix socket paths are length-limited
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     env.pop("RAY_ADDRESS", None)
+    # the job's driver must get this checkout's nsa (nsa.launch) from --working-dir alone: Ray puts the
+    # uploaded copy first on the driver's and workers' PYTHONPATH, so none is inherited from the test run
+    env.pop("PYTHONPATH", None)
     # a port picked free can be taken by another process before Ray binds it ("Failed to start the grpc
     # server"): then the head exits at once, and we retry on fresh ports
     for attempt in range(3):

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import PIPELINES, load_entry_point, tiny_overrides
 
 pytestmark = pytest.mark.ray
 
 
 def _smoke(monkeypatch, args):
-    import smoke
+    smoke = load_entry_point(PIPELINES / "smoke.py")
     monkeypatch.setattr(sys, "argv", ["smoke.py", *args])
     return smoke.main()
 
