@@ -173,8 +173,9 @@ def _sdpa(q, k, v, causal: bool, window: int | None, scale: float, kernel: str |
     HQ, H = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = HQ != H
-    if gqa and kernel in ("sdpa_cudnn", "sdpa_efficient"):
-        # these kernels take no enable_gqa: expand k/v to HQ heads (k/v are the small tensors)
+    if gqa and kernel is not None and kernel != "sdpa_math":
+        # torch's fused kernels do not all take enable_gqa (and which do varies by version): expand k/v
+        # to HQ heads for them (k/v are the small tensors); the dispatcher and math take it natively
         kt, vt = kt.repeat_interleave(HQ // H, 1), vt.repeat_interleave(HQ // H, 1)
         gqa = False
     plain_causal = causal and window is None and Tq == Tk
