@@ -301,3 +301,20 @@ def test_flash_branch_hooks_match_their_contracts(fake_flash):
     o2, l2 = _sdpa_lse(qh, kh, vh, 0.25, "math")
     torch.testing.assert_close(o1, o2, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
+
+
+def test_runbook_profiles():
+    """smoke_3090: the runbook's 3090 smoke; long_32k: prod_50k's model at 32k, for NSA vs dense."""
+    from pathlib import Path
+    configs = Path(__file__).resolve().parents[1] / "pipelines" / "configs"
+    smoke, _ = resolve_config(str(configs / "smoke_3090.yaml"), env={})
+    assert (smoke.runtime.precision, smoke.runtime.use_gpu, smoke.train.seq_len, smoke.train.accumulate,
+            smoke.model.grad_checkpointing) == ("fp16", True, 1024, 8, False)
+    assert smoke.runtime.scaler_init_scale == 65536.0 and smoke.runtime.num_workers == 1
+    prod, _ = resolve_config(str(configs / "prod_50k.yaml"), env={})
+    long, _ = resolve_config(str(configs / "long_32k.yaml"), overrides=["model.attention=dense"], env={})
+    assert long.train.seq_len == 32768 and long.model.grad_checkpointing and long.train.batch_size == 1
+    shape = ("vocab", "dim", "n_layers", "n_heads", "n_kv_groups", "d_k", "d_v", "ffn_mult")
+    for p in (smoke, long):
+        assert [getattr(p.model, f) for f in shape] == [getattr(prod.model, f) for f in shape]
+    assert long.model.attention == "dense"
