@@ -318,3 +318,45 @@ def test_runbook_profiles():
     for p in (smoke, long):
         assert [getattr(p.model, f) for f in shape] == [getattr(prod.model, f) for f in shape]
     assert long.model.attention == "dense"
+
+
+def test_flash_refusing_a_shape_falls_back_once_and_is_counted(fake_flash):
+    """An "auto" flash choice that fails on a shape its probe did not cover (here T > 100) falls back to
+    the best non-flash kernel, counts it, and is not tried again; an explicit backend="fa4" raises."""
+    from nsa.ops import fallback_counts
+    good = _fake_fa4()
+
+    def picky(q, k, v, **kw):
+        assert q.shape[1] <= 100, "seqlen too long for this build"
+        return good(q, k, v, **kw)
+
+    fake_flash(fa4=picky)
+    layer = DenseAttention(32, 4, 2, 16, 16).to(torch.bfloat16)
+    x = _rand(1, 120, 32, dtype=torch.bfloat16)
+    assert layer.kernel(x) == "fa4"
+    before = dict(fallback_counts())
+    with pytest.warns(RuntimeWarning, match="fa4 failed at Tq=120"):
+        y = layer(x)
+    after = fallback_counts()
+    key = next(k for k in after if k.startswith("dense:fa4->"))
+    assert after[key] == before.get(key, 0) + 1
+    name, why = flash.choose_dense_backend("cpu", torch.bfloat16, 16, allow_flash=True)
+    assert name not in flash.FLASH_BACKENDS and "fa4 failed" in why
+    layer.backend = "reference"
+    torch.testing.assert_close(y, layer(x), rtol=2e-2, atol=2e-2)   # bf16 kernels vs the fp32 formula
+    q = _rand(1, 120, 4, 16, dtype=torch.bfloat16)
+    kv = _rand(1, 120, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="seqlen too long"):
+        flash.dense_attention(q, kv, kv, backend="fa4")
+
+
+def test_dense_blocks_compile_without_graph_breaks():
+    """model.compile on the dense twin: the kernel choice is a traceable dict lookup (no lock, no break)."""
+    import torch._dynamo.utils as dynamo_utils
+    model = _tiny("dense")
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    ref = model(ids)
+    model.compile_blocks("aot_eager")
+    dynamo_utils.counters.clear()
+    torch.testing.assert_close(model(ids), ref, rtol=1e-6, atol=1e-6)
+    assert dict(dynamo_utils.counters["graph_break"]) == {}

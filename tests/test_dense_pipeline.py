@@ -62,3 +62,17 @@ def test_resume_a_dense_checkpoint_as_nsa_is_refused_before_ray(dense_run):
     cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(data, root, train__resume_from=run_dir), env={})
     with pytest.raises(UserError, match="model.attention: checkpoint 'dense', config 'nsa'"):
         builder.validate_inputs(cfg)
+
+
+def test_checkpoints_from_before_the_field_resume_as_nsa():
+    """A checkpoint config without model.attention (written before the field existed) is an NSA one."""
+    import builder
+    from _cli import UserError
+    from nsa.config import RunConfig
+    cfg = RunConfig()
+    old = cfg.to_dict()
+    del old["model"]["attention"]
+    builder._check_model_compat(cfg, old, "old checkpoint")          # no error: same model
+    cfg.model.attention = "dense"
+    with pytest.raises(UserError, match="model.attention: checkpoint 'nsa', config 'dense'"):
+        builder._check_model_compat(cfg, old, "old checkpoint")

@@ -116,7 +116,9 @@ class DenseAttention(nn.Module):
         return q, k, vp.view(B, T, self.n_kv_groups, self.d_v)
 
     def _out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        o = dense_attention(q, k, v, causal=True, scale=1.0 / math.sqrt(self.d_k), backend=self.kernel(q))
+        # "auto" resolves inside dense_attention, which also falls back if flash-attn refuses a shape
+        o = dense_attention(q, k, v, causal=True, scale=1.0 / math.sqrt(self.d_k), backend=self.backend,
+                            allow_flash=self.allow_flash)
         B, T = o.shape[:2]
         return self.o_proj(o.reshape(B, T, self.n_heads * self.d_v))
 

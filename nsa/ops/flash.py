@@ -234,13 +234,35 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     if backend not in BACKENDS:
         raise ValueError(f"dense_attention: backend={backend!r} is not one of {list(BACKENDS)}")
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if backend == "auto":
+    auto = backend == "auto"
+    if auto:
         backend = choose_dense_backend(q.device, q.dtype, q.shape[-1], allow_flash)[0]
     if backend in FLASH_BACKENDS:
-        return _flash(backend, q, k, v, causal, window, sc, False)[0]
+        try:
+            return _flash(backend, q, k, v, causal, window, sc, False)[0]
+        except (RuntimeError, AssertionError, ValueError) as exc:  # flash-attn asserts on what it refuses
+            if not auto or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                raise
+            backend = _flash_failed(backend, q, exc)
     if backend == "reference":
         return reference_attention(q, k, v, causal, window, sc)[0]
     return _sdpa(q, k, v, causal, window, sc, None if backend == "sdpa" else backend)
+
+
+def _flash_failed(name: str, q: torch.Tensor, exc: BaseException) -> str:
+    """A flash-attn call of an "auto" choice failed on a shape its probe did not cover: count it, warn
+    once, and answer the best non-flash backend for this device/dtype/head size from now on."""
+    import warnings
+
+    from nsa.ops import count_fallback
+    alt, alt_why = choose_dense_backend(q.device, q.dtype, q.shape[-1], allow_flash=False)
+    count_fallback(f"dense:{name}->{alt}")
+    msg = str(exc).splitlines()[0][:120] if str(exc) else ""
+    why = f"{name} failed at Tq={q.shape[1]}: {type(exc).__name__}: {msg}"
+    with _lock:
+        _choices[(str(q.device), q.dtype, int(q.shape[-1]), True)] = (alt, f"{alt} ({why}); {alt_why}")
+    warnings.warn(f"dense attention: {why}; using {alt} from now on", RuntimeWarning, stacklevel=3)
+    return alt
 
 
 # ------------------------------------------------------------------------------------ choice
@@ -278,8 +300,7 @@ def choose_dense_backend(device: torch.device | str, dtype: torch.dtype, head_di
     passes its probe on CUDA, "sdpa" elsewhere. Cached per arguments; logged once each."""
     dev = torch.device(device)
     key = (str(dev), dtype, int(head_dim), bool(allow_flash))
-    with _lock:
-        hit = _choices.get(key)
+    hit = _choices.get(key)   # lock-free read (one dict lookup): traceable by torch.compile
     if hit is not None:
         return hit
     if device_capability(dev) is None:
