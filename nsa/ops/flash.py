@@ -181,6 +181,8 @@ def _sdpa(q, k, v, causal: bool, window: int | None, scale: float, kernel: str |
     plain_causal = causal and window is None and Tq == Tk
     no_mask = (not causal and window is None) or (causal and window is None and Tq == 1)
     mask = None if (plain_causal or no_mask) else _mask(Tq, Tk, causal, window, q.device)
+    if mask is not None and kernel in ("sdpa_cudnn", "sdpa_flash"):
+        kernel = None   # these take no explicit mask (a window, or a chunk after a cache): torch's dispatcher
     kw = dict(attn_mask=mask, is_causal=plain_causal, scale=scale, enable_gqa=gqa)
     if kernel is None:
         o = F.scaled_dot_product_attention(qt, kt, vt, **kw)
