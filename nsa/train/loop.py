@@ -37,7 +37,7 @@ from torch import nn
 
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
-                                  load_checkpoint, restore_training_state, save_checkpoint)
+                                  load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
@@ -151,27 +151,37 @@ def _fallbacks() -> dict[str, int]:
         return {}
 
 
-def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]) -> tuple[Optional[dict[str, Any]],
-                                                                                    Optional[str]]:
-    """(state, where it came from): the newest loadable checkpoint of this run, else ``resume_from``.
+def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]
+                  ) -> tuple[Optional[dict[str, Any]], Optional[str], list[str]]:
+    """(state, where it came from, skipped): the newest complete, loadable checkpoint of this run, else
+    ``resume_from``; ``skipped`` says which newer checkpoint directories were passed over and why.
 
     Ray registers a reported checkpoint only when its controller next polls the workers (every ~2 s), so
     a worker group that dies right after a report is restarted with the previous one although the newer
-    checkpoint is complete on disk. The run dir is ours, so the newest checkpoint there that loads wins
-    (a partial one fails to load and is skipped); Ray's choice is the floor."""
-    state = env.resume_state()
+    checkpoint is complete on disk. The run dir is ours, so the newest complete checkpoint there that
+    loads wins; a partial copy (full disk, killed mid-write) is skipped with its reason; Ray's choice is
+    the floor, unless it fails to load itself."""
+    skipped: list[str] = []
+    try:
+        state = env.resume_state()
+    except CheckpointError as e:
+        skipped.append(f"Ray's latest checkpoint: {e}")
+        state = None
     source = "ray" if state is not None else None
     floor = int(state["step"]) if state is not None else -1
-    for step, d in reversed(list_checkpoints(run_dir)):
+    good, partial = scan_checkpoints(run_dir)
+    for d, why in partial:
+        skipped.append(f"{d.name}: {why}")
+    for step, d in reversed(good):
         if step <= floor:
             break
         try:
-            return load_checkpoint(d), f"run dir ({d.name})"
+            return load_checkpoint(d), f"run dir ({d.name})", skipped
         except CheckpointError as e:
-            log.warning("skipping unreadable checkpoint: %s", e)
+            skipped.append(f"{d.name}: {e}")
     if state is None and resume_from:
-        return load_checkpoint(resume_from), str(resume_from)
-    return state, source
+        return load_checkpoint(resume_from), str(resume_from), skipped
+    return state, source, skipped
 
 
 # ---------------------------------------------------------------------------------------------- loop
@@ -192,7 +202,9 @@ class Trainer:
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
-        state, self.resumed_from = _resume_state(env, self.run_dir, resume_from)
+        state, self.resumed_from, self.skipped_checkpoints = _resume_state(env, self.run_dir, resume_from)
+        for why in self.skipped_checkpoints:
+            log.warning("resume: skipped %s", why)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
@@ -327,11 +339,14 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.rep.write_env(_kernel_policy(cfg, self.device, self.prec))
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
-                           resumed_from=self.resumed_from, precision=self.prec.name,
+                           resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
+                           precision=self.prec.name,
                            data_position=self.data.position(self.world))
         if self.rank == 0:
-            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}",
-                  flush=True)
+            for why in self.skipped_checkpoints:
+                print(f"resume: skipped {why}", flush=True)
+            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
+                  + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
         wd = self.wd = Watchdog(t.stall_seconds,
                                 make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()

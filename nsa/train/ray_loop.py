@@ -23,14 +23,15 @@ import torch
 from torch import nn
 
 from nsa.config import config_from_dict
-from nsa.train.checkpoint import load_checkpoint
+from nsa.train.checkpoint import load_checkpoint, persist_checkpoint
 from nsa.train.loop import run_training
 
 
 class RayEnv:
     """LoopEnv backed by the Ray Train worker context."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, run_dir: Optional[Path] = None) -> None:
+        self.run_dir = run_dir          # where Ray persists checkpoints (storage_path/name, see builder)
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
@@ -76,9 +77,18 @@ class RayEnv:
         with ckpt.as_directory() as d:
             return load_checkpoint(d)
 
+    def _persist(self, checkpoint: "ray.train.Checkpoint", dir_name: str) -> "ray.train.Checkpoint":
+        """Ray's checkpoint_upload_fn: the same directory Ray's own upload would write (storage_path/name
+        is the run dir, see the builder), but complete or absent (nsa.train.checkpoint.persist_checkpoint)
+        instead of copied file by file into its final name."""
+        assert self.run_dir is not None
+        target = persist_checkpoint(checkpoint.path, self.run_dir / dir_name)
+        return ray.train.Checkpoint.from_directory(str(target))
+
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None:
         ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir is not None else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name)
+        upload = self._persist if (ckpt is not None and self.run_dir is not None and dir_name) else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name, checkpoint_upload_fn=upload)
 
 
 def _worker_logging() -> None:
@@ -103,6 +113,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     _worker_logging()
     cfg = config_from_dict(config["cfg"])
-    env = RayEnv(cfg)
+    env = RayEnv(cfg, Path(config["run_dir"]))
     run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
                  resume_from=config.get("resume_from"))
