@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from nsa.config import check_run_name
 LOCK_FILE = ".lock"
 
 
-class RunLocked(RuntimeError):
+class RunLocked(FileExistsError):
     """Another live launch owns the run directory; the message names its pid and host."""
 
 
@@ -191,3 +192,85 @@ def failure_line(exc: BaseException) -> str:
         return cause
     first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
     return f"{type(exc).__name__}: {first[:400]}" if first else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------------ claim / commit
+@dataclass
+class RunClaim:
+    """A run directory this process owns, and what a launch there will do (nothing written yet)."""
+    run_dir: Path
+    lock: RunLock
+    resume_file: Optional[Path] = None        # the newest complete checkpoint, if the run has one
+    resume_step: Optional[int] = None
+    incomplete: list[tuple[Path, str]] = field(default_factory=list)   # partial checkpoint dirs, with why
+    notes: list[str] = field(default_factory=list)
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+_HELD: dict[Path, RunClaim] = {}     # run dirs this process owns (a launch holds its claim until it ends)
+
+
+def claim_run(root: str | os.PathLike, name: str, *, resume: str = "auto") -> RunClaim:
+    """Lock ``root/name`` and find the checkpoint a launch there continues from. Writes nothing but the
+    lock file. Raises RunLocked (another live launch owns it), ConfigError (bad name, train.resume=never
+    on a run with checkpoints) or CheckpointError (the newest complete checkpoint does not load)."""
+    from nsa.config import ConfigError
+    from nsa.train.checkpoint import scan_checkpoints, verify_checkpoint
+    run_dir = run_dir_under(root, name)
+    held = _HELD.get(run_dir)
+    claim = RunClaim(run_dir, held.lock if held else RunLock(run_dir).acquire())
+    _HELD[run_dir] = claim
+    try:
+        if claim.lock.stale and not held:
+            claim.notes.append(f"run lock: {claim.lock.stale}")
+        good, claim.incomplete = scan_checkpoints(run_dir)
+        newer = [(d, why) for d, why in claim.incomplete if not good or _dir_step(d) > good[-1][0]]
+        if good and resume == "never":
+            raise ConfigError(f"run dir {run_dir} already has checkpoints (latest step {good[-1][0]}) and "
+                              "train.resume=never: choose another logging.name or set train.resume=auto")
+        for d, why in newer:
+            claim.notes.append(f"resume: skipping {d.name}: {why}")
+        if good:
+            claim.resume_file, claim.resume_step = verify_checkpoint(good[-1][1])  # corrupt -> names the file
+        elif claim.incomplete:
+            claim.notes.append("resume: no complete checkpoint: the run starts from step 0")
+    except BaseException:
+        release_run(run_dir)
+        raise
+    return claim
+
+
+def _dir_step(d: Path) -> int:
+    m = re.match(r"^checkpoint_(\d+)$", d.name)
+    return int(m.group(1)) if m else -1
+
+
+def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
+    """After every check passed: set incomplete checkpoint dirs aside, move a stale ``.HALT`` aside, and
+    write config.yaml atomically, in the run dir this process claimed. Returns what it did, one line each."""
+    from nsa.train.checkpoint import set_aside
+    run_dir = Path(run_dir).resolve()
+    claim = _HELD.get(run_dir)
+    if claim is None or not claim.lock.held:
+        raise RuntimeError(f"commit_run({run_dir}) without claim_run: the run dir is not locked by this process")
+    done = []
+    for d, why in claim.incomplete:
+        if d.exists():
+            done.append(f"note: set the incomplete {d.name} ({why}) aside as {set_aside(d).name}; delete it to "
+                        "free its space")
+    halt = run_dir / ".HALT"
+    if halt.exists():
+        moved = run_dir / f".HALT.consumed-{int(time.time())}"
+        halt.rename(moved)
+        done.append(f"note: moved stale {halt.name} of an earlier halt to {moved.name}")
+    atomic_write_text(run_dir / "config.yaml", config_text)
+    return done
+
+
+def release_run(run_dir: str | os.PathLike) -> None:
+    """Give up this process's lock on ``run_dir`` (no-op if it holds none)."""
+    claim = _HELD.pop(Path(run_dir).resolve(), None)
+    if claim is not None:
+        claim.release()
