@@ -195,9 +195,11 @@ def start_local_ray(num_cpus: Optional[int] = None) -> None:
     # (nsa/train/ray_loop.py), and this driver's logging is put back as it was right after init.
     root, ray_log = logging.getLogger(), logging.getLogger("ray")
     saved = (root.level, root.handlers[:], ray_log.level, ray_log.handlers[:], ray_log.propagate)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
-             logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
-             runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]})
+    from nsa.train.ray_local import loopback_only
+    with loopback_only() as bind:     # this machine only: nothing listens on other interfaces
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
+                 logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
+                 runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]}, **bind)
     root.setLevel(saved[0])
     root.handlers[:] = saved[1]
     ray_log.setLevel(saved[2])
