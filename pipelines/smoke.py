@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _cli import build_parser, load_config, main_entry, print_header
+from _cli import UserError, build_parser, load_config, main_entry, print_header
 from builder import launch, replace_cfg
 
 from nsa.telemetry import read_heartbeat
@@ -142,6 +142,8 @@ def render(report: dict[str, Any]) -> str:
 
 def main() -> int:
     args = _parser().parse_args()
+    if args.phase1_steps < 1:
+        raise UserError(f"--phase1-steps={args.phase1_steps} must be >= 1 (or pass --skip-phase1)")
     cfg, sources = load_config(args)
     print_header("smoke", cfg, sources, args.config)
     if args.print_config:
