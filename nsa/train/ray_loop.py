@@ -38,6 +38,7 @@ class RayEnv:
         self.device = ray.train.torch.get_device() if cfg.runtime.use_gpu else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._cfg = cfg
         self._batch_size = cfg.train.batch_size
         self._prefetch = cfg.data.prefetch_batches
         self._train = ray.train.get_dataset_shard("train")
@@ -52,10 +53,18 @@ class RayEnv:
         return ray.train.torch.prepare_model(model, move_to_device=self.device)
 
     def _iter(self, shard: Any) -> Iterator[torch.Tensor]:
-        for b in shard.iter_torch_batches(batch_size=self._batch_size, prefetch_batches=self._prefetch,
-                                          dtypes=torch.int64, device=self.device, drop_last=True,
-                                          pin_memory=self.device.type == "cuda"):
-            yield b["input_ids"]                                      # [b, T+1] int64
+        try:
+            for b in shard.iter_torch_batches(batch_size=self._batch_size, prefetch_batches=self._prefetch,
+                                              dtypes=torch.int64, device=self.device, drop_last=True,
+                                              pin_memory=self.device.type == "cuda"):
+                yield b["input_ids"]                                  # [b, T+1] int64
+        except Exception:
+            # Ray Data's error names neither the shard nor the row group: find them (one line)
+            from nsa.data.shards import DataError, diagnose_data_error
+            where = diagnose_data_error(self._cfg.data.path) if self._cfg.data.source == "parquet" else None
+            if where:
+                raise DataError(where) from None
+            raise
 
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
         return self._iter(self._train)

@@ -185,11 +185,18 @@ def storage_cause(exc: BaseException) -> Optional[str]:
     return None
 
 
+_DATA_RE = re.compile(r"DataError: (.+)")
+
+
 def failure_line(exc: BaseException) -> str:
-    """First line of a failed run's report: the storage cause if there is one, else the error's first line."""
+    """First line of a failed run's report: the storage cause if there is one, else a data error naming
+    the shard (raised in a worker, carried as text), else the error's first line."""
     cause = storage_cause(exc)
     if cause:
         return cause
+    m = _DATA_RE.search(str(exc))
+    if m:
+        return m.group(1).strip()
     first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
     return f"{type(exc).__name__}: {first[:400]}" if first else type(exc).__name__
 
