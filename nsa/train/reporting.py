@@ -112,9 +112,9 @@ def _json_safe(x: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=2, sort_keys=False))
-    os.replace(tmp, path)
+    """Replace ``path`` atomically (temp file, fsync, rename): a reader or a full disk never leaves half."""
+    from nsa.train.rundir import atomic_write_text
+    atomic_write_text(path, json.dumps(_json_safe(obj), indent=2, sort_keys=False))
 
 
 class RunReporter:

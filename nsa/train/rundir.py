@@ -6,7 +6,8 @@ failure says its cause in one line.
     ...
     lock.release()                        # also released by the OS when the process dies
 
-The lock is ``flock(LOCK_EX | LOCK_NB)`` on ``<run dir>/.lock``. The kernel drops it when the holder's
+The lock is ``flock(LOCK_EX | LOCK_NB)`` on ``<logging.root>/.<name>.lock``, beside the run dir rather
+than in it, so taking it changes nothing inside an existing run. The kernel drops it when the holder's
 process ends, however it ends, so a crashed launch never blocks the next one; the holder's pid, host and
 start time are written into the file, so a second launch can name the holder, and a file that still
 names a holder but is not locked is reported as the stale lock of a launch that died. On shared storage
@@ -25,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from nsa.config import check_run_name
+from nsa.config import ConfigError, check_run_name
 
-LOCK_FILE = ".lock"
+def lock_path(run_dir: Path) -> Path:
+    return run_dir.parent / f".{run_dir.name}.lock"
 
 
 class RunLocked(FileExistsError):
@@ -41,7 +43,7 @@ def run_dir_under(root: str | os.PathLike, name: str) -> Path:
     root_p = Path(root).expanduser().resolve()
     d = (root_p / name).resolve()
     if d.parent != root_p:
-        raise ValueError(f"logging.name={name!r} resolves to {d}, outside logging.root={root_p}: "
+        raise ConfigError(f"logging.name={name!r} resolves to {d}, outside logging.root={root_p}: "
                          "choose a name that is not a symlink leading elsewhere")
     return d
 
@@ -103,7 +105,7 @@ class RunLock:
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK_FILE
+        self.path = lock_path(self.run_dir)
         self._fd: Optional[int] = None
         self.stale: Optional[str] = None     # set by acquire() when it took over a dead launch's lock
 
@@ -116,7 +118,7 @@ class RunLock:
         import sys
         if self._fd is not None:
             return self
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -223,7 +225,6 @@ def claim_run(root: str | os.PathLike, name: str, *, resume: str = "auto") -> Ru
     """Lock ``root/name`` and find the checkpoint a launch there continues from. Writes nothing but the
     lock file. Raises RunLocked (another live launch owns it), ConfigError (bad name, train.resume=never
     on a run with checkpoints) or CheckpointError (the newest complete checkpoint does not load)."""
-    from nsa.config import ConfigError
     from nsa.train.checkpoint import scan_checkpoints, verify_checkpoint
     run_dir = run_dir_under(root, name)
     held = _HELD.get(run_dir)
@@ -263,6 +264,7 @@ def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
     if claim is None or not claim.lock.held:
         raise RuntimeError(f"commit_run({run_dir}) without claim_run: the run dir is not locked by this process")
     done = []
+    run_dir.mkdir(parents=True, exist_ok=True)
     for d, why in claim.incomplete:
         if d.exists():
             done.append(f"note: set the incomplete {d.name} ({why}) aside as {set_aside(d).name}; delete it to "
