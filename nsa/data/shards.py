@@ -123,6 +123,7 @@ def _remove_previous(out: Path) -> None:
             f.unlink()
     if manifest.exists():
         manifest.unlink()
+    (out / VERDICTS).unlink(missing_ok=True)     # verdicts on the deleted shards
 
 
 def write_shards(docs: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike, *,

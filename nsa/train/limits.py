@@ -10,14 +10,16 @@ off by orders of magnitude (``--max-new-tokens 1000000000000``: ~8 TB of ids alo
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from nsa.config import ModelConfig
 
 SAFETY = 0.5          # a decode may use at most this fraction of the free memory
 
 
-def bytes_per_position(model_cfg: Any, dtype: torch.dtype) -> int:
+def bytes_per_position(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * model_cfg.n_kv_groups * (model_cfg.d_k + model_cfg.d_v) * elem
     return model_cfg.n_layers * per_layer + 8
@@ -45,7 +47,7 @@ def os_available() -> int:
     raise OSError("no MemAvailable in /proc/meminfo")
 
 
-def decode_budget(model_cfg: Any, prompt_len: int, max_new: int, device: torch.device, dtype: torch.dtype,
+def decode_budget(model_cfg: ModelConfig, prompt_len: int, max_new: int, device: torch.device, dtype: torch.dtype,
                   *, flag: str = "--max-new-tokens", free: Optional[int] = None) -> int:
     """Bytes the decode needs; raises ValueError (one line, naming ``flag`` and the largest value that
     fits) when it exceeds SAFETY x the free memory of ``device``."""

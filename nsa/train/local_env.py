@@ -13,13 +13,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from nsa.config import RunConfig
 from nsa.train.checkpoint import persist_checkpoint
 
 class LocalEnv:
     rank = 0
     world_size = 1
 
-    def __init__(self, cfg: Any, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
         from nsa.data.shards import check_data_path, find_val_shards
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), torch.device(device)
         self._files = check_data_path(cfg.data.path)

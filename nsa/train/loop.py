@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nsa.config import RunConfig
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
                                   load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
@@ -146,7 +147,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _kernel_policy(cfg: Any, device: torch.device, prec: Precision) -> str:
+def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision) -> str:
     try:
         from nsa.ops import KernelPolicy
         return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend))
@@ -199,7 +200,7 @@ def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]
 class Trainer:
     """State of one worker's run. ``run()`` returns the summary written to metrics.json."""
 
-    def __init__(self, cfg: Any, run_dir: Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+    def __init__(self, cfg: RunConfig, run_dir: Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
                  resume_from: Optional[str] = None) -> None:
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         self.rank, self.world, self.device = env.rank, env.world_size, env.device
@@ -504,7 +505,7 @@ class Trainer:
         }
 
 
-def run_training(cfg: Any, run_dir: str | Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+def run_training(cfg: RunConfig, run_dir: str | Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
                  resume_from: Optional[str] = None) -> dict[str, Any]:
     """Train one worker's share; returns the summary (also written to metrics.json by rank 0)."""
     return Trainer(cfg, Path(run_dir), env, mlflow_uri=mlflow_uri, resume_from=resume_from).run()

@@ -22,7 +22,7 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from nsa.config import config_from_dict
+from nsa.config import RunConfig, config_from_dict
 from nsa.train.checkpoint import load_checkpoint, persist_checkpoint
 from nsa.train.loop import run_training
 
@@ -30,7 +30,7 @@ from nsa.train.loop import run_training
 class RayEnv:
     """LoopEnv backed by the Ray Train worker context."""
 
-    def __init__(self, cfg: Any, run_dir: Optional[Path] = None) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Optional[Path] = None) -> None:
         self.run_dir = run_dir          # where Ray persists checkpoints (storage_path/name, see builder)
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
