@@ -187,8 +187,7 @@ def test_partial_checkpoint_dir_is_skipped_named_and_replaced(tiny_data, tmp_pat
 
 
 def _ckpt(run_dir, step):
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_pipeline_cli import _ckpt as make
+    from test_pipeline_cli import _ckpt as make      # a small real checkpoint (1 layer x 32)
     return make(run_dir, f"checkpoint_{step:08d}", step)
 
 
@@ -367,7 +366,6 @@ def test_yaml_syntax_error_and_unparsable_env_are_one_line(tmp_path):
 
 
 def test_generate_bounds_max_new_tokens_before_allocating(tmp_path):
-    sys.path.insert(0, str(REPO / "tests"))
     from test_pipeline_cli import _ckpt as make
     f = make(tmp_path)
     r = _cli(str(PIPELINES / "generate.py"), "--checkpoint", str(f.parent), "--max-new-tokens", "1000000000000")
