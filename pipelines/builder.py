@@ -413,7 +413,8 @@ def print_summary(run_dir: Path, summary: dict[str, Any], cfg: RunConfig, wall: 
         print(f"tensorboard:  tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
-def _fit(trainer: Any, run_dir: Path) -> tuple[int, dict[str, Any]]:
+def _fit(trainer: Any, run_dir: Path) -> int:
+    """trainer.fit() under the driver's signal handlers; 1 and one readable line if it fails."""
     from nsa.train.rundir import failure_line
     with _DriverSignals(run_dir):
         try:
@@ -421,8 +422,8 @@ def _fit(trainer: Any, run_dir: Path) -> tuple[int, dict[str, Any]]:
         except Exception as e:  # TrainingFailedError & co: one readable line (the storage cause first)
             print(f"error: training failed: {failure_line(e)}\n"
                   f"  see {run_dir}/heartbeat_rank*.jsonl and the Ray logs above", flush=True)
-            return 1, {}
-    return 0, {}
+            return 1
+    return 0
 
 
 def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quiet: bool = False) -> Outcome:
@@ -436,7 +437,7 @@ def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quie
         print(connect_ray(cfg), flush=True)
         trainer = build_trainer(cfg, run_dir, make_datasets(cfg))
         commit_prepared(run_dir, cfg, sources)
-        code, summary = _fit(trainer, run_dir)
+        code, summary = _fit(trainer, run_dir), {}
     finally:
         release_run(run_dir)
     mfile = run_dir / "metrics.json"
