@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Callable, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -38,6 +40,15 @@ def _require(cond: bool, msg: str) -> None:
 
 def _one_of(name: str, value: Any, choices: tuple) -> None:
     _require(value in choices, f"{name}={value!r} is not one of {list(choices)}")
+
+
+def check_run_name(name: str, field: str = "logging.name") -> str:
+    """A run name is one plain path component: it becomes ``logging.root/<name>`` and must stay there."""
+    bad = (not name or name.strip() != name or name in (".", "..") or "/" in name or "\\" in name
+           or "\x00" in name or name.startswith("-"))
+    _require(not bad, f"{field}={name!r} must be one plain directory name under logging.root (not '.' or "
+             f"'..', no '/' or backslash, no leading '-' or surrounding spaces), e.g. {field}=my-run")
+    return name
 
 
 def _positive(section: str, obj: Any, names: tuple[str, ...]) -> None:
@@ -199,8 +210,7 @@ class LoggingConfig:
         _positive("logging", self, ("log_every", "heartbeat_every"))
         _require(self.stats_every >= 0, "logging.stats_every must be >= 0 (0 disables gate stats)")
         if self.name is not None:
-            _require(self.name.strip() != "" and "/" not in self.name,
-                     f"logging.name={self.name!r} must be a non-empty directory name without '/'")
+            check_run_name(self.name)
 
 
 SECTIONS = {"model": ModelConfig, "nsa": NSAConfig, "runtime": RuntimeConfig, "train": TrainConfig,
@@ -256,8 +266,8 @@ ENV_MAP: dict[str, tuple[str, Any]] = {
     "NSA_DISABLE_CSV_LOGS": ("logging.csv", lambda v: not v),
     "NSA_DISABLE_AUX_STATS": ("logging.stats_every", lambda v: 0 if v else LoggingConfig.stats_every),
     "NSA_USE_TRITON_SEL": ("nsa.backend", lambda v: "triton" if v else "torch"),
-    "NSA_USE_FA2": ("nsa.allow_flash_attn", bool),
-    "NSA_DETECT_ANOMALY": ("runtime.detect_anomaly", bool),
+    "NSA_USE_FA2": ("nsa.allow_flash_attn", None),
+    "NSA_DETECT_ANOMALY": ("runtime.detect_anomaly", None),
     "NSA_SCALER_INIT_SCALE": ("runtime.scaler_init_scale", None),
     "NSA_SCALER_GROWTH_INTERVAL": ("runtime.scaler_growth_interval", None),
     "NSA_SCALER_GROWTH_FACTOR": ("runtime.scaler_growth_factor", None),
@@ -266,6 +276,13 @@ ENV_MAP: dict[str, tuple[str, Any]] = {
     # (and only here) keeps "connect under ray job submit, else start a local instance" a config value.
     "RAY_ADDRESS": ("runtime.ray_address", str),
 }
+# Variables whose value is a switch: parsed with parse_bool (BOOL_SPELLINGS) before their transform, so
+# NSA_TB_DISABLE=maybe is an error instead of a silent "false".
+BOOL_ENV = frozenset({"NSA_TB_DISABLE", "NSA_DISABLE_CSV_LOGS", "NSA_DISABLE_AUX_STATS", "NSA_USE_TRITON_SEL",
+                      "NSA_USE_FA2", "NSA_DETECT_ANOMALY"})
+# The documented spellings of a boolean, for config values and NSA_* switches alike (case-insensitive).
+BOOL_SPELLINGS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+                  "on": True, "off": False}
 RETIRED_ENV = ("NSA_PREFILL_BATCHED", "NSA_SEL_RANGES_V2", "NSA_SEL_RANGES_V2_MIN_S", "NSA_USE_SEL_PACK",
                "NSA_USE_SEL_MASK", "NSA_USE_SEL_VARLEN", "NSA_FORCE_PARITY", "NSA_STRICT_ASSERTS",
                "NSA_SDPA_NO_FLASH", "NSA_SDPA_FLASH_ONLY", "NSA_SDPA_AUDIT", "NSA_TRACE_GRADS",
@@ -280,6 +297,28 @@ def _field_types(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
+def parse_bool(dotted: str, value: Any) -> bool:
+    """A boolean from one of BOOL_SPELLINGS (or a bool, or the ints 0/1); anything else raises."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in BOOL_SPELLINGS:
+        return BOOL_SPELLINGS[value.strip().lower()]
+    raise ConfigError(f"{dotted}={value!r} is not a boolean: use one of {'/'.join(BOOL_SPELLINGS)}")
+
+
+def _number(value: Any) -> Any:
+    """Decimal and scientific notation from text (``1e-3``: YAML 1.1 reads it as a string, and Python's
+    float() as the number people mean); other values unchanged."""
+    if isinstance(value, str):
+        try:
+            return float(value.strip().replace("_", ""))
+        except ValueError:
+            return value
+    return value
+
+
 def _coerce(dotted: str, value: Any, typ: Any) -> Any:
     """Coerce a YAML/CLI/env value to the field's declared type, or raise naming the field."""
     origin = get_origin(typ)
@@ -288,24 +327,24 @@ def _coerce(dotted: str, value: Any, typ: Any) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
         return _coerce(dotted, value, args[0])
+    if typ is bool:
+        return parse_bool(dotted, value)
     if isinstance(value, str) and typ is not str:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise ConfigError(f"{dotted}: cannot parse {value!r}: {e}") from None
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise ConfigError(f"{dotted}={value!r} must be true/false (or 1/0)")
+            raise ConfigError(f"{dotted}: cannot parse {value!r}: {str(e).splitlines()[0]}") from None
     if typ is int:
+        value = _number(value)
         if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
             raise ConfigError(f"{dotted}={value!r} must be an integer")
         return int(value)
     if typ is float:
+        value = _number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{dotted}={value!r} must be a number")
+            raise ConfigError(f"{dotted}={value!r} must be a number (decimal or scientific, e.g. 3e-4)")
+        if not math.isfinite(value):
+            raise ConfigError(f"{dotted}={value!r} must be a finite number (.inf/.nan are not accepted)")
         return float(value)
     if typ is str:
         if isinstance(value, (dict, list)):
@@ -342,17 +381,31 @@ def parse_overrides(items: list[str]) -> dict[str, str]:
     return out
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+def load_yaml(path: str | os.PathLike, warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Flatten a YAML profile to dotted keys, rejecting unknown sections and keys."""
+    warn = warn or _warn
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist (profiles live in pipelines/configs/)")
-    raw = yaml.safe_load(p.read_text()) or {}
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{p}: YAML syntax error at{where}: {what}") from None
+    if raw is None:
+        warn(f"profile {p} is empty: every field keeps its default (unless set by NSA_* or overrides)")
+        raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: top level must be a mapping of sections {list(SECTIONS)}")
     flat: dict[str, Any] = {}
     for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{p}: unknown config section {section!r}{_suggest(str(section), SECTIONS)}; "
+                              f"sections: {list(SECTIONS)}")
         if body is None:
+            warn(f"profile {p}: section {section!r} is empty: its fields keep their defaults")
             continue
         if not isinstance(body, dict):
             raise ConfigError(f"{p}: section {section!r} must be a mapping")
@@ -362,29 +415,50 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return flat
 
 
+def _warn(msg: str) -> None:
+    """Config warnings go to stderr at once, one line each (resolve_config runs before any logging setup)."""
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
 def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
-    """The documented NSA_* variables as dotted values, plus warnings for retired ones."""
+    """The documented NSA_* variables as dotted values, plus warnings for retired ones. An empty value
+    counts as unset (``NSA_LR= cmd`` is how a shell clears a variable for one command)."""
     values: dict[str, Any] = {}
     warnings = [f"{n} is retired and ignored (see nsa/config.py ENV_MAP)" for n in RETIRED_ENV if n in env]
     for name, (dotted, fn) in ENV_MAP.items():
-        if name not in env:
+        if env.get(name, "") == "":
             continue
         section, key = _split(dotted)
-        parsed = yaml.safe_load(env[name]) if env[name] != "" else None
+        where = f"{dotted} (from ${name})"
+        raw = env[name]
+        if name in BOOL_ENV:
+            parsed: Any = parse_bool(f"${name}", raw)
+        elif dotted == "runtime.ray_address":
+            parsed = raw                      # an address, not YAML
+        else:
+            try:
+                parsed = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"${name}={raw!r} cannot be parsed for {dotted}: "
+                                  f"{getattr(e, 'problem', None) or str(e).splitlines()[0]}") from None
         if fn is not None:
             parsed = fn(parsed)
-        values[dotted] = _coerce(f"{dotted} (from ${name})", parsed, _field_types(SECTIONS[section])[key])
+        values[dotted] = _coerce(where, parsed, _field_types(SECTIONS[section])[key])
     return values, warnings
 
 
 def resolve_config(yaml_path: str | None = None, overrides: list[str] | None = None,
-                   env: Mapping[str, str] | None = None) -> tuple[RunConfig, dict[str, str]]:
-    """Build the RunConfig: default < YAML < NSA_* env < overrides. Returns (config, source per field)."""
+                   env: Mapping[str, str] | None = None,
+                   warn: Callable[[str], None] = _warn) -> tuple[RunConfig, dict[str, str]]:
+    """Build the RunConfig: default < YAML < NSA_* env < overrides. Returns (config, source per field).
+    Retired NSA_* variables are reported through ``warn`` (default: one ``warning:`` line on stderr)."""
     env = os.environ if env is None else env
     layers: list[tuple[str, dict[str, Any]]] = []
     if yaml_path:
-        layers.append((f"yaml:{yaml_path}", load_yaml(yaml_path)))
-    env_vals, _ = read_env(env)
+        layers.append((f"yaml:{yaml_path}", load_yaml(yaml_path, warn)))
+    env_vals, env_warnings = read_env(env)
+    for w in env_warnings:
+        warn(w)
     layers.append(("env", env_vals))
     layers.append(("cli", parse_overrides(list(overrides or []))))
     merged: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}

@@ -52,9 +52,14 @@ def main() -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         raise UserError("--prompt encodes to no tokens: give at least one character")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    from nsa.train.limits import decode_budget
+    try:   # before any allocation: a request that cannot fit is one line, not an 8 TB malloc
+        decode_budget(cfg.model, len(ids), args.max_new_tokens, torch.device(args.device), dtype)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     model = TinyLM.from_config(cfg.model, cfg.nsa, grad_checkpointing=False)
     load_model_weights(model, state)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     model = model.to(device=args.device, dtype=dtype).eval()
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     x = torch.tensor([ids], dtype=torch.long, device=args.device)

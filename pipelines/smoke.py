@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa.launch.builder import launch, replace_cfg
-from nsa.launch.cli import build_parser, load_config, main_entry, print_header
+from nsa.launch.cli import UserError, build_parser, load_config, main_entry, print_header
 from nsa.telemetry import read_heartbeat
 
 DEFAULT_PROFILE = "pipelines/configs/tiny_cpu.yaml"
@@ -141,6 +141,8 @@ def render(report: dict[str, Any]) -> str:
 
 def main() -> int:
     args = _parser().parse_args()
+    if args.phase1_steps < 1:
+        raise UserError(f"--phase1-steps={args.phase1_steps} must be >= 1 (or pass --skip-phase1)")
     cfg, sources = load_config(args)
     print_header("smoke", cfg, sources, args.config)
     if args.print_config:

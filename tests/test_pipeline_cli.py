@@ -112,10 +112,11 @@ def test_missing_resume_from(run_train, tiny_data, tmp_path):
 def test_corrupt_latest_checkpoint_of_a_named_run_is_never_overwritten(run_train, tiny_data, tmp_path):
     run = tmp_path / "runs" / "r"
     f = _ckpt(run, "checkpoint_00000003")
-    f.write_bytes(b"garbage")
+    garbage = b"g" * f.stat().st_size     # complete (the size meta.json records) but unreadable: corrupt,
+    f.write_bytes(garbage)                # not a partial write (those are skipped: tests/test_reliability.py)
     code, err = run_train(*tiny_overrides(tiny_data, tmp_path / "runs"), "logging.name=r")
     assert code == 2 and str(f) in err
-    assert f.read_bytes() == b"garbage"
+    assert f.read_bytes() == garbage
 
 
 def test_resume_never_refuses_existing_run(run_train, tiny_data, tmp_path):

@@ -13,6 +13,12 @@ manifest always has complete shards. An interrupted run leaves at most the hidde
 `check_data_path` accepts a prepared directory, any directory of parquet files with a `text` column
 (e.g. FineWeb-Edu's own `sample/10BT/*.parquet`), or a single parquet file, and raises errors that
 name the file and the fix.
+
+Preflight cost: every launch reads each shard's footer and checks every row group's metadata (column
+chunks inside the file, row counts adding up). The first time a shard is seen it is also decoded
+(each row group's `text` column) and its manifest checksum verified; the verdict is remembered by
+path, size and mtime in `VERDICTS` (in the data directory, or ~/.cache/nsa/ when that is read-only),
+so a relaunch on a large corpus costs metadata reads, and a shard that changes is checked again.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 MANIFEST = "manifest.json"
+VERDICTS = ".nsa-shards-verified.json"
 FORMAT = "nsa-shards/1"
 PREPARE_HINT = "python pipelines/prepare_data.py"
 
@@ -116,6 +123,7 @@ def _remove_previous(out: Path) -> None:
             f.unlink()
     if manifest.exists():
         manifest.unlink()
+    (out / VERDICTS).unlink(missing_ok=True)     # verdicts on the deleted shards
 
 
 def write_shards(docs: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike, *,
@@ -237,8 +245,81 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any] | None:
     return manifest
 
 
-def validate_shard(path: str | os.PathLike) -> int:
-    """Open a parquet file's footer; return its row count. Errors name the file and the fix."""
+class Verdicts:
+    """Shards already decoded cleanly, by absolute path -> {size, mtime_ns, sha256?} (see module doc)."""
+
+    def __init__(self, root: Path) -> None:
+        root = root if root.is_dir() else root.parent
+        self.path = root / VERDICTS
+        if not os.access(root, os.W_OK):
+            self.path = Path.home() / ".cache" / "nsa" / "shard-verdicts.json"
+        try:
+            self.data: dict[str, dict[str, Any]] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {}
+        self.dirty = False
+
+    @staticmethod
+    def _stamp(f: Path) -> dict[str, int]:
+        st = f.stat()
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def get(self, f: Path) -> dict[str, Any] | None:
+        v = self.data.get(str(f.resolve()))
+        return v if v is not None and all(v.get(k) == x for k, x in self._stamp(f).items()) else None
+
+    def put(self, f: Path, **extra: Any) -> None:
+        key = str(f.resolve())
+        self.data[key] = {**(self.get(f) or {}), **self._stamp(f), **extra}
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:   # a cache: failing to write it costs the next launch a decode, nothing else
+            from nsa.train.rundir import atomic_write_text
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(self.data, indent=1))
+            self.dirty = False
+        except OSError:
+            pass
+
+
+def _check_row_groups(f: Path, pf: Any, fix: str) -> None:
+    """Every row group's metadata: column chunks lie inside the file, row counts add up."""
+    md, size = pf.metadata, f.stat().st_size
+    total = 0
+    for i in range(md.num_row_groups):
+        rg = md.row_group(i)
+        total += rg.num_rows
+        for c in range(rg.num_columns):
+            cc = rg.column(c)
+            start = min(o for o in (cc.dictionary_page_offset, cc.data_page_offset) if o is not None and o >= 0)
+            if start < 4 or start + cc.total_compressed_size > size:
+                raise ValueError(f"{f}: row group {i} column {cc.path_in_schema!r} points outside the file "
+                                 f"({start}+{cc.total_compressed_size} > {size} bytes): truncated or corrupt; {fix}")
+    if total != md.num_rows:
+        raise ValueError(f"{f}: row groups hold {total} rows, the footer says {md.num_rows}: corrupt; {fix}")
+
+
+def decode_shard(path: str | os.PathLike, pf: Any = None) -> None:
+    """Decode each row group's ``text`` column once; a failure names the shard and the row group."""
+    _, pq = _pa()
+    f = Path(path)
+    pf = pf or pq.ParquetFile(f)
+    n = pf.metadata.num_row_groups
+    for i in range(n):
+        try:
+            pf.read_row_group(i, columns=["text"])
+        except Exception as exc:  # ZSTD/thrift/BYTE_ARRAY errors: all mean the bytes are damaged
+            raise ValueError(f"{f}: row group {i} of {n} cannot be decoded ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}): the file is corrupt; delete it "
+                             f"and re-run {PREPARE_HINT} --out {f.parent} --overwrite") from None
+
+
+def validate_shard(path: str | os.PathLike, verdicts: Verdicts | None = None) -> int:
+    """Open a parquet file's footer and check its row groups' metadata; decode it unless ``verdicts``
+    remembers it as clean. Returns its row count. Errors name the file (and row group) and the fix."""
     _, pq = _pa()
     f = Path(path)
     fix = f"delete it and re-run {PREPARE_HINT} --out {f.parent} --overwrite"
@@ -250,6 +331,7 @@ def validate_shard(path: str | os.PathLike) -> int:
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError variants for broken footers
         raise ValueError(f"{f}: corrupt parquet file, cannot read its footer "
                          f"({type(exc).__name__}: {exc}); {fix}") from exc
+    _check_row_groups(f, meta, fix)
     if "text" not in schema.names:
         raise ValueError(f"{f}: no 'text' column (columns: {schema.names}); shards need a string "
                          f"'text' column like FineWeb-Edu's; {fix}")
@@ -258,6 +340,10 @@ def validate_shard(path: str | os.PathLike) -> int:
                          f"string; {fix}")
     if rows == 0:
         raise ValueError(f"{f}: empty shard (0 rows); {fix}")
+    if verdicts is None or verdicts.get(f) is None or not verdicts.get(f).get("decoded"):
+        decode_shard(f, meta)
+        if verdicts is not None:
+            verdicts.put(f, decoded=True)
     return rows
 
 
@@ -269,16 +355,22 @@ def _is_val(p: Path, root: Path) -> bool:
     return any(_VAL_PART.match(part) for part in p.relative_to(root).parts)
 
 
-def _listed(root: Path, manifest: dict[str, Any], split: str, verify_checksums: bool) -> list[Path]:
+def _listed(root: Path, manifest: dict[str, Any], split: str, verify_checksums: bool,
+            verdicts: Verdicts | None = None) -> list[Path]:
     files = []
     for entry in manifest.get(split, []):
         f = root / entry["path"]
         if not f.is_file():
             raise FileNotFoundError(f"{f}: listed in {root / MANIFEST} but missing; re-run "
                                     f"{PREPARE_HINT} --out {root} --overwrite")
-        if verify_checksums and entry.get("sha256") and sha256_file(f) != entry["sha256"]:
-            raise ValueError(f"{f}: sha256 does not match {root / MANIFEST} (file modified or "
-                             f"truncated); re-run {PREPARE_HINT} --out {root} --overwrite")
+        want = entry.get("sha256")
+        known = verdicts.get(f) if verdicts is not None else None
+        if verify_checksums and want and not (known and known.get("sha256") == want):
+            if sha256_file(f) != want:
+                raise ValueError(f"{f}: sha256 does not match {root / MANIFEST} (file modified or "
+                                 f"truncated); re-run {PREPARE_HINT} --out {root} --overwrite")
+            if verdicts is not None:
+                verdicts.put(f, sha256=want)
         files.append(f)
     return files
 
@@ -295,21 +387,26 @@ def check_data_path(path: str | os.PathLike, *, verify_checksums: bool = True) -
         raise FileNotFoundError(f"data path {str(p)!r} does not exist; create it with "
                                 f"{PREPARE_HINT} --out {p} (offline corpus) or point data.path at "
                                 f"a directory of FineWeb-Edu parquet files")
+    verdicts = Verdicts(p)
     if p.is_file():
         if p.suffix != ".parquet":
             raise ValueError(f"data path {str(p)!r} is not a .parquet file or a directory")
-        validate_shard(p)
+        validate_shard(p, verdicts)
+        verdicts.save()
         return [str(p)]
     manifest = read_manifest(p)
     if manifest is not None:
-        files = _listed(p, manifest, "train", verify_checksums)
+        files = _listed(p, manifest, "train", verify_checksums, verdicts)
     else:
         files = [f for f in _scan(p) if not _is_val(f, p)]
     if not files:
         raise FileNotFoundError(f"{p}: no train parquet files found; create them with "
                                 f"{PREPARE_HINT} --out {p}")
-    for f in files:
-        validate_shard(f)
+    try:
+        for f in files:
+            validate_shard(f, verdicts)
+    finally:
+        verdicts.save()      # the shards verified before a bad one are not decoded again
     return [str(f) for f in files]
 
 
@@ -322,8 +419,33 @@ def find_val_shards(path: str | os.PathLike, *, verify_checksums: bool = True) -
         raise FileNotFoundError(f"data path {str(p)!r} does not exist; create it with "
                                 f"{PREPARE_HINT} --out {p}")
     manifest = read_manifest(p)
-    files = _listed(p, manifest, "val", verify_checksums) if manifest is not None else \
+    verdicts = Verdicts(p)
+    files = _listed(p, manifest, "val", verify_checksums, verdicts) if manifest is not None else \
         [f for f in _scan(p) if _is_val(f, p)]
-    for f in files:
-        validate_shard(f)
+    try:
+        for f in files:
+            validate_shard(f, verdicts)
+    finally:
+        verdicts.save()
     return [str(f) for f in files]
+
+
+class DataError(ValueError):
+    """A shard failed to decode while training; the message names the shard and the row group."""
+
+
+def diagnose_data_error(path: str | os.PathLike) -> str | None:
+    """After a read failure at run time: decode the shards of ``path`` that are not remembered as clean
+    (a clean, unchanged shard cannot be the cause), and return the first failure's one-line message."""
+    p = Path(path).expanduser()
+    verdicts = Verdicts(p)
+    files = [p] if p.is_file() else _scan(p)
+    for f in files:
+        known = verdicts.get(f)
+        if known and known.get("decoded"):
+            continue
+        try:
+            decode_shard(f)
+        except (ValueError, OSError) as exc:
+            return str(exc)
+    return None

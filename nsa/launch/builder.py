@@ -121,33 +121,40 @@ def _unique_name(prefix: str) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def prepare_run(cfg: RunConfig, sources: Optional[dict[str, str]] = None, prefix: str = "run") -> Path:
-    """Create ``logging.root/<name>/`` and write config.yaml. A None name becomes a fresh unique one
-    (stored into ``cfg.logging.name``); an existing run dir with checkpoints is resumed (train.resume=auto)
-    or refused (train.resume=never). A stale ``.HALT`` from an earlier halt is moved aside."""
+def prepare_run(cfg: RunConfig, sources: Optional[dict[str, str]] = None, prefix: str = "run",
+                commit: bool = True) -> Path:
+    """Lock ``logging.root/<name>/`` for this process (nsa/train/rundir.py) and, with ``commit``, write
+    config.yaml. A None name becomes a fresh unique one (stored into ``cfg.logging.name``); an existing
+    run dir with checkpoints is resumed from its newest complete one (train.resume=auto) or refused
+    (train.resume=never). ``commit=False`` changes nothing in an existing run dir: ``launch`` commits
+    (``commit_prepared``) only after the worker group is known to fit the cluster."""
+    from nsa.train.rundir import claim_run, release_run
     root = Path(_abs(cfg.logging.root))
     cfg.logging.root = str(root)
     if cfg.logging.name is None:
         cfg.logging.name = _unique_name(prefix)
-    run_dir = root / cfg.logging.name
-    found = list_checkpoints(run_dir)
-    if found:
-        if cfg.train.resume == "never":
-            raise UserError(f"run dir {run_dir} already has checkpoints (latest step {found[-1][0]}) and "
-                            "train.resume=never: choose another logging.name or set train.resume=auto")
-        f, step = verify_checkpoint(found[-1][1])   # corrupt -> CheckpointError naming the file
-        _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"run {cfg.logging.name}")
-        print(f"resume: run {cfg.logging.name} has checkpoints; continuing from step {step} ({f.parent.name})"
-              + (" - train.resume_from is ignored for an existing run" if cfg.train.resume_from else ""),
-              flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    halt = run_dir / ".HALT"
-    if halt.exists():
-        moved = run_dir / f".HALT.consumed-{int(time.time())}"
-        halt.rename(moved)
-        print(f"note: moved stale {halt.name} of an earlier halt to {moved.name}", flush=True)
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg, sources))
-    return run_dir
+    claim = claim_run(root, cfg.logging.name, resume=cfg.train.resume)
+    try:
+        for note in claim.notes:
+            print(note, flush=True)
+        if claim.resume_file is not None:
+            f, step = claim.resume_file, claim.resume_step
+            _check_model_compat(cfg, load_checkpoint(f, mmap=True)["config"], f"run {cfg.logging.name}")
+            print(f"resume: run {cfg.logging.name} has checkpoints; continuing from step {step} ({f.parent.name})"
+                  + (" - train.resume_from is ignored for an existing run" if cfg.train.resume_from else ""),
+                  flush=True)
+    except BaseException:
+        release_run(claim.run_dir)
+        raise
+    if commit:
+        commit_prepared(claim.run_dir, cfg, sources)
+    return claim.run_dir
+
+
+def commit_prepared(run_dir: Path, cfg: RunConfig, sources: Optional[dict[str, str]] = None) -> None:
+    from nsa.train.rundir import commit_run
+    for line in commit_run(run_dir, dump_yaml(cfg, sources)):
+        print(line, flush=True)
 
 
 def mlflow_uri(cfg: RunConfig) -> Optional[str]:
@@ -186,9 +193,11 @@ def start_local_ray(num_cpus: Optional[int] = None) -> None:
     # (nsa/train/ray_loop.py), and this driver's logging is put back as it was right after init.
     root, ray_log = logging.getLogger(), logging.getLogger("ray")
     saved = (root.level, root.handlers[:], ray_log.level, ray_log.handlers[:], ray_log.propagate)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
-             logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
-             runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]})
+    from nsa.train.ray_local import loopback_only
+    with loopback_only() as bind:     # this machine only: nothing listens on other interfaces
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
+                 logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
+                 runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]}, **bind)
     root.setLevel(saved[0])
     root.handlers[:] = saved[1]
     ray_log.setLevel(saved[2])
@@ -402,23 +411,33 @@ def print_summary(run_dir: Path, summary: dict[str, Any], cfg: RunConfig, wall: 
         print(f"tensorboard:  tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
-def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quiet: bool = False) -> Outcome:
-    """Validate, prepare the run dir, connect Ray, fit, summarise. Raises UserError for user errors."""
-    t0 = time.time()
-    validate_inputs(cfg)
-    run_dir = prepare_run(cfg, sources, prefix=prefix)
-    print(f"run dir: {run_dir}", flush=True)
-    print(connect_ray(cfg), flush=True)
-    trainer = build_trainer(cfg, run_dir, make_datasets(cfg))
-    code, summary = 0, {}
+def _fit(trainer: Any, run_dir: Path) -> int:
+    """trainer.fit() under the driver's signal handlers; 1 and one readable line if it fails."""
+    from nsa.train.rundir import failure_line
     with _DriverSignals(run_dir):
         try:
             trainer.fit()
-        except Exception as e:  # TrainingFailedError & co: one readable line, details are in the run dir
-            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            print(f"error: training failed: {type(e).__name__}: {first[:400]}\n"
+        except Exception as e:  # TrainingFailedError & co: one readable line (the storage cause first)
+            print(f"error: training failed: {failure_line(e)}\n"
                   f"  see {run_dir}/heartbeat_rank*.jsonl and the Ray logs above", flush=True)
-            code = 1
+            return 1
+    return 0
+
+
+def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quiet: bool = False) -> Outcome:
+    """Validate, prepare the run dir, connect Ray, fit, summarise. Raises UserError for user errors."""
+    from nsa.train.rundir import release_run
+    t0 = time.time()
+    validate_inputs(cfg)
+    run_dir = prepare_run(cfg, sources, prefix=prefix, commit=False)   # locked; nothing changed yet
+    try:
+        print(f"run dir: {run_dir}", flush=True)
+        print(connect_ray(cfg), flush=True)
+        trainer = build_trainer(cfg, run_dir, make_datasets(cfg))
+        commit_prepared(run_dir, cfg, sources)
+        code, summary = _fit(trainer, run_dir), {}
+    finally:
+        release_run(run_dir)
     mfile = run_dir / "metrics.json"
     if mfile.is_file():
         summary = json.loads(mfile.read_text())

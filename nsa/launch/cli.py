@@ -80,6 +80,9 @@ def guarded(main: Callable[[], int]) -> Callable[[], int]:
             return main()
         except (UserError, ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
             die(str(e))
+        except OSError as e:   # full disk, read-only storage, ...: the cause in one line, not a traceback
+            from nsa.train.rundir import failure_line
+            die(failure_line(e), EXIT_FAILED)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130

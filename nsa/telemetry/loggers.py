@@ -139,11 +139,17 @@ class CSVLogger(MetricLogger):
 
     def _write_all(self, rows: Iterable[Mapping[str, Any]]) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self._columns, restval="", extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.path)
+        try:   # temp file, fsync, rename: a failed rewrite (full disk) leaves the old file whole
+            with open(tmp, "w", newline="", encoding="utf-8") as fh:
+                writer = csv.DictWriter(fh, fieldnames=self._columns, restval="", extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(rows)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         row = {"step": int(step)}

@@ -4,13 +4,21 @@ A checkpoint is a directory holding ``checkpoint.pt`` and ``meta.json``:
 
     checkpoint.pt   {"format", "step", "model", "optimizer", "scheduler", "scaler", "rng", "data",
                      "config", "metrics"}  -- tensors, numbers, strings, lists/tuples/dicts only
-    meta.json       {"format", "step", "created"}  (human-readable; lets tools pick the latest cheaply)
+    meta.json       {"format", "step", "created", "files": {"checkpoint.pt": bytes}}
+                    (human-readable; lets tools pick the latest cheaply and tell a complete copy from a part)
 
-The Ray loop writes it into a temp dir and hands it to ``ray.train.report`` which persists it as
-``<run dir>/checkpoint_<step:08d>/``. Nothing here imports Ray.
+The loop writes it into a temp dir; ``persist_checkpoint`` moves it into the run dir as
+``<run dir>/checkpoint_<step:08d>/`` atomically (copied to a hidden temp dir beside it, fsynced, renamed):
+the directory is complete or absent. Under Ray it is the ``checkpoint_upload_fn`` of
+``ray.train.report`` (Ray's own upload copies file by file into the final name). Completeness is also
+a property a directory can be checked for (``checkpoint_problem``: meta.json parses and every file it
+lists has the listed size), for directories written by other code or older versions. Only complete
+directories count as checkpoints (``list_checkpoints``); ``scan_checkpoints`` also returns the
+incomplete ones with the reason, and ``set_aside`` renames one out of the ``checkpoint_*`` namespace.
+Nothing here imports Ray.
 
 Rules: never overwrite an existing checkpoint (``save_checkpoint`` raises ``FileExistsError``); a
-corrupt or truncated file raises ``CheckpointError`` naming the file.
+complete but unreadable file raises ``CheckpointError`` naming the file.
 """
 from __future__ import annotations
 
@@ -88,17 +96,29 @@ def build_state(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
 
 
 def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``directory/checkpoint.pt`` (+ meta.json). Refuses to overwrite."""
+    """Write ``state`` to ``directory/checkpoint.pt`` (+ meta.json, last). Refuses to overwrite. Each file
+    goes to a temp name, is fsynced and renamed; meta.json records checkpoint.pt's size, so a copy of
+    the directory made elsewhere (Ray's persist) can be checked for completeness."""
+    from nsa.train.rundir import atomic_write_text, fsync_dir
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     target = d / CKPT_FILE
     if target.exists():
         raise FileExistsError(f"refusing to overwrite existing checkpoint {target}")
     tmp = d / (CKPT_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, target)                    # atomic: readers never see a half-written file
-    meta = {"format": state["format"], "step": state["step"], "created": time.time()}
-    (d / META_FILE).write_text(json.dumps(meta))
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)                # atomic: readers never see a half-written file
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    meta = {"format": state["format"], "step": state["step"], "created": time.time(),
+            "files": {CKPT_FILE: target.stat().st_size}}
+    atomic_write_text(d / META_FILE, json.dumps(meta))
+    fsync_dir(d)
     return target
 
 
@@ -114,18 +134,89 @@ def _step_of(d: Path) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, dir) of every checkpoint directory directly under ``run_dir``, ascending by step."""
+def checkpoint_problem(d: str | os.PathLike) -> Optional[str]:
+    """None if checkpoint dir ``d`` is complete, else why not (one phrase). A meta.json without a file
+    list (written before sizes were recorded) counts as complete when checkpoint.pt exists; loading it
+    is then the only check."""
+    d = Path(d)
+    meta_f = d / META_FILE
+    if not (d / CKPT_FILE).exists():
+        return f"no {CKPT_FILE} (the write stopped before it)"
+    if not meta_f.is_file():
+        return f"no {META_FILE} (the write stopped before it)"
+    try:
+        meta = json.loads(meta_f.read_text())
+        files = meta.get("files", {})
+        int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"{META_FILE} is unreadable (a partial write)"
+    for name, size in files.items():
+        f = d / name
+        have = f.stat().st_size if f.is_file() else None
+        if have is None:
+            return f"{name} is missing"
+        if have != int(size):
+            return f"{name} has {have} of {int(size)} bytes (an interrupted write)"
+    return None
+
+
+def scan_checkpoints(run_dir: str | os.PathLike) -> tuple[list[tuple[int, Path]], list[tuple[Path, str]]]:
+    """(complete checkpoints as (step, dir) ascending by step, incomplete ones as (dir, reason))."""
     root = Path(run_dir)
     if not root.is_dir():
-        return []
-    out = []
-    for d in root.iterdir():
-        if d.is_dir() and d.name.startswith("checkpoint_") and (d / CKPT_FILE).exists():
-            step = _step_of(d)
-            if step is not None:
-                out.append((step, d))
-    return sorted(out)
+        return [], []
+    good, bad = [], []
+    for d in sorted(root.iterdir()):
+        if not (d.is_dir() and _DIR_RE.match(d.name)):
+            continue
+        why = checkpoint_problem(d)
+        step = _step_of(d)
+        if why is None and step is not None:
+            good.append((step, d))
+        else:
+            bad.append((d, why or "no step"))
+    return sorted(good), bad
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete checkpoint directory directly under ``run_dir``, ascending by step."""
+    return scan_checkpoints(run_dir)[0]
+
+
+def persist_checkpoint(src: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Copy checkpoint dir ``src`` to ``target`` atomically: a hidden temp dir beside ``target`` is
+    filled, fsynced and renamed. A failure (ENOSPC, EROFS) removes the temp dir and leaves no
+    ``target``. An existing complete ``target`` is never replaced; an incomplete one is set aside."""
+    import shutil
+    from nsa.train.rundir import fsync_dir
+    target = Path(target)
+    if target.exists():
+        if checkpoint_problem(target) is None:
+            raise FileExistsError(f"refusing to overwrite existing checkpoint {target}")
+        set_aside(target)
+    tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+        for f in sorted(Path(src).iterdir()):
+            shutil.copyfile(f, tmp / f.name)
+            with open(tmp / f.name, "rb+") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+    return target
+
+
+def set_aside(d: str | os.PathLike) -> Path:
+    """Rename an incomplete checkpoint dir to ``.incomplete-<name>-<time>`` beside it (kept for inspection,
+    out of the ``checkpoint_*`` namespace, so the step can be saved again as a fresh directory)."""
+    d = Path(d)
+    dest = d.with_name(f".incomplete-{d.name}-{int(time.time() * 1000)}")
+    os.replace(d, dest)
+    return dest
 
 
 def resolve_checkpoint_file(path: str | os.PathLike) -> Path:
@@ -137,9 +228,13 @@ def resolve_checkpoint_file(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint path {str(p)!r} does not exist")
     if (p / CKPT_FILE).is_file():
         return p / CKPT_FILE
-    found = list_checkpoints(p)
+    found, partial = scan_checkpoints(p)
     if found:
         return found[-1][1] / CKPT_FILE
+    if partial:
+        d, why = partial[-1]
+        raise CheckpointError(f"{d / CKPT_FILE} is incomplete ({why}) and {str(p)!r} holds no complete "
+                              "checkpoint: start a fresh run or pass an intact checkpoint")
     raise CheckpointError(f"no {CKPT_FILE} in {str(p)!r} and no checkpoint_* directories under it: "
                           "pass a run directory or a checkpoint directory")
 

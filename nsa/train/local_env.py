@@ -2,24 +2,25 @@
 
 Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. Resume-by-name
 needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
-checkpoint into ``run_dir/<dir_name>``, never over an existing one.
+checkpoint into ``run_dir/<dir_name>`` atomically (a hidden temp dir renamed into place), never over an
+existing complete one; an incomplete one left by a crash is set aside first.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
-
+from nsa.config import RunConfig
+from nsa.train.checkpoint import persist_checkpoint
 
 class LocalEnv:
     rank = 0
     world_size = 1
 
-    def __init__(self, cfg: Any, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
         from nsa.data.shards import check_data_path, find_val_shards
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), torch.device(device)
         self._files = check_data_path(cfg.data.path)
@@ -54,7 +55,4 @@ class LocalEnv:
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None:
         self.reports.append(dict(metrics))
         if ckpt_dir is not None:
-            target = self.run_dir / (dir_name or f"checkpoint_{len(self.reports):08d}")
-            if target.exists():
-                raise FileExistsError(f"refusing to overwrite existing checkpoint {target}")
-            shutil.copytree(ckpt_dir, target)
+            persist_checkpoint(ckpt_dir, self.run_dir / (dir_name or f"checkpoint_{len(self.reports):08d}"))

@@ -11,7 +11,8 @@ data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier)
 Host syncs: only at log/stats/eval/checkpoint steps (deliberate, marked ``sync-ok``). Between log steps
 the heartbeat's loss/grad-norm are the last logged values; step/fetch times are host wall clock.
 Non-finite steps never change the weights (see nsa/train/step.py); with ``on_nonfinite=halt`` the loop
-stops at the next log step with an ``anomaly`` record and without a checkpoint.
+stops at the next log step with an ``anomaly`` record (at the step the first non-finite value appeared,
+carried on the device by IntervalMeter) and without a checkpoint.
 
 Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally). On resume
 the loop starts epoch ``epoch`` again and skips that many batches. That is exact when the dataset's
@@ -35,9 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from nsa.config import RunConfig
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
-                                  load_checkpoint, restore_training_state, save_checkpoint)
+                                  load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
@@ -100,29 +102,39 @@ class BatchStream:
 
 # ---------------------------------------------------------------------------------------------- metrics
 class IntervalMeter:
-    """Device-side sums between log steps; ``flush`` is the one host transfer of a log step."""
+    """Device-side sums between log steps; ``flush`` is the one host transfer of a log step.
+
+    ``first_bad`` (0-dim float on the device, -1 = none) keeps the step number of the interval's first
+    non-finite step: set by a ``where`` on the device from the step's ``finite`` flag, so the step a NaN
+    happened at is known at the next log step without a sync in between."""
 
     def __init__(self, device: torch.device) -> None:
         z = lambda dt=torch.float32: torch.zeros((), dtype=dt, device=device)  # noqa: E731
         self.loss_sum, self.n_finite, self.nonfinite_total = z(), z(), z()
         self.last_loss, self.last_gn = z(), z()
+        self.first_bad = torch.full((), -1.0, device=device)
         self.steps = 0
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor, step: int = -1) -> None:
         self.loss_sum += torch.where(finite, loss, torch.zeros_like(loss))
         self.n_finite += finite.float()
         self.nonfinite_total += (~finite).float()
+        first = (~finite) & (self.first_bad < 0)
+        self.first_bad = torch.where(first, torch.full_like(self.first_bad, float(step)), self.first_bad)
         self.last_loss, self.last_gn = loss, grad_norm
         self.steps += 1
 
     def flush(self) -> dict[str, float]:
-        v = torch.stack([self.loss_sum, self.n_finite, self.nonfinite_total, self.last_loss, self.last_gn])
-        loss_sum, n_finite, nonfinite, last_loss, last_gn = v.cpu().tolist()  # sync-ok: once per log step
+        v = torch.stack([self.loss_sum, self.n_finite, self.nonfinite_total, self.last_loss, self.last_gn,
+                         self.first_bad])
+        loss_sum, n_finite, nonfinite, last_loss, last_gn, first_bad = v.cpu().tolist()  # sync-ok: log step
         self.loss_sum.zero_()
         self.n_finite.zero_()
+        self.first_bad.fill_(-1.0)
         self.steps = 0
         mean = loss_sum / n_finite if n_finite else math.nan
-        return {"loss": mean, "loss_last": last_loss, "grad_norm": last_gn, "nonfinite_total": nonfinite}
+        return {"loss": mean, "loss_last": last_loss, "grad_norm": last_gn, "nonfinite_total": nonfinite,
+                "first_nonfinite_step": int(first_bad)}
 
 
 def _seed_all(seed: int) -> None:
@@ -135,7 +147,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _kernel_policy(cfg: Any, device: torch.device, prec: Precision) -> str:
+def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision) -> str:
     try:
         from nsa.ops import KernelPolicy
         return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend,
@@ -152,34 +164,44 @@ def _fallbacks() -> dict[str, int]:
         return {}
 
 
-def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]) -> tuple[Optional[dict[str, Any]],
-                                                                                    Optional[str]]:
-    """(state, where it came from): the newest loadable checkpoint of this run, else ``resume_from``.
+def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]
+                  ) -> tuple[Optional[dict[str, Any]], Optional[str], list[str]]:
+    """(state, where it came from, skipped): the newest complete, loadable checkpoint of this run, else
+    ``resume_from``; ``skipped`` says which newer checkpoint directories were passed over and why.
 
     Ray registers a reported checkpoint only when its controller next polls the workers (every ~2 s), so
     a worker group that dies right after a report is restarted with the previous one although the newer
-    checkpoint is complete on disk. The run dir is ours, so the newest checkpoint there that loads wins
-    (a partial one fails to load and is skipped); Ray's choice is the floor."""
-    state = env.resume_state()
+    checkpoint is complete on disk. The run dir is ours, so the newest complete checkpoint there that
+    loads wins; a partial copy (full disk, killed mid-write) is skipped with its reason; Ray's choice is
+    the floor, unless it fails to load itself."""
+    skipped: list[str] = []
+    try:
+        state = env.resume_state()
+    except CheckpointError as e:
+        skipped.append(f"Ray's latest checkpoint: {e}")
+        state = None
     source = "ray" if state is not None else None
     floor = int(state["step"]) if state is not None else -1
-    for step, d in reversed(list_checkpoints(run_dir)):
+    good, partial = scan_checkpoints(run_dir)
+    for d, why in partial:
+        skipped.append(f"{d.name}: {why}")
+    for step, d in reversed(good):
         if step <= floor:
             break
         try:
-            return load_checkpoint(d), f"run dir ({d.name})"
+            return load_checkpoint(d), f"run dir ({d.name})", skipped
         except CheckpointError as e:
-            log.warning("skipping unreadable checkpoint: %s", e)
+            skipped.append(f"{d.name}: {e}")
     if state is None and resume_from:
-        return load_checkpoint(resume_from), str(resume_from)
-    return state, source
+        return load_checkpoint(resume_from), str(resume_from), skipped
+    return state, source, skipped
 
 
 # ---------------------------------------------------------------------------------------------- loop
 class Trainer:
     """State of one worker's run. ``run()`` returns the summary written to metrics.json."""
 
-    def __init__(self, cfg: Any, run_dir: Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+    def __init__(self, cfg: RunConfig, run_dir: Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
                  resume_from: Optional[str] = None) -> None:
         self.cfg, self.run_dir, self.env = cfg, Path(run_dir), env
         self.rank, self.world, self.device = env.rank, env.world_size, env.device
@@ -193,7 +215,9 @@ class Trainer:
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
-        state, self.resumed_from = _resume_state(env, self.run_dir, resume_from)
+        state, self.resumed_from, self.skipped_checkpoints = _resume_state(env, self.run_dir, resume_from)
+        for why in self.skipped_checkpoints:
+            log.warning("resume: skipped %s", why)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
@@ -236,6 +260,7 @@ class Trainer:
         self.last: dict[str, float] = {"loss": math.nan, "grad_norm": math.nan, "val_loss": math.nan}
         self.first_loss = math.nan
         self.nonfinite_seen = 0.0
+        self.first_nonfinite_step: Optional[int] = None
         self.tokens = 0
         self.checkpoints: list[int] = []
         self.lr_used = host_lr(self.sched)
@@ -288,9 +313,14 @@ class Trainer:
                    "epoch": self.data.epoch, **extra}
         self.rep.log_train(metrics, step)
         if new_bad > 0:
-            self.rep.heartbeat("anomaly", step, what="non-finite loss or grad norm", new_nonfinite_steps=new_bad,
-                               loss_last=host["loss_last"], grad_norm=host["grad_norm"],
+            bad_at = host["first_nonfinite_step"] if host["first_nonfinite_step"] > 0 else step
+            self.first_nonfinite_step = self.first_nonfinite_step or bad_at
+            self.rep.heartbeat("anomaly", bad_at, what="non-finite loss or grad norm", new_nonfinite_steps=new_bad,
+                               detected_at=step, loss_last=host["loss_last"], grad_norm=host["grad_norm"],
                                policy=self.cfg.train.on_nonfinite)
+            if self.rank == 0:
+                print(f"non-finite loss or grad norm at step {bad_at} ({int(new_bad)} step(s) since the last log; "
+                      f"train.on_nonfinite={self.cfg.train.on_nonfinite})", flush=True)
             if self.cfg.train.on_nonfinite == "halt":
                 self.ctl.request_anomaly_halt()
         if self.rank == 0:
@@ -328,11 +358,14 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.rep.write_env(_kernel_policy(cfg, self.device, self.prec))
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
-                           resumed_from=self.resumed_from, precision=self.prec.name,
+                           resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
+                           precision=self.prec.name,
                            data_position=self.data.position(self.world))
         if self.rank == 0:
-            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}",
-                  flush=True)
+            for why in self.skipped_checkpoints:
+                print(f"resume: skipped {why}", flush=True)
+            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
+                  + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
         wd = self.wd = Watchdog(t.stall_seconds,
                                 make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()
@@ -378,7 +411,7 @@ class Trainer:
             self.step = step
             tokens_step = res.tokens
             self.tokens += res.tokens * self.world
-            self.meter.add(res.loss, res.grad_norm, res.finite)
+            self.meter.add(res.loss, res.grad_norm, res.finite, step)
             self.timer.mark(step)
             step_ms = (time.perf_counter() - t_start) * 1e3
             if step > self.start_step + 1:      # the first step after (re)start pays data/model warm-up:
@@ -409,7 +442,9 @@ class Trainer:
             self.wd.kick()
             if dec.stop:
                 status = "anomaly" if dec.anomaly else ("terminated" if dec.terminate else "halted")
-                reason = ("non-finite loss (train.on_nonfinite=halt)" if dec.anomaly
+                reason = (f"non-finite loss at step {self.first_nonfinite_step} (train.on_nonfinite=halt)"
+                          if dec.anomaly and self.first_nonfinite_step else
+                          "non-finite loss (train.on_nonfinite=halt)" if dec.anomaly
                           else (self.ctl.stop_reason or "halt requested on another rank"))
                 self.rep.heartbeat("halt", step, status=status, reason=reason,
                                    checkpoint=None if dec.anomaly else checkpoint_dir_name(step))
@@ -460,7 +495,8 @@ class Trainer:
             "total_steps": self.cfg.train.steps, "start_step": self.start_step, "resumed_from": self.resumed_from,
             "final_loss": self.last["loss"], "first_logged_loss": self.first_loss,
             "final_val_loss": self.last["val_loss"], "final_grad_norm": self.last["grad_norm"],
-            "nonfinite_steps": self.nonfinite_seen, "tokens_seen_this_session": self.tokens,
+            "nonfinite_steps": self.nonfinite_seen, "first_nonfinite_step": self.first_nonfinite_step,
+            "tokens_seen_this_session": self.tokens,
             "wall_s": wall, "toks_per_s": self.tokens / wall if wall > 0 else math.nan, **tim,
             **self.first_ms, "stalls": wd.stall_count, "checkpoints": self.checkpoints, "world_size": self.world,
             "data_position": self.data.position(self.world), "mlflow_run_id": self.rep.mlflow_run_id,
@@ -470,7 +506,7 @@ class Trainer:
         }
 
 
-def run_training(cfg: Any, run_dir: str | Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
+def run_training(cfg: RunConfig, run_dir: str | Path, env: LoopEnv, *, mlflow_uri: Optional[str] = None,
                  resume_from: Optional[str] = None) -> dict[str, Any]:
     """Train one worker's share; returns the summary (also written to metrics.json by rank 0)."""
     return Trainer(cfg, Path(run_dir), env, mlflow_uri=mlflow_uri, resume_from=resume_from).run()

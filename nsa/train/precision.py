@@ -12,6 +12,8 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from nsa.config import RuntimeConfig
+
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,7 +72,7 @@ def setup_precision(name: str, device: torch.device, *, tf32: bool = True, init_
     return Precision(name=name, device_type=device.type, dtype=dtype, scaler=scaler)
 
 
-def precision_from_config(runtime_cfg: Any, device: torch.device) -> Precision:
+def precision_from_config(runtime_cfg: RuntimeConfig, device: torch.device) -> Precision:
     """``runtime_cfg`` is nsa.config.RuntimeConfig (precision, tf32, scaler_* knobs)."""
     r = runtime_cfg
     return setup_precision(r.precision, device, tf32=r.tf32, init_scale=r.scaler_init_scale,

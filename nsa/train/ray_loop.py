@@ -22,21 +22,23 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from nsa.config import config_from_dict
-from nsa.train.checkpoint import load_checkpoint
+from nsa.config import RunConfig, config_from_dict
+from nsa.train.checkpoint import load_checkpoint, persist_checkpoint
 from nsa.train.loop import run_training
 
 
 class RayEnv:
     """LoopEnv backed by the Ray Train worker context."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Optional[Path] = None) -> None:
+        self.run_dir = run_dir          # where Ray persists checkpoints (storage_path/name, see builder)
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device() if cfg.runtime.use_gpu else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._cfg = cfg
         self._batch_size = cfg.train.batch_size
         self._prefetch = cfg.data.prefetch_batches
         self._train = ray.train.get_dataset_shard("train")
@@ -51,10 +53,18 @@ class RayEnv:
         return ray.train.torch.prepare_model(model, move_to_device=self.device)
 
     def _iter(self, shard: Any) -> Iterator[torch.Tensor]:
-        for b in shard.iter_torch_batches(batch_size=self._batch_size, prefetch_batches=self._prefetch,
-                                          dtypes=torch.int64, device=self.device, drop_last=True,
-                                          pin_memory=self.device.type == "cuda"):
-            yield b["input_ids"]                                      # [b, T+1] int64
+        try:
+            for b in shard.iter_torch_batches(batch_size=self._batch_size, prefetch_batches=self._prefetch,
+                                              dtypes=torch.int64, device=self.device, drop_last=True,
+                                              pin_memory=self.device.type == "cuda"):
+                yield b["input_ids"]                                  # [b, T+1] int64
+        except Exception:
+            # Ray Data's error names neither the shard nor the row group: find them (one line)
+            from nsa.data.shards import DataError, diagnose_data_error
+            where = diagnose_data_error(self._cfg.data.path) if self._cfg.data.source == "parquet" else None
+            if where:
+                raise DataError(where) from None
+            raise
 
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
         return self._iter(self._train)
@@ -76,9 +86,18 @@ class RayEnv:
         with ckpt.as_directory() as d:
             return load_checkpoint(d)
 
+    def _persist(self, checkpoint: "ray.train.Checkpoint", dir_name: str) -> "ray.train.Checkpoint":
+        """Ray's checkpoint_upload_fn: the same directory Ray's own upload would write (storage_path/name
+        is the run dir, see the builder), but complete or absent (nsa.train.checkpoint.persist_checkpoint)
+        instead of copied file by file into its final name."""
+        assert self.run_dir is not None
+        target = persist_checkpoint(checkpoint.path, self.run_dir / dir_name)
+        return ray.train.Checkpoint.from_directory(str(target))
+
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None:
         ckpt = ray.train.Checkpoint.from_directory(str(ckpt_dir)) if ckpt_dir is not None else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name)
+        upload = self._persist if (ckpt is not None and self.run_dir is not None and dir_name) else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=dir_name, checkpoint_upload_fn=upload)
 
 
 def _worker_logging() -> None:
@@ -103,6 +122,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     _worker_logging()
     cfg = config_from_dict(config["cfg"])
-    env = RayEnv(cfg)
+    env = RayEnv(cfg, Path(config["run_dir"]))
     run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
                  resume_from=config.get("resume_from"))

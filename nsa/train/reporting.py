@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import torch
 
+from nsa.config import RunConfig
 from nsa.telemetry import (CSVLogger, Heartbeat, MLflowLogger, MultiLogger, RollingPercentiles, build_loggers,
                            memory_mib, plot_training)
 
@@ -112,15 +113,15 @@ def _json_safe(x: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=2, sort_keys=False))
-    os.replace(tmp, path)
+    """Replace ``path`` atomically (temp file, fsync, rename): a reader or a full disk never leaves half."""
+    from nsa.train.rundir import atomic_write_text
+    atomic_write_text(path, json.dumps(_json_safe(obj), indent=2, sort_keys=False))
 
 
 class RunReporter:
     """Heartbeat + rank-0 loggers of one worker. Every method is cheap host work (no device syncs)."""
 
-    def __init__(self, cfg: Any, run_dir: Path, rank: int, world_size: int, device: torch.device, *,
+    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world_size: int, device: torch.device, *,
                  mlflow_uri: Optional[str], resume_step: Optional[int], window: int = 100) -> None:
         self.cfg, self.run_dir, self.rank, self.world, self.device = cfg, Path(run_dir), rank, world_size, device
         self.chief = rank == 0

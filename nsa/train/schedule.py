@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nsa.config import TrainConfig
+
 
 def lr_factor(step0: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the base lr for the optimizer step with 0-based index ``step0``."""
@@ -46,7 +48,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, train_cfg: Any) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, train_cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW from nsa.config.TrainConfig (lr, beta1, beta2, weight_decay).
 
     ``fused=True`` (CPU and CUDA) matters beyond speed: the fused kernel reads ``optimizer.found_inf``
@@ -61,7 +63,7 @@ def build_optimizer(model: nn.Module, train_cfg: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, foreach=True, **kw)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Warmup + cosine in optimizer steps. The lambda is a plain function of module scope values so the
     scheduler's state_dict holds only numbers (checkpoints load with weights_only=True)."""
     w, total, floor = int(train_cfg.warmup_steps), int(train_cfg.steps), float(train_cfg.min_lr_ratio)
