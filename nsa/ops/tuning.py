@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal, Union
 
 import torch
@@ -184,15 +185,17 @@ class KernelTuning:
 
 # sm_90 (H100 / H200): the measured defaults.
 HOPPER = KernelTuning("hopper")
-# sm_80 / sm_86 / sm_89: not swept; the Hopper values (Triton pipelines fewer stages when a config's
-# shared memory does not fit, so they run, but are not known to be best there).
+# compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
+# block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
+# x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB.
+# sm_86 / sm_89 allow 99 KB per block: that tile may not fit there (unmeasured; no preset for them).
 AMPERE = KernelTuning("ampere")
 # CPU (Triton interpreter, torch path): the score map is the exact fp32 one (also the fastest in the
 # interpreter), the torch path attends dense up to 8x n_sel * l_sel keys.
 CPU = KernelTuning("cpu", scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 3, 0, 0),
                                              big=ScoreTile(128, 64, 8, 2, 0, 0)),
                    torch=TorchTuning(dense_factor=8.0))
-PRESETS = {t.name: t for t in (HOPPER, AMPERE, CPU)}
+PRESETS = MappingProxyType({t.name: t for t in (HOPPER, AMPERE, CPU)})   # read-only
 
 
 def tuning_for(device: torch.device | str) -> KernelTuning:
