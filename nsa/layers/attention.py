@@ -1,6 +1,6 @@
 """NSAAttention: projections, RoPE, compression, gates and output projection around nsa.ops.
 
-Data flow for x [B, T, dim] (see /work/shared/NSA_SPEC.md):
+Data flow for x [B, T, dim] (NSA_SPEC.md of the developer guide):
   q = W_Q x                          [B, T, HQ, d_k]
   k_c, v_c = W_K^c x, W_V^c x        [B, T, H, d_k|d_v] for c in (cmp, slc, win)
   RoPE on q and on k_cmp/k_slc/k_win at absolute positions (before compression)
@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 import nsa.ops as nsa_ops
-from nsa.ops.common import check_block_geometry
 from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
 from nsa.layers.rope import apply_rope
+from nsa.ops.common import check_block_geometry
 
 BRANCHES = ("cmp", "slc", "win")
 

@@ -55,7 +55,7 @@ def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
                          v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                          *, l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
                          scale: float | None = None, tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NSA prefill on Triton kernels; same contract as ``nsa.ops.nsa_attention`` (INTERFACES.md).
+    """NSA prefill on Triton kernels; same contract as ``nsa.ops.nsa_attention`` (nsa/ops/__init__.py).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv]; k_slc/v_slc/k_win/v_win [B,T,H,dk|dv]; gates [B,T,HQ,3].
     Returns (o [B,T,HQ,dv] in q's dtype, block_idx [B,T,H,n_sel] int64 ascending, -1 padded).

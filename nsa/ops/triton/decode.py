@@ -259,7 +259,7 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
         lse = mx + tl.log2(tl.maximum(tl.sum(tl.exp2(cm - mx[None, :]) * cl, 0), 1e-30))   # [GC]
         val = tl.exp2(ms - lse[:, None]) * sp
         ssum += tl.sum(tl.where(g_ok[:, None] & vis[None, :], val, 0.0), 0)
-    # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
+    # comparison grid of nsa.ops.common: round-half-even(s * 2**SCORE_BITS * d / (G*l)) in fp64
     mult = tl.full([SL], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
     x = ssum.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int64)   # rint for 0 <= x < 2**52

@@ -136,7 +136,7 @@ def _topn_kernel(SC, BI, sbb, sbt, sbh, T, H, NSB,
     cur = t // LSEL
     elig = (j[None, :] <= cur[:, None]) & (j < NSB)[None, :] & t_ok[:, None]
     s = tl.load(SC + ((b * H + h) * T + t.to(tl.int64))[:, None] * NSB + j[None, :], mask=elig, other=0.0)
-    # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
+    # comparison grid of nsa.ops.common: round-half-even(s * 2**SCORE_BITS * d / (G*l)) in fp64
     mult = tl.full([1, 1], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
     x = s.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int32)   # rint for 0 <= x < 2**52
