@@ -14,7 +14,7 @@ import torch
 from nsa.config import ConfigError, resolve_config
 from nsa.layers.dense import DenseAttention, DenseKVCache
 from nsa.model import TinyLM
-from nsa.model.kind import AttentionKindError
+from nsa.train.checkpoint import AttentionKindError
 from nsa.ops import flash
 from nsa.ops.reference import causal_attention
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nsa.ops import nsa_attention, nsa_decode
-from nsa.ops.batched import DENSE_FACTOR
+from nsa.ops.tuning import tuning_for
 from nsa.ops.testing import decode_views, make_inputs
 
 L, D, L_SEL, N_SEL, W = 16, 8, 16, 3, 12
@@ -92,9 +92,9 @@ def test_decode_too_few_compressed_tokens(full):
 
 
 def test_decode_long_cache_uses_token_gather_path():
-    """S > the dense limit (DENSE_FACTOR * n_sel * l_sel) and few queries: per-token gather."""
+    """S > the dense limit (TorchTuning.dense_factor * n_sel * l_sel) and few queries: per-token gather."""
     hp = dict(l=8, d=4, l_sel=8, n_sel=2, w=6)
-    limit = int(DENSE_FACTOR["cpu"] * hp["n_sel"] * hp["l_sel"])
+    limit = int(tuning_for("cpu").torch.dense_factor * hp["n_sel"] * hp["l_sel"])
     T = limit + 40
     xs = make_inputs(2, T, 4, 2, 8, 8, l=8, d=4, seed=13, q_scale=2.0)
     o, idx = nsa_attention(*xs, **hp, backend="torch")

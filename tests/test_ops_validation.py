@@ -22,8 +22,8 @@ def _call(xs, **kw):
 
 
 @pytest.mark.parametrize("field,value,msg", [
-    ("l", 6, "d .*must divide l"), ("l", 2, "l .*must be >= d"), ("d", 0, "d must be positive"),
-    ("l_sel", 10, "must divide l_sel"), ("n_sel", 0, "n_sel must be positive"),
+    ("l", 6, "d=4 must divide l=6"), ("l", 2, "l=2 must be >= d=4"), ("d", 0, "d must be positive"),
+    ("l_sel", 10, "d=4 must divide l_sel=10"), ("n_sel", 0, "n_sel must be positive"),
     ("w", -1, "w must be positive"), ("w", 2.0, "w must be a Python int"),
     ("scale", -1.0, "scale must be positive"), ("backend", "cuda", "backend must be one of"),
 ])
@@ -103,10 +103,11 @@ def test_triton_policy_names_each_branch_choice(monkeypatch):
     monkeypatch.setattr(dispatch, "_triton_status", lambda dev: (True, "triton kernels available"))
     pol = KernelPolicy.resolve("cuda", torch.bfloat16)
     assert pol.backend == "triton"
-    assert "compressed branch" in pol.reasons["cmp"] and "CMP_DENSE" not in pol.reasons["win"]
+    assert "compressed branch" in pol.reasons["cmp"] and "compressed branch" not in pol.reasons["win"]
     assert "FlexAttention" in pol.reasons["win"] and "flash-attn" in pol.reasons["win"]
     assert pol.reasons["slc"] == "triton kernels available"
     assert "FlexAttention" in str(pol)
+    assert f"tuning={pol.tuning.name}" in str(pol) and pol.tuning.cmp_dense.mode == "auto"
 
 
 def test_triton_unsupported_shape_falls_back(monkeypatch):

@@ -22,6 +22,9 @@ from nsa.ops import (common, fallback_counts, nsa_attention, nsa_decode,  # noqa
 from nsa.ops.reference import nsa_reference  # noqa: E402
 from nsa.ops.testing import decode_views, make_inputs  # noqa: E402
 from nsa.ops.triton import decode as tdec  # noqa: E402
+from nsa.ops.triton import scores as tsc  # noqa: E402
+from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.tuning import tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,15 +62,18 @@ def case(request):
 
 
 def test_score_constants_match_common():
-    assert tdec.SCORE_BITS == common.SCORE_BITS and tdec.FORCED_STEP == common.FORCED_STEP
+    """The kernels rank with nsa.ops.common's grid: one definition, imported (not copied)."""
+    assert tdec.FORCED_STEP == tsel.FORCED_STEP == common.FORCED_STEP == 2 ** (common.SCORE_BITS + 1)
+    assert tsc.GRID_BITS == common.SCORE_BITS + 1
 
 
 # launch geometries (tests/CPU assume 4 "multiprocessors"): few fat programs (several sub-tiles per
 # split-K chunk, several selected blocks / window tiles per program, 2-block scoring slices), many thin
 # ones (one sub-tile / block / window tile each, 4-block slices), and the defaults on small tiles
-TUNES = (dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, tile=16),
-         dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, tile=16),
-         dict(cmp_tile=16))
+TUNES = tuple(tuning_for(DEV).decode.with_knobs(**kn) for kn in (
+    dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, tile=16),
+    dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, tile=16),
+    dict(cmp_tile=16)))
 
 
 def test_plans_cover_every_split():
@@ -76,7 +82,7 @@ def test_plans_cover_every_split():
     for HQ, H, dk, dv, hp, T in CASES.values():
         for tn in TUNES:
             pl = tdec.decode_plan(rows_h=2 * H, n_cap=common.num_cmp_tokens(T, hp["l"], hp["d"]), s_cap=T,
-                                  sms=tdec.CPU_SMS, tune=dict(tdec.TUNE, **tn), **hp)
+                                  sms=tdec.CPU_SMS, knobs=tn.small, **hp)
             seen |= {k for k in ("SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC") if pl[k] > 1}
             # scoring slices that sort and keep their best KR keys, and slices that keep them all
             seen |= {"SORT" if pl["SL"] > pl["NSEL_P2"] else "KEEP"}
@@ -92,7 +98,7 @@ def test_single_token_matches_prefill(case):
     for i, t in enumerate(ts):
         views, pos0, win_pos0 = decode_views(xs, t, 1, hp["w"], l, d)
         tn = TUNES[i % len(TUNES)]
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, (name, t, tn))
 
 
@@ -101,7 +107,7 @@ def test_chunked_queries(case):
     name, xs, hp, o, idx = case
     for t, tq in ((0, 4), (hp["l"] - 3, 6)):
         views, pos0, win_pos0 = decode_views(xs, t, tq, hp["w"], hp["l"], hp["d"])
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=TUNES[t % 2])
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=TUNES[t % 2])
         check(od, id_, o[:, t:t + tq], idx[:, t:t + tq], 1e-5, (name, t, tq))
 
 
@@ -148,7 +154,7 @@ def test_ring_window_buffer():
         kr[:, p % ring], vr[:, p % ring] = xs[5][:, p], xs[6][:, p]
         views[5:7] = [kr, vr]
         pos = torch.tensor([t], device=DEV) if i % 2 else t
-        od, id_ = run_kernel(views, pos, None, hp, win_ring=ring, tune=TUNES[i % 2])
+        od, id_ = run_kernel(views, pos, None, hp, win_ring=ring, tuning=TUNES[i % 2])
         check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, t)
 
 
@@ -170,7 +176,7 @@ def test_ties_go_to_the_lower_block():
     views, pos0, win_pos0 = decode_views(xs, T - 1, 1, hp["w"], hp["l"], hp["d"])
     ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
     for tn in TUNES[:2]:  # ties across scoring slices too
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, ro, ridx, 1e-5, ("ties", tn))
 
 
@@ -180,15 +186,16 @@ def test_many_sorted_scoring_slices():
     HQ, H, dk, dv = 4, 2, 16, 16
     hp = dict(l=16, d=8, l_sel=16, n_sel=3, w=16)
     xs = make_inputs(1, 300, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=21, q_scale=2.0, device=DEV)
-    for t, tn, zero_q in ((299, dict(score_slice=8), False), (250, dict(score_slice=8), False),
+    for t, kn, zero_q in ((299, dict(score_slice=8), False), (250, dict(score_slice=8), False),
                           (299, dict(score_slice=8, sw_per_sm=250), True)):
+        tn = tuning_for(DEV).decode.with_knobs(**kn)
         pl = tdec.decode_plan(rows_h=H, n_cap=common.num_cmp_tokens(t + 1, hp["l"], hp["d"]), s_cap=t + 1,
-                              sms=tdec.CPU_SMS, tune=dict(tdec.TUNE, **tn), **hp)
+                              sms=tdec.CPU_SMS, knobs=tn.small, **hp)
         assert pl["NSL"] > 1 and pl["SL"] > pl["NSEL_P2"] and pl["NCAND"] < pl["NB_P2"], pl
         x = [torch.zeros_like(xs[0])] + xs[1:] if zero_q else xs
         views, pos0, win_pos0 = decode_views(x, t, 1, hp["w"], hp["l"], hp["d"])
         ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tune=tn)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, ro, ridx, 1e-5, (t, tn, zero_q))
     # the slices' split-K semaphores are back at zero for the next launch
     assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())

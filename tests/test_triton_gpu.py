@@ -14,15 +14,16 @@ pytest.importorskip("triton")
 
 from nsa.ops import nsa_attention  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
+from nsa.ops.testing import INPUT_NAMES as NAMES, rel_rms  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
+from nsa.ops.tuning import CmpDenseTuning, tuning_for  # noqa: E402
 
-NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
 HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def with_cmp_dense(mode: str):
+    """The GPU's preset with the compressed branch forced to `mode` (tuning.CmpDenseTuning)."""
+    return tuning_for("cuda").replace(cmp_dense=CmpDenseTuning(mode))
 
 
 def inputs(B, T, HQ, H, dk, dv, seed):
@@ -38,10 +39,10 @@ def inputs(B, T, HQ, H, dk, dv, seed):
     return x
 
 
-def run(x, backend, dtype, do):
+def run(x, backend, dtype, do, tuning=None):
     args = [x[n].detach().to(dtype).requires_grad_() for n in NAMES]
     if backend == "triton":
-        o, bi = nsa_attention_triton(*args, **HP)
+        o, bi = nsa_attention_triton(*args, **HP, tuning=tuning)
     else:
         o, bi = nsa_attention(*args, **HP, backend=backend)
     grads = torch.autograd.grad(o, args, do.to(dtype), allow_unused=True)   # k_cmp unused when T < l
@@ -56,39 +57,39 @@ def test_bf16_matches_fp32_torch(T, HQ, H, dk, dv):
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_dense_cmp_branch_matches_fp32_torch(backend, monkeypatch):
+def test_dense_cmp_branch_matches_fp32_torch(backend):
     """The compressed branch on a dense SDPA kernel (residue split, cmp_dense.py) inside the full op."""
     from nsa.ops.triton import cmp_dense
-    from nsa.ops.triton import function as tfn
     be, why = cmp_dense.probe("cuda:0", torch.bfloat16, 128, 64, backends=(backend,))
     if be is None:   # e.g. flash refuses d_k != d_v
         pytest.skip(f"{backend} not usable here: {why}")
-    monkeypatch.setattr(tfn, "CMP_DENSE", backend)
-    _check_vs_fp32_torch(8192, 16, 2, 128, 64)
+    _check_vs_fp32_torch(8192, 16, 2, 128, 64, tuning=with_cmp_dense(backend))
 
 
 def test_dense_cmp_policy():
-    """auto: dense only from CMP_DENSE_MIN_T on (with or without autograd), never under
-    torch.use_deterministic_algorithms."""
+    """auto (the GPU preset's cmp_dense): dense only from min_t tokens on (with or without autograd),
+    never under torch.use_deterministic_algorithms."""
     from nsa.ops.triton import cmp_dense
     from nsa.ops.triton import function as tfn
+    min_t = tuning_for("cuda").cmp_dense.min_t
+    assert tuning_for("cuda").cmp_dense.mode == "auto"
     if cmp_dense.probe("cuda:0", torch.bfloat16, 64, 64)[0] is None:
         pytest.skip("no dense backend here")
     mk = lambda T: torch.zeros(1, T, 4, 64, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     kc = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) in cmp_dense.BACKENDS
-    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T - 1), kc, kc) is None
-    assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T).float(), kc.float(), kc.float()) is None
+    assert tfn.cmp_dense_backend(mk(min_t), kc, kc) in cmp_dense.BACKENDS
+    assert tfn.cmp_dense_backend(mk(min_t - 1), kc, kc) is None
+    assert tfn.cmp_dense_backend(mk(min_t).float(), kc.float(), kc.float()) is None
     with torch.no_grad():   # the same choice as with autograd: the same blocks either way
-        assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) in cmp_dense.BACKENDS
+        assert tfn.cmp_dense_backend(mk(min_t), kc, kc) in cmp_dense.BACKENDS
     torch.use_deterministic_algorithms(True)
     try:
-        assert tfn.cmp_dense_backend(mk(tfn.CMP_DENSE_MIN_T), kc, kc) is None
+        assert tfn.cmp_dense_backend(mk(min_t), kc, kc) is None
     finally:
         torch.use_deterministic_algorithms(False)
 
 
-def _check_vs_fp32_torch(T, HQ, H, dk, dv):
+def _check_vs_fp32_torch(T, HQ, H, dk, dv, tuning=None):
     assert triton_available()
     x = inputs(1, T, HQ, H, dk, dv, seed=T + HQ)
     g = torch.Generator(device="cuda").manual_seed(7 * T + HQ)
@@ -97,12 +98,12 @@ def _check_vs_fp32_torch(T, HQ, H, dk, dv):
     # or equal-score ties", bounded by same_rows below). The numeric bound is measured under identical
     # selection: queries whose (token, kv head) row differs get a zero output gradient in BOTH runs.
     with torch.no_grad():
-        _, bi0 = nsa_attention_triton(*[x[n] for n in NAMES], **HP)
+        _, bi0 = nsa_attention_triton(*[x[n] for n in NAMES], **HP, tuning=tuning)
         _, rbi0 = nsa_attention(*[x[n].float() for n in NAMES], **HP, backend="torch")
     same = (bi0 == rbi0).all(-1)                                   # [B, T, H]
     keep = same.repeat_interleave(HQ // H, dim=2)[..., None]      # [B, T, HQ, 1]
     do = do * keep
-    o, bi, grads = run(x, "triton", torch.bfloat16, do)
+    o, bi, grads = run(x, "triton", torch.bfloat16, do, tuning)
     ro, rbi, rgrads = run(x, "torch", torch.float32, do)
     assert torch.equal(bi, bi0) and torch.equal(rbi, rbi0)
     same_rows = same.float().mean().item()
@@ -116,15 +117,14 @@ def _check_vs_fp32_torch(T, HQ, H, dk, dv):
         assert v <= 5e-3, (k, v)
 
 
-def test_backward_is_deterministic(monkeypatch):
+def test_backward_is_deterministic():
     """Our kernels (the dense compressed branch is cuDNN's, whose backward need not repeat bitwise;
     it is off under torch.use_deterministic_algorithms, see test_dense_cmp_policy)."""
-    from nsa.ops.triton import function as tfn
-    monkeypatch.setattr(tfn, "CMP_DENSE", "off")
+    off = with_cmp_dense("off")
     x = inputs(1, 8192, 16, 2, 128, 128, seed=1)
     do = torch.randn(1, 8192, 16, 128, device="cuda").bfloat16()
-    o1, bi1, g1 = run(x, "triton", torch.bfloat16, do)
-    o2, bi2, g2 = run(x, "triton", torch.bfloat16, do)
+    o1, bi1, g1 = run(x, "triton", torch.bfloat16, do, off)
+    o2, bi2, g2 = run(x, "triton", torch.bfloat16, do, off)
     assert torch.equal(o1, o2) and torch.equal(bi1, bi2)
     for n, a, b in zip(NAMES, g1, g2):
         assert torch.equal(a, b), n

@@ -7,6 +7,7 @@ of two, n_sel below the number of forced blocks) because the interpreter runs ea
 Every output buffer the kernels allocate is NaN-poisoned, so an unwritten element fails.
 bf16 is covered by tests/test_triton_gpu.py (the interpreter's bf16 tl.dot is unreliable).
 """
+import dataclasses
 import os
 
 import pytest
@@ -23,34 +24,30 @@ from nsa.ops.reference import (nsa_reference, reference_block_scores,  # noqa: E
 from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
+from nsa.ops.testing import INPUT_NAMES, make_inputs as _make_inputs, rel_rms as rel_err  # noqa: E402
+from nsa.ops.tuning import CmpDenseTuning, tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+NAMES = INPUT_NAMES
 
 
 pytestmark = pytest.mark.usefixtures("poison_allocations")   # unwritten outputs fail (conftest)
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def make_inputs(B, T, HQ, H, dk, dv, l, d, dtype, seed, gate_mode="rand"):
-    g = torch.Generator().manual_seed(seed)
-    N = common.num_cmp_tokens(T, l, d)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(DEV, dtype)
-
-    x = dict(q=r(B, T, HQ, dk), k_cmp=r(B, N, H, dk), v_cmp=r(B, N, H, dv), k_slc=r(B, T, H, dk),
-             v_slc=r(B, T, H, dv), k_win=r(B, T, H, dk), v_win=r(B, T, H, dv))
-    gates = torch.rand(B, T, HQ, 3, generator=g).to(DEV, dtype)
+    """nsa.ops.testing.make_inputs as a dict of leaves; gate_mode names a branch to isolate with
+    one-hot gates."""
+    x = dict(zip(INPUT_NAMES, _make_inputs(B, T, HQ, H, dk, dv, l=l, d=d, dtype=dtype, device=DEV, seed=seed)))
     if gate_mode != "rand":  # one-hot gates isolate a branch
-        gates = torch.zeros_like(gates)
+        gates = torch.zeros_like(x["gates"])
         gates[..., ("cmp", "slc", "win").index(gate_mode)] = 1.0
-    x["gates"] = gates
+        x["gates"] = gates
     return {k: v.requires_grad_() for k, v in x.items()}
+
+
+def with_cmp_dense(mode: str):
+    """The device's preset with the compressed branch forced to `mode` (tuning.CmpDenseTuning)."""
+    return tuning_for(DEV).replace(cmp_dense=CmpDenseTuning(mode))
 
 
 def tol(dtype) -> float:
@@ -72,11 +69,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_backward_match_reference(case):
+    check_case(case)
+
+
+def check_case(case, tuning=None):
     B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w, dtype, gate_mode, chunk = CASES[case]
     x = make_inputs(B, T, HQ, H, dk, dv, l, d, dtype, seed=hash(case) % 1000, gate_mode=gate_mode)
     args = [x[n] for n in NAMES]
     kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
-    o, bi = nsa_triton_apply(*args, **kw, scale=dk ** -0.5, dkdv_chunk=chunk)
+    o, bi = nsa_triton_apply(*args, **kw, scale=dk ** -0.5, dkdv_chunk=chunk, tuning=tuning)
     # the reference in fp64 on the same (rounded) inputs
     ref_args = [a.detach().double().cpu().requires_grad_() for a in args]
     ro, rbi = nsa_reference(*ref_args, **kw)
@@ -98,21 +99,18 @@ def test_forward_backward_match_reference(case):
 
 
 @pytest.mark.parametrize("case", ["g3_lsel24_slc_only", "g1_dk32_dv16_chunked"])
-def test_selection_sub_block_tiles(case, monkeypatch):
-    """Key tiles smaller than a selected block (select.SLC_BS): several tiles per block, the last
-    one partly past l_sel (l_sel=24 in 16-row tiles), in the forward and the dq kernel."""
-    from nsa.ops.triton import select as tsel
-    monkeypatch.setattr(tsel, "SLC_BS", (16, 16))
-    test_forward_backward_match_reference(case)
+def test_selection_sub_block_tiles(case):
+    """Key tiles smaller than a selected block (SelectTuning.fwd_keys / dq_keys): several tiles per
+    block, the last one partly past l_sel (l_sel=24 in 16-row tiles), in the forward and the dq kernel."""
+    base = tuning_for(DEV)
+    check_case(case, base.replace(select=dataclasses.replace(base.select, fwd_keys=16, dq_keys=16)))
 
 
 @pytest.mark.parametrize("case", ["g2_dk16_dv32", "g1_dk32_dv16_chunked", "g16_nsel1", "fp16_g2"])
-def test_dense_cmp_branch_matches_reference(case, monkeypatch):
+def test_dense_cmp_branch_matches_reference(case):
     """The compressed branch as one causal SDPA over residue-regrouped queries (cmp_dense.py; the
     "math" stand-in on the CPU, cuDNN/flash in tests/test_triton_gpu.py), inside the full op."""
-    from nsa.ops.triton import function as tfn
-    monkeypatch.setattr(tfn, "CMP_DENSE", "math")
-    test_forward_backward_match_reference(case)
+    check_case(case, with_cmp_dense("math"))
 
 
 def test_gather_rows_kernel_and_inverse_maps():
@@ -162,12 +160,10 @@ def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
     """A dense-kernel refusal at run time: same result from the Triton kernel, counted and warned."""
     from nsa.ops import dispatch
     from nsa.ops.triton import cmp_dense
-    from nsa.ops.triton import function as tfn
 
     def refuse(*a, **k):
         raise RuntimeError("simulated refusal")
 
-    monkeypatch.setattr(tfn, "CMP_DENSE", "math")
     monkeypatch.setattr(cmp_dense, "cmp_attention_dense", refuse)
     monkeypatch.setattr(cmp_dense, "_PROBES", {})
     dispatch.reset_fallback_counts()
@@ -175,9 +171,8 @@ def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
     args = [x[n].detach() for n in NAMES]
     kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
     with pytest.warns(RuntimeWarning, match="simulated refusal"):
-        o, bi = nsa_triton_apply(*args, **kw)
-    monkeypatch.setattr(tfn, "CMP_DENSE", "off")
-    o2, bi2 = nsa_triton_apply(*args, **kw)
+        o, bi = nsa_triton_apply(*args, **kw, tuning=with_cmp_dense("math"))
+    o2, bi2 = nsa_triton_apply(*args, **kw, tuning=with_cmp_dense("off"))
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
     assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
 

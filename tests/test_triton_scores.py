@@ -22,6 +22,7 @@ from nsa.ops.reference import nsa_reference, reference_select_one  # noqa: E402
 from nsa.ops.triton import scores as tsc  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
+from nsa.ops.tuning import ScoreTile, ScoreTuning  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -58,7 +59,12 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, **kw):
+def score_tuning(tile, skip_merge=False) -> ScoreTuning:
+    """One tile (a ScoreTile's fields as a tuple) for every head dim."""
+    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge)
+
+
+def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -70,7 +76,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, **
     scale = dk ** -0.5
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
-                            n_sel=n_sel, scale=scale, tile=tile, **kw).cpu()
+                            n_sel=n_sel, scale=scale,
+                            tuning=None if tile is None else score_tuning(tile, skip_merge), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -78,7 +85,7 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, **
     return got
 
 
-# tiles: (rows, min chunk tokens, warps, stages, map <= 16 tokens, map > 16 tokens)
+# tiles: ScoreTile fields (rows, min_keys, warps, stages, map_small, map_big)
 SMALL = (16, 16, 4, 1, 0, 1)      # 16 rows, 16-token chunks: many chunks per tile, exact CUDA-core map
 DOT = (32, 16, 4, 1, 1, 1)        # tensor-core map even for few tokens
 F16 = (32, 16, 4, 1, 2, 2)        # two-pass fp16 map (the GPU default's)

@@ -277,7 +277,7 @@ class Verdicts:
         if not self.dirty:
             return
         try:   # a cache: failing to write it costs the next launch a decode, nothing else
-            from nsa.train.rundir import atomic_write_text
+            from nsa.fileio import atomic_write_text
             self.path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.path, json.dumps(self.data, indent=1))
             self.dirty = False

@@ -1,6 +1,6 @@
 """NSAAttention: projections, RoPE, compression, gates and output projection around nsa.ops.
 
-Data flow for x [B, T, dim] (see /work/shared/NSA_SPEC.md):
+Data flow for x [B, T, dim] (NSA_SPEC.md of the developer guide):
   q = W_Q x                          [B, T, HQ, d_k]
   k_c, v_c = W_K^c x, W_V^c x        [B, T, H, d_k|d_v] for c in (cmp, slc, win)
   RoPE on q and on k_cmp/k_slc/k_win at absolute positions (before compression)
@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 import nsa.ops as nsa_ops
-from nsa.layers.cache import NSAKVCache
+from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
 from nsa.layers.rope import apply_rope
+from nsa.ops.common import check_block_geometry
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -57,12 +58,7 @@ def validate_nsa_args(dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: i
                          f"(each KV head serves n_heads/n_kv_groups query heads)")
     if d_k % 2 != 0:
         raise ValueError(f"d_k={d_k}: must be even (RoPE rotates pairs of features)")
-    if l < d:
-        raise ValueError(f"l={l} must be >= d={d} (compression blocks may overlap, not leave gaps)")
-    if l % d != 0:
-        raise ValueError(f"l={l}: the stride d={d} must divide l")
-    if l_sel % d != 0:
-        raise ValueError(f"l_sel={l_sel}: the stride d={d} must divide l_sel")
+    check_block_geometry(l, d, l_sel)
     if compression not in COMPRESSION_KINDS:
         raise ValueError(f"compression={compression!r}: choose one of {COMPRESSION_KINDS}")
 
@@ -130,16 +126,18 @@ class NSAAttention(nn.Module):
                 f"backend={self.backend!r}")
 
     # ------------------------------------------------------------ building blocks
-    def project(self, x: torch.Tensor, offset: int = 0) -> Projected:
-        """x [B, T, dim] -> q and per-branch raw k/v, RoPE'd at positions offset..offset+T-1."""
+    def project(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> Projected:
+        """x [B, T, dim] -> q and per-branch raw k/v, RoPE'd at positions offset..offset+T-1 (or at
+        `positions` [T], a device tensor, so nothing on the host depends on the position)."""
         B, T, _ = x.shape
         HQ, H, dk, dv = self.n_heads, self.n_kv_groups, self.d_k, self.d_v
+        rope = dict(offset=offset, base=self.rope_base, positions=positions)
         q_part, k_part, v_part = self.qkv_proj(x).split(self._split, dim=-1)
-        q = apply_rope(q_part.view(B, T, HQ, dk), offset=offset, base=self.rope_base)
+        q = apply_rope(q_part.view(B, T, HQ, dk), **rope)
         # Branch-major layout [3, B, T, H, *] (one copy) so that every branch's k/v handed to the
         # op is a contiguous [B, T, H, *] tensor: kernels index them with their own strides only.
         k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
-        k = apply_rope(k, offset=offset, base=self.rope_base).view(3, B, T, H, dk)
+        k = apply_rope(k, **rope).view(3, B, T, H, dk)
         v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
         k_cmp, k_slc, k_win = k.unbind(0)
         v_cmp, v_slc, v_win = v.unbind(0)
@@ -224,4 +222,27 @@ class NSAAttention(nn.Module):
         o, block_idx = nsa_ops.nsa_decode(p.q, kv["k_cmp"], kv["v_cmp"], kv["k_slc"], kv["v_slc"],
                                           kv["k_win"], kv["v_win"], gates, pos0=pos0,
                                           win_pos0=cache.win_pos0, **self._op_kwargs())
+        return self._output(o, gates, block_idx)
+
+    def new_static_cache(self, capacity: int) -> StaticNSACache:
+        return StaticNSACache(self.l, self.d, self.w, capacity)
+
+    def decode_static(self, x: torch.Tensor, cache: StaticNSACache, pos: torch.Tensor) -> torch.Tensor:
+        """One token per sequence x [B, 1, dim] at device position pos ([1] int64) -> y [B, 1, dim];
+        graph-capturable (no host sync, no host int per token). Appends to `cache` with device-side
+        writes and attends through nsa.ops.nsa_decode with the device position and the ring window
+        buffer, under KernelPolicy.for_device_positions (the triton decode kernel: natively on CUDA,
+        through the interpreter in CPU tests)."""
+        if x.dim() != 3 or x.shape[1] != 1 or x.shape[-1] != self.dim:
+            raise ValueError(f"x: expected [B, 1, {self.dim}], got {tuple(x.shape)}")
+        p = self.project(x, positions=pos + torch.arange(1, device=x.device))
+        gates = self.compute_gates(x)
+        cache.append(pos, p.k_cmp, p.v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win,
+                     self.phi_k.compress_block, self.phi_v.compress_block)
+        policy = nsa_ops.KernelPolicy.for_device_positions(x.device, p.q.dtype)
+        o, block_idx = nsa_ops.nsa_decode(p.q, cache.k_cmp, cache.v_cmp, cache.k_slc, cache.v_slc,
+                                          cache.k_win, cache.v_win, gates, pos0=pos, win_pos0=None,
+                                          win_ring=cache.w, l=self.l, d=self.d, l_sel=self.l_sel,
+                                          n_sel=self.n_sel, w=self.w, scale=self.d_k ** -0.5,
+                                          backend=policy)
         return self._output(o, gates, block_idx)

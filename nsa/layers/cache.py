@@ -19,16 +19,15 @@ a device->host sync. Tensors are stored detached: the cache is for inference.
 StaticNSACache is the CUDA-graph form (TinyLM.generate(cuda_graph=True)): every buffer is allocated
 once at a fixed capacity, the window and the raw compression tail are rings, and a decode step
 writes at a *device* position tensor (index_copy_), so one captured step replays for every token.
-static_decode is the graph-capturable NSAAttention.decode over it.
+NSAAttention.decode_static is the graph-capturable decode over it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from nsa.layers.compression import num_compressed, unfold_blocks
-from nsa.layers.rope import apply_rope
 
 BlockFn = Callable[[torch.Tensor], torch.Tensor]  # blocks [B, m, H, l, D] -> [B, m, H, D]
 
@@ -287,31 +286,3 @@ class StaticNSACache:
         self.k_cmp.index_copy_(1, row, k_new.to(self.k_cmp.dtype))
         self.v_cmp.index_copy_(1, row, v_new.to(self.v_cmp.dtype))
 
-
-def static_decode(layer: Any, x: torch.Tensor, cache: StaticNSACache, pos: torch.Tensor) -> torch.Tensor:
-    """Graph-capturable NSAAttention.decode of one token per sequence at device position pos.
-
-    layer: an nsa.layers.attention.NSAAttention (duck-typed: this module cannot import it);
-    x [B, 1, dim] -> y [B, 1, dim]. Mirrors layer.project (fused qkv GEMM, RoPE on q and every
-    branch's raw keys, branch-major k/v) with positions from the device, appends to `cache`, and
-    attends through the triton decode kernel with the device position and the ring window buffer
-    (the only path that reads positions from the device; called directly, so the interpreter can
-    run it in CPU tests). No host sync, no host int per token.
-    """
-    from nsa.ops.triton.decode import nsa_decode_triton  # lazy: needs triton
-    B, T, _ = x.shape
-    HQ, H, dk, dv = layer.n_heads, layer.n_kv_groups, layer.d_k, layer.d_v
-    positions = pos + torch.arange(T, device=x.device)
-    q_part, k_part, v_part = layer.qkv_proj(x).split(layer._split, dim=-1)
-    q = apply_rope(q_part.view(B, T, HQ, dk), base=layer.rope_base, positions=positions)
-    k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
-    k = apply_rope(k, base=layer.rope_base, positions=positions).view(3, B, T, H, dk)
-    v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
-    gates = layer.compute_gates(x)
-    cache.append(pos, k[0], v[0], k[1], v[1], k[2], v[2], layer.phi_k.compress_block,
-                 layer.phi_v.compress_block)
-    o, block_idx = nsa_decode_triton(q, cache.k_cmp, cache.v_cmp, cache.k_slc, cache.v_slc, cache.k_win,
-                                     cache.v_win, gates, pos0=pos, win_pos0=None, win_ring=cache.w,
-                                     l=layer.l, d=layer.d, l_sel=layer.l_sel, n_sel=layer.n_sel,
-                                     w=layer.w, scale=dk ** -0.5)
-    return layer._output(o, gates, block_idx)

@@ -6,7 +6,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from nsa.layers.attention import NSAAttention
-from nsa.layers.cache import NSAKVCache, StaticNSACache, static_decode
+from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.dense import DenseAttention
 
 
@@ -82,5 +82,5 @@ class LlamaBlockNSA(nn.Module):
     def decode_static(self, x: torch.Tensor, cache: StaticNSACache, pos: torch.Tensor) -> torch.Tensor:
         """One new token x [B, 1, dim] at device position pos ([1] int64) over a StaticNSACache:
         the CUDA-graph-capturable form of decode (no host int changes per token)."""
-        x = x + static_decode(self.attn, self.attn_norm(x), cache, pos)
+        x = x + self.attn.decode_static(self.attn_norm(x), cache, pos)
         return x + self.mlp(self.mlp_norm(x))

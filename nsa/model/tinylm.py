@@ -165,7 +165,7 @@ class TinyLM(nn.Module):
         """Batched prompt forward that fills fixed-capacity StaticNSACaches (capacity = prompt + new
         tokens, allocated once). Returns (logits of the last token [B, 1, vocab], caches)."""
         self._check_ids(ids)
-        caches = [StaticNSACache(a.l, a.d, a.w, capacity) for a in self.nsa_layers()]
+        caches = [a.new_static_cache(capacity) for a in self.nsa_layers()]
         x = self.embed(ids)
         for blk, cache in zip(self.blocks, caches):
             x = blk.prefill(x, cache)
@@ -188,8 +188,8 @@ class TinyLM(nn.Module):
         if ids.device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"cuda_graph=True needs CUDA (ids are on {ids.device}); move the model and "
                              "ids to a GPU or pass cuda_graph=False")
-        from nsa.ops.decode import _triton_decode
-        if _triton_decode() is None:
+        from nsa.ops import KernelPolicy
+        if KernelPolicy.for_device_positions(ids.device, self.embed.weight.dtype).backend != "triton":
             raise ValueError("cuda_graph=True needs the triton decode kernel (triton not importable); "
                              "pass cuda_graph=False")
         bad = sorted({a.backend for a in self.nsa_layers() if a.backend in ("torch", "reference")})

@@ -10,21 +10,22 @@ import torch
 from .batched import nsa_torch
 from .common import NSAParams, num_cmp_tokens, safe_scale, validate_hparams, validate_inputs
 from .decode import nsa_decode
-from .dispatch import (KernelPolicy, _check_requested, cached_policy, count_fallback,
-                       fallback_counts, reset_fallback_counts, resolve_backend, triton_module)
+from .dispatch import KernelPolicy, _check_requested, cached_policy, resolve_backend, triton_module
+from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
 from .reference import causal_attention, nsa_reference
+from .tuning import KernelTuning, tuning_for
 
 __all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "KernelPolicy",
            "resolve_backend", "fallback_counts", "count_fallback", "reset_fallback_counts",
-           "validate_hparams", "num_cmp_tokens", "NSAParams"]
+           "validate_hparams", "num_cmp_tokens", "NSAParams", "KernelTuning", "tuning_for"]
 
 
 def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                   v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
                   l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
                   scale: float | None = None, backend: str | KernelPolicy = "auto",
-                  tile: int | None = None,
-                  recompute: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tile: int | None = None, recompute: bool | None = None,
+                  tuning: KernelTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Sparse Attention over a full sequence (NSA_SPEC.md).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
@@ -36,7 +37,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     element budget, batched.auto_tile); `recompute` re-runs each tile in backward instead of keeping
     its intermediates (default: whenever there is more than one tile, so backward memory is linear
     in T). recompute=False keeps every tile's logits (quadratic in T) for ~1.5-2x less op time;
-    use it when the caller already checkpoints the layer.
+    use it when the caller already checkpoints the layer. `tuning`: the kernels' launch parameters
+    (nsa/ops/tuning.py; None: the policy's, i.e. the preset of this device).
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
@@ -51,16 +53,18 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     if policy.fallback is not None:
         count_fallback(policy.fallback)
     used = policy.backend
+    tuning = tuning or policy.tuning
     kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
     if used == "triton":
         mod = triton_module()
         try:
-            return mod.nsa_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
+            return mod.nsa_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw,
+                                            tuning=tuning)
         except NotImplementedError:  # kernel does not cover this shape/dtype
             count_fallback("triton_unsupported->torch")
             used = "torch"
     if used == "reference":
         return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
     return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc, tile=tile,
-                     checkpoint=recompute)
+                     checkpoint=recompute, tuning=tuning.torch)
 

@@ -18,24 +18,19 @@ from .common import (NSAParams, heads_major, heads_major_out, num_cmp_tokens, nu
                      visible_cmp)
 from .compress import block_scores, cmp_attention
 from .select import select_blocks, slc_dense, slc_gather, to_blocks
+from .tuning import TorchTuning, tuning_for
 from .window import win_attention
 
-# block-masked dense selected-block attention while keys <= factor * n_sel * l_sel, per-query
-# gather beyond; CPU: dense measured faster up to 8 * 1024 keys (2 cores, fp32, T = 8k)
-DENSE_FACTOR = {"cpu": 8.0, "cuda": 4.0}
-CPU_TILE = 128  # measured best-or-tied on 2 cores (T = 2k..8k)
-# GPU: fewer, larger tiles (the torch path is launch-bound), within a per-tile element budget
-CUDA_TILE_BUDGET, CUDA_TILE_MIN, CUDA_TILE_MAX = 2 ** 27, 64, 1024
 
-
-def auto_tile(device_type: str, B: int, HQ: int, S: int, p: NSAParams, dense_limit: int) -> int:
-    """Query-tile size: fixed on CPU; on CUDA the largest multiple of 64 (<= 1024) whose fp32
-    logits, B * HQ * tile * keys_per_row, stay under CUDA_TILE_BUDGET elements."""
+def auto_tile(device_type: str, B: int, HQ: int, S: int, p: NSAParams, dense_limit: int,
+              tuning: TorchTuning) -> int:
+    """Query-tile size: tuning.cpu_tile off CUDA; on CUDA the largest multiple of 64 in
+    [tile_min, tile_max] whose fp32 logits, B * HQ * tile * keys_per_row, stay under tile_budget."""
     if device_type != "cuda":
-        return CPU_TILE
+        return tuning.cpu_tile
     keys = num_cmp_tokens(S, p.l, p.d) + min(S, dense_limit) + min(S, p.w)
-    tile = CUDA_TILE_BUDGET // max(1, B * HQ * keys)
-    return int(min(CUDA_TILE_MAX, max(CUDA_TILE_MIN, tile // 64 * 64)))
+    tile = tuning.tile_budget // max(1, B * HQ * keys)
+    return int(min(tuning.tile_max, max(tuning.tile_min, tile // 64 * 64)))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,8 +79,8 @@ def _tile(q_t: torch.Tensor, g_t: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torc
 def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
               v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
               p: NSAParams, scale: float, pos0: int = 0, win_pos0: int = 0, tile: int | None = None,
-              dense_factor: float | None = None,
-              checkpoint: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              dense_factor: float | None = None, checkpoint: bool | None = None,
+              tuning: TorchTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Tiled NSA over queries at absolute positions pos0 .. pos0 + Tq - 1 (inputs already validated).
 
     q [B,Tq,HQ,dk], gates [B,Tq,HQ,3]; k_slc/v_slc [B,S,H,*] (S = pos0 + Tq); k_win/v_win from
@@ -95,11 +90,12 @@ def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     """
     B, Tq, HQ, _ = q.shape
     G = HQ // k_slc.shape[2]
+    tuning = tuning or tuning_for(q.device).torch
     if dense_factor is None:
-        dense_factor = DENSE_FACTOR.get(q.device.type, 4.0)
+        dense_factor = tuning.dense_factor
     dense_limit = int(dense_factor * p.n_sel * p.l_sel)
     if tile is None:
-        tile = auto_tile(q.device.type, B, HQ, pos0 + Tq, p, dense_limit)
+        tile = auto_tile(q.device.type, B, HQ, pos0 + Tq, p, dense_limit, tuning)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be a positive int or None, got {tile!r}")
     n_tiles = (Tq + tile - 1) // tile

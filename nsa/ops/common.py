@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * LOG2E), the kernels work in log2 units
 SCORE_BITS = 20
 # priority bonus of forced blocks, in units of the score grid (scores are <= 2**SCORE_BITS)
 FORCED_STEP = 2 ** (SCORE_BITS + 1)
@@ -53,12 +54,20 @@ def validate_hparams(l: int, d: int, l_sel: int, n_sel: int, w: int) -> None:
             raise ValueError(f"{name} must be a Python int, got {type(val).__name__} ({val!r})")
         if val <= 0:
             raise ValueError(f"{name} must be positive, got {val}")
+    check_block_geometry(l, d, l_sel)
+
+
+def check_block_geometry(l: int, d: int, l_sel: int, prefix: str = "") -> None:
+    """The one home of NSA's block-geometry rule (positive ints assumed): compression blocks of l
+    tokens at stride d overlap but leave no gaps (l >= d), and both block lengths are whole numbers
+    of strides (d | l, d | l_sel). prefix names the fields' owner in messages (e.g. "nsa.")."""
     if l < d:
-        raise ValueError(f"l (compression block, {l}) must be >= d (stride, {d}); raise l or lower d")
+        raise ValueError(f"{prefix}l={l} must be >= {prefix}d={d} (compression blocks may overlap, not "
+                         "leave gaps); raise l or lower d")
     if l % d != 0:
-        raise ValueError(f"d (stride, {d}) must divide l (compression block, {l})")
+        raise ValueError(f"{prefix}d={d} must divide {prefix}l={l} (the compression block length)")
     if l_sel % d != 0:
-        raise ValueError(f"d (stride, {d}) must divide l_sel (selection block, {l_sel})")
+        raise ValueError(f"{prefix}d={d} must divide {prefix}l_sel={l_sel} (the selection block length)")
 
 
 def num_cmp_tokens(T: int, l: int, d: int) -> int:
@@ -203,7 +212,6 @@ def heads_major_out(o: torch.Tensor) -> torch.Tensor:
     """[B, H, G, tq, D] -> [B, tq, H*G, D]."""
     B, H, G, tq, D = o.shape
     return o.permute(0, 3, 1, 2, 4).reshape(B, tq, H * G, D)
-
 
 
 def mask_bias(blocked: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

@@ -7,34 +7,23 @@ the triton package exposes working kernels, else torch.
 from __future__ import annotations
 
 import importlib
-import threading
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
 
+from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
+from .tuning import CmpDenseTuning, KernelTuning, tuning_for
+
+__all__ = ["BACKENDS", "BRANCHES", "KernelPolicy", "cached_policy", "resolve_backend", "triton_module",
+           "count_fallback", "fallback_counts", "reset_fallback_counts"]
+
 BACKENDS = ("reference", "torch", "triton", "auto")
 BRANCHES = ("cmp", "slc", "win", "scores")
-
-_lock = threading.Lock()
-_fallbacks: dict[str, int] = {}
-
-
-def count_fallback(name: str) -> None:
-    """Increment the global runtime-fallback counter `name` (e.g. "triton->torch")."""
-    with _lock:
-        _fallbacks[name] = _fallbacks.get(name, 0) + 1
-
-
-def fallback_counts() -> dict[str, int]:
-    """Copy of the global fallback counters."""
-    with _lock:
-        return dict(_fallbacks)
-
-
-def reset_fallback_counts() -> None:
-    with _lock:
-        _fallbacks.clear()
+log = logging.getLogger(__name__)
 
 
 def triton_module() -> ModuleType | None:
@@ -71,18 +60,14 @@ def resolve_backend(requested: str, device: torch.device | str, dtype: torch.dty
     return KernelPolicy.resolve(device, dtype, requested).backend
 
 
-def _cmp_dense_note() -> str:
-    """How the Triton backend runs the compressed branch (nsa.ops.triton.function.CMP_DENSE)."""
-    try:
-        from .triton import function as tfn
-    except Exception as exc:  # noqa: BLE001 - describing must not fail
-        return f"compressed-branch policy unknown ({type(exc).__name__})"
-    if tfn.CMP_DENSE == "off":
-        return "compressed branch on the Triton kernel (CMP_DENSE=off)"
-    if tfn.CMP_DENSE != "auto":
-        return f"compressed branch on dense SDPA {tfn.CMP_DENSE} (forced)"
+def _cmp_dense_note(cfg: CmpDenseTuning) -> str:
+    """How the Triton backend runs the compressed branch under cfg (tuning.cmp_dense)."""
+    if cfg.mode == "off":
+        return "compressed branch on the Triton kernel (cmp_dense.mode=off)"
+    if cfg.mode != "auto":
+        return f"compressed branch on dense SDPA {cfg.mode} (forced)"
     return (f"compressed branch on dense SDPA (cudnn, else flash; probed once) at T >= "
-            f"{tfn.CMP_DENSE_MIN_T} without deterministic algorithms, else the Triton kernel")
+            f"{cfg.min_t} without deterministic algorithms, else the Triton kernel")
 
 
 def _win_note() -> str:
@@ -98,7 +83,8 @@ def _win_note() -> str:
 
 @dataclass(frozen=True)
 class KernelPolicy:
-    """Per-branch backend choice with reasons. Build once (model construction), reuse per call."""
+    """Per-branch backend choice with reasons, and the launch parameters (`tuning`, a preset of
+    nsa/ops/tuning.py for this device). Build once (model construction), reuse per call."""
 
     requested: str
     device: str
@@ -106,6 +92,11 @@ class KernelPolicy:
     backends: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None  # name of the fallback counter when requested != used
+    tuning: KernelTuning | None = None  # None: tuning_for(device)
+
+    def __post_init__(self) -> None:
+        if self.tuning is None:
+            object.__setattr__(self, "tuning", tuning_for(self.device))
 
     @classmethod
     def resolve(cls, device: torch.device | str, dtype: torch.dtype,
@@ -126,17 +117,41 @@ class KernelPolicy:
             reason = f"{requested}: {why} -> torch"
             if requested == "triton" or dev.type == "cuda":
                 fallback = f"{requested}->torch"
+        tuning = tuning_for(dev)
         backends = {b: used for b in BRANCHES}
         reasons = {b: reason for b in BRANCHES}
         if used == "triton":
-            reasons["cmp"] = reason + "; " + _cmp_dense_note()
+            reasons["cmp"] = reason + "; " + _cmp_dense_note(tuning.cmp_dense)
             reasons["win"] = reason + "; " + _win_note()
         if head_dim is not None:  # dense attention and flash-attn (nsa/ops/flash.py), probed once
             from .flash import policy_entries
             extra_b, extra_r = policy_entries(dev, dtype, head_dim, allow_flash)
             backends.update(extra_b)
             reasons.update({b: (reasons[b] + "; " + r if b in reasons else r) for b, r in extra_r.items()})
-        return cls(requested, str(dev), str(dtype).replace("torch.", ""), backends, reasons, fallback)
+        return cls(requested, str(dev), str(dtype).replace("torch.", ""), backends, reasons, fallback, tuning)
+
+    @classmethod
+    def for_device_positions(cls, device: torch.device | str, dtype: torch.dtype) -> "KernelPolicy":
+        """The policy of decode with positions in device tensors (the CUDA-graph form): only the
+        triton decode kernel reads them, natively on CUDA, or on CPU through Triton's interpreter when
+        the process opted in with TRITON_INTERPRET=1 (the tests). Elsewhere the triton->torch policy,
+        which nsa_decode refuses for device positions with an error naming the fix. Memoised per
+        (device, dtype, TRITON_INTERPRET)."""
+        dev = torch.device(device)
+        key = ("device_positions", str(dev), dtype, os.environ.get("TRITON_INTERPRET"))
+        pol = _cache.get(key)
+        if pol is None:
+            pol = _cache[key] = cls._for_device_positions(dev, dtype)
+        return pol
+
+    @classmethod
+    def _for_device_positions(cls, dev: torch.device, dtype: torch.dtype) -> "KernelPolicy":
+        if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") != "1" or triton_module() is None \
+                or importlib.util.find_spec("triton") is None:
+            return cls.resolve(dev, dtype, "triton")
+        why = "triton decode kernel through the interpreter (TRITON_INTERPRET=1)"
+        return cls("triton", str(dev), str(dtype).replace("torch.", ""), {b: "triton" for b in BRANCHES},
+                   {b: why for b in BRANCHES}, None, tuning_for(dev))
 
     @property
     def backend(self) -> str:
@@ -146,11 +161,11 @@ class KernelPolicy:
     def __str__(self) -> str:
         parts = " ".join(f"{b}={v}" for b, v in self.backends.items())
         reasons = sorted(set(self.reasons.values()))
-        return (f"KernelPolicy(requested={self.requested} device={self.device} dtype={self.dtype}): "
-                f"{parts} [{'; '.join(reasons)}]")
+        return (f"KernelPolicy(requested={self.requested} device={self.device} dtype={self.dtype} "
+                f"tuning={self.tuning.name}): {parts} [{'; '.join(reasons)}]")
 
 
-_cache: dict[tuple[str, str, torch.dtype], KernelPolicy] = {}
+_cache: dict[tuple, KernelPolicy] = {}
 
 
 def cached_policy(requested: str, device: torch.device, dtype: torch.dtype) -> KernelPolicy:
@@ -160,4 +175,5 @@ def cached_policy(requested: str, device: torch.device, dtype: torch.dtype) -> K
     if pol is None:
         pol = KernelPolicy.resolve(device, dtype, requested)
         _cache[key] = pol
+        log.info("%s", pol)
     return pol

@@ -256,7 +256,7 @@ def _flash_failed(name: str, q: torch.Tensor, exc: BaseException) -> str:
     once, and answer the best non-flash backend for this device/dtype/head size from now on."""
     import warnings
 
-    from nsa.ops import count_fallback
+    from nsa.ops.fallbacks import count_fallback
     alt, alt_why = choose_dense_backend(q.device, q.dtype, q.shape[-1], allow_flash=False)
     count_fallback(f"dense:{name}->{alt}")
     msg = str(exc).splitlines()[0][:120] if str(exc) else ""

@@ -28,10 +28,12 @@ import random
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
+
+from nsa.fileio import atomic_write_text, fsync_dir
 
 CKPT_FILE = "checkpoint.pt"
 META_FILE = "meta.json"
@@ -42,6 +44,38 @@ _DIR_RE = re.compile(r"^checkpoint_(\d+)$")
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt or incompatible; the message names the file."""
+
+
+# nsa vs the dense twin (model.attention): a checkpoint records its kind in its config (checkpoints
+# written before the field existed are NSA); loading the other kind fails with one line naming both
+# instead of a strict load_state_dict listing dozens of missing keys.
+ATTENTION_KINDS = ("nsa", "dense")
+
+
+class AttentionKindError(CheckpointError):
+    """A checkpoint of one attention kind was loaded into a model of the other."""
+
+
+def checkpoint_kind(state: Mapping[str, Any]) -> str:
+    """model.attention of a checkpoint state dict (its stored config); "nsa" when not recorded."""
+    cfg = state.get("config") or {}
+    model = (cfg.get("model") or {}) if isinstance(cfg, Mapping) else {}
+    return str(model.get("attention", "nsa"))
+
+
+def model_kind(model: torch.nn.Module) -> str:
+    """model.attention of a (possibly DDP-wrapped) TinyLM; "nsa" for models that do not say."""
+    inner = getattr(model, "module", model)
+    return str(getattr(inner, "attention", "nsa"))
+
+
+def check_attention_kind(model: torch.nn.Module, state: Mapping[str, Any], where: str = "checkpoint") -> None:
+    """Raise AttentionKindError (one line, both kinds named) when `state` holds the other kind."""
+    have, want = checkpoint_kind(state), model_kind(model)
+    if have != want:
+        raise AttentionKindError(
+            f"{where} holds a model.attention={have!r} model but this model is model.attention={want!r}: "
+            f"build it with model.attention={have} (or load a {want} checkpoint)")
 
 
 def checkpoint_dir_name(step: int) -> str:
@@ -99,7 +133,6 @@ def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> Path
     """Write ``state`` to ``directory/checkpoint.pt`` (+ meta.json, last). Refuses to overwrite. Each file
     goes to a temp name, is fsynced and renamed; meta.json records checkpoint.pt's size, so a copy of
     the directory made elsewhere (Ray's persist) can be checked for completeness."""
-    from nsa.train.rundir import atomic_write_text, fsync_dir
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     target = d / CKPT_FILE
@@ -188,7 +221,6 @@ def persist_checkpoint(src: str | os.PathLike, target: str | os.PathLike) -> Pat
     filled, fsynced and renamed. A failure (ENOSPC, EROFS) removes the temp dir and leaves no
     ``target``. An existing complete ``target`` is never replaced; an incomplete one is set aside."""
     import shutil
-    from nsa.train.rundir import fsync_dir
     target = Path(target)
     if target.exists():
         if checkpoint_problem(target) is None:
@@ -269,7 +301,6 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any]) -> None:
     """Load the checkpoint's model weights (strict) into an unwrapped model."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
-    from nsa.model.kind import check_attention_kind  # nsa vs dense twin: one clear line, not key lists
     check_attention_kind(model, state)
     model.load_state_dict(state["model"], strict=True)
 

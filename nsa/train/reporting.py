@@ -114,7 +114,7 @@ def _json_safe(x: Any) -> Any:
 
 def write_json(path: Path, obj: Any) -> None:
     """Replace ``path`` atomically (temp file, fsync, rename): a reader or a full disk never leaves half."""
-    from nsa.train.rundir import atomic_write_text
+    from nsa.fileio import atomic_write_text
     atomic_write_text(path, json.dumps(_json_safe(obj), indent=2, sort_keys=False))
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from nsa.config import ConfigError, check_run_name
+from nsa.fileio import atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
+from nsa.train.checkpoint import scan_checkpoints, set_aside, verify_checkpoint
 
 def lock_path(run_dir: Path) -> Path:
     return run_dir.parent / f".{run_dir.name}.lock"
@@ -46,43 +48,6 @@ def run_dir_under(root: str | os.PathLike, name: str) -> Path:
         raise ConfigError(f"logging.name={name!r} resolves to {d}, outside logging.root={root_p}: "
                          "choose a name that is not a symlink leading elsewhere")
     return d
-
-
-# ------------------------------------------------------------------------------------------ atomic files
-def fsync_dir(d: str | os.PathLike) -> None:
-    """Make a rename/creation in ``d`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(str(d), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to a temp file beside ``path``, fsync it, rename it over ``path``, fsync the dir.
-    Readers see the old file or the new one, never a part; a failed write (ENOSPC) leaves the old one."""
-    p = Path(path)
-    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(p.parent)
-    return p
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------------ lock
@@ -225,7 +190,6 @@ def claim_run(root: str | os.PathLike, name: str, *, resume: str = "auto") -> Ru
     """Lock ``root/name`` and find the checkpoint a launch there continues from. Writes nothing but the
     lock file. Raises RunLocked (another live launch owns it), ConfigError (bad name, train.resume=never
     on a run with checkpoints) or CheckpointError (the newest complete checkpoint does not load)."""
-    from nsa.train.checkpoint import scan_checkpoints, verify_checkpoint
     run_dir = run_dir_under(root, name)
     held = _HELD.get(run_dir)
     claim = RunClaim(run_dir, held.lock if held else RunLock(run_dir).acquire())
@@ -258,7 +222,6 @@ def _dir_step(d: Path) -> int:
 def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
     """After every check passed: set incomplete checkpoint dirs aside, move a stale ``.HALT`` aside, and
     write config.yaml atomically, in the run dir this process claimed. Returns what it did, one line each."""
-    from nsa.train.checkpoint import set_aside
     run_dir = Path(run_dir).resolve()
     claim = _HELD.get(run_dir)
     if claim is None or not claim.lock.held:

@@ -13,10 +13,11 @@ import importlib.util
 
 import torch
 
-__all__ = ["triton_available", "triton_importable", "nsa_attention_triton"]
+__all__ = ["triton_available", "triton_importable", "nsa_attention_triton", "check_supported",
+           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256   # padded head dims up to 256 have tile configs (tuning.AttnTuning.big_*)
 
 
 def triton_importable() -> bool:
@@ -38,30 +39,31 @@ def triton_available() -> bool:
     return True
 
 
-def _check(q: torch.Tensor, v_slc: torch.Tensor, gates: torch.Tensor) -> None:
-    """NotImplementedError (the dispatcher falls back to torch) for what the kernels do not cover."""
-    if q.dtype not in _SUPPORTED:
-        raise NotImplementedError(f"q has dtype {q.dtype}; the triton backend supports fp16/bf16/fp32 "
-                         "(use backend='torch' or 'reference' for fp64)")
-    if q.shape[-1] > MAX_HEAD_DIM or v_slc.shape[-1] > MAX_HEAD_DIM:
-        raise NotImplementedError(f"d_k={q.shape[-1]} / d_v={v_slc.shape[-1]} exceed {MAX_HEAD_DIM}, the largest "
-                         "head dim of the triton backend; use backend='torch'")
-    if gates.dtype not in _SUPPORTED:
-        raise NotImplementedError(f"gates has dtype {gates.dtype}; use fp16/bf16/fp32")
+def check_supported(q: torch.Tensor, v: torch.Tensor, gates: torch.Tensor) -> None:
+    """NotImplementedError (the dispatcher falls back to torch) for what the Triton kernels (prefill and
+    decode) do not cover: dtypes other than fp16/bf16/fp32, head dims above MAX_HEAD_DIM."""
+    for name, x in (("q", q), ("gates", gates)):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise NotImplementedError(f"{name} has dtype {x.dtype}; the triton kernels support fp16/bf16/fp32 "
+                                      "(use backend='torch' or 'reference' for fp64)")
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise NotImplementedError(f"d_k={q.shape[-1]} / d_v={v.shape[-1]} exceed {MAX_HEAD_DIM}, the largest "
+                                  "head dim of the triton kernels; use backend='torch'")
 
 
 def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                          v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                          *, l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
-                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NSA prefill on Triton kernels; same contract as ``nsa.ops.nsa_attention`` (INTERFACES.md).
+                         scale: float | None = None, tuning=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """NSA prefill on Triton kernels; same contract as ``nsa.ops.nsa_attention`` (nsa/ops/__init__.py).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv]; k_slc/v_slc/k_win/v_win [B,T,H,dk|dv]; gates [B,T,HQ,3].
     Returns (o [B,T,HQ,dv] in q's dtype, block_idx [B,T,H,n_sel] int64 ascending, -1 padded).
     Differentiable w.r.t. q, every k/v and gates (fp32 accumulation, no atomics in our kernels).
-    From function.CMP_DENSE_MIN_T tokens on the compressed branch runs on
-    cuDNN/flash (function.CMP_DENSE), whose backward need not be bitwise repeatable; with
-    torch.use_deterministic_algorithms(True) every branch stays on the deterministic kernels.
+    tuning: a nsa.ops.tuning.KernelTuning (None: the preset of q's device). From
+    tuning.cmp_dense.min_t tokens on the compressed branch runs on cuDNN/flash, whose backward need
+    not be bitwise repeatable; with torch.use_deterministic_algorithms(True) every branch stays on
+    the deterministic kernels.
     """
     from ..common import NSAParams, safe_scale, validate_inputs
 
@@ -69,8 +71,8 @@ def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win, v_win=v_win,
                    gates=gates)
     validate_inputs(tensors, p)
-    _check(q, v_slc, gates)
+    check_supported(q, v_slc, gates)
     from .function import nsa_triton_apply
 
     return nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
-                            n_sel=n_sel, w=w, scale=safe_scale(scale, q.shape[-1]))
+                            n_sel=n_sel, w=w, scale=safe_scale(scale, q.shape[-1]), tuning=tuning)

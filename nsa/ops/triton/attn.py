@@ -15,29 +15,15 @@ Tensors are [B, T, heads, dim] with unit stride in dim; lse / delta are fp32 [B,
 """
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import torch
 import triton
 import triton.language as tl
 
+from ..common import LOG2E
+from ..tuning import AttnTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
-
-LOG2E = 1.4426950408889634
-
-# Tile configs for head dims <= 128: (rows per program, keys per step, num_warps, num_stages).
-# Rows are (token, head) pairs. Chosen from compile-time register/spill reports for sm_90 and timings
-# (bench/bench_attention.py --sweep); module-level so the benchmark can try others.
-# H200, T=32k, HQ=64, H=4, d=128 (2026-11-22): fwd (128,64,8,3) 3.4 ms vs (128,64,8,2) 3.7; dK/dV
-# (32,128,8,2) 17.0 ms vs (16,32,4,2) 29.8 despite some register spilling; dq (128,32,8,2) 24.8 vs 30.1.
-# 64k re-sweep (H200, 2026-11-22T07:25Z, bench_attention.py --sweep 65536, no gate): dK/dV
-# (32,128,8,3) cmp_bwd 35.6 ms vs (32,128,8,2) 44.6, win_bwd 9.9 vs 12.2; dq (128,32,8,3) 43.6 vs 44.9.
-# Gated backward (gate folded into p, 2026-11-24, 64k): dK/dV (32,64,4,3) cmp_bwd 37.8 / win_bwd 10.5 ms vs
-# (32,128,8,3) 39.3 / 11.9, (32,128,4,3) 106.8 / 34.6; dq (128,32,8,3) stays best.
-FWD_TILE = (128, 64, 8, 3)
-DQ_TILE = (128, 32, 8, 3)
-DKDV_TILE = (32, 64, 4, 3)       # (query rows per step, keys per program, warps, stages)
-BIG_FWD_TILE = (64, 32, 8, 2)    # head dims in (128, 256]
-BIG_DQ_TILE = (32, 32, 8, 1)
-BIG_DKDV_TILE = (16, 32, 8, 1)
 
 
 @triton.jit
@@ -290,15 +276,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, offset: int,
-             window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,T,HQ,dk], k [B,N,H,dk], v [B,N,H,dv] (unit stride in dim) -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ])."""
+             window: int, scale: float, tuning: AttnTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,HQ,dk], k [B,N,H,dk], v [B,N,H,dv] (unit stride in dim) -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
+    tuning: the tiles (None: the preset of q's device)."""
+    tuning = tuning or tuning_for(q.device).attn
     B, T, HQ, dk, N, H, dv, G = _geometry(q, k, v)
     o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
     GP = next_pow2(G)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
     big = max(bdk, bdv) > 128
-    br, block_n, warps, stages = BIG_FWD_TILE if big else FWD_TILE
+    br, block_n, warps, stages = astuple(tuning.tiles(big)[0])
     block_r = row_block(GP, br)
     grid = (triton.cdiv(T, block_r // GP), B * H)
     _attn_fwd_kernel[grid](
@@ -313,11 +301,13 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, 
 def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor, gate: torch.Tensor | None, *, stride: int, offset: int, window: int,
              scale: float, dq_in: torch.Tensor | None = None,
-             dq_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             dq_dtype: torch.dtype | None = None,
+             tuning: AttnTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attn_fwd. do [B,T,HQ,dv] (unit stride in dim); delta fp32 [B,T,HQ] = rowsum(dO*O)
     with dO the branch's own output gradient; gate: optional [B,T,HQ] view (any last stride) scaling
     do per row (dO_branch = gate * do), in which case delta must be rowsum(do*O) and is scaled too.
     dq_in: optional contiguous fp32 [B,T,HQ,dk] added to dq (accumulation across branches).
+    tuning: the tiles (None: the preset of q's device).
     Returns (dq contiguous in dq_dtype (default q's), dk, dv in k's/v's dtypes)."""
     # dK/dV are written with k's/v's strides, so k/v must be dense (a strided view of a larger
     # buffer would make torch.empty_like allocate a different layout and the kernel write out of bounds)
@@ -329,7 +319,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
     GP = next_pow2(G)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    big = max(bdk, bdv) > 128
+    _, dq_tile, dkdv_tile = (tuning or tuning_for(q.device).attn).tiles(max(bdk, bdv) > 128)
     has_gate = gate is not None
     g_arg = gate if has_gate else lse
     sgt = gate.stride(2) if has_gate else 1
@@ -341,7 +331,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
     meta = dict(G=G, GP=GP, STRIDE=stride, OFFSET=offset, WINDOW=window, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
                 HAS_GATE=has_gate, DOT_PREC=dot_precision(q.dtype, q.is_cuda))
-    br, bn, warps, stages = BIG_DQ_TILE if big else DQ_TILE
+    br, bn, warps, stages = astuple(dq_tile)
     block_r = row_block(GP, br)
     _attn_bwd_dq_kernel[(triton.cdiv(T, block_r // GP), B * H)](
         q, k, v, do, lse, delta, g_arg, dq, dq if dq_in is None else dq_in, *strides,
@@ -350,7 +340,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     dkk, dvv = torch.empty_like(k), torch.empty_like(v)
     if N == 0:
         return dq, dkk, dvv
-    br, block_n, warps, stages = BIG_DKDV_TILE if big else DKDV_TILE
+    br, block_n, warps, stages = astuple(dkdv_tile)
     block_r = row_block(GP, br)
     n_tiles = triton.cdiv(N, block_n)
     row_tiles = triton.cdiv(T, block_r // GP)

@@ -30,9 +30,9 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    Key tiles are dealt evenly over the programs. Softmax partials.
 4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-TUNE["pdl"] makes launches 2-4 programmatic dependent launches (each kernel lets its dependent start
-early; the dependent waits with griddepcontrol.wait right before reading the previous results). It is
-on for few rows (B=1 at 64k on an H200: 25.7 vs 26.6 us) and off in TUNE_LARGE (B=16: 96.4 vs 92.3).
+The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2-4 programmatic dependent launches
+(each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait right before
+reading the previous results): a gain for few rows, a loss for many (bandwidth-bound).
 
 Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*]
 (linear from win_pos0, or a ring of win_ring rows: position p at row p % win_ring),
@@ -40,34 +40,23 @@ gates [B,Tq,HQ,3]; any strides with a unit last dim. Forward only (decode is inf
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from ..common import FORCED_STEP, LOG2E
+from ..tuning import DecodeKnobs, DecodeTuning, Warps, tuning_for
+from . import check_supported
 from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
-from .scores import _bitonic_sort, _merge_rows
+from .scores import SCORE_GRID, _bitonic_sort, _merge_rows
 
-LOG2E = 1.4426950408889634
-SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
-FORCED_STEP = 2 ** (SCORE_BITS + 1)
-# Launch knobs, chosen per regime by `bench/bench_decode.py --sweep` (H200, HQ=64, H=4, d=128, bf16,
-# 64k context; TUNE from the B=1 sweep, TUNE_LARGE from the B=16 sweep). cmp_tile = compressed tokens
-# loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm = programs per multiprocessor the split-K
-# and the selection+window launches aim at; score_slice = blocks per scoring program (raised to NB/16
-# so the scoring tail merges at most 16 sorted candidate lists); tile = key tokens per selection/window
-# load (<= 64); *_warps: an int or "auto" (about 32 elements of the largest tile a thread); pdl =
-# programmatic dependent launch. TUNE_LARGE overrides TUNE from large_rows (query row, kv head)
-# pairs on (bandwidth-bound).
-TUNE = dict(cmp_tile=64, cmp_per_sm=2, cmp_warps=4, cmp_stages=3, score_slice=128, score_warps=4,
-            sw_per_sm=2, slc_warps=8, slc_stages=3, tile=64, comb_warps=4, pdl=True, large_rows=32)
-TUNE_LARGE: dict = dict(score_warps="auto", comb_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)
-LAST_LAUNCH: dict = {}   # the compiled kernels of the last call (register / spill diagnostics)
-_PDL = {"ok": None}      # whether this Triton accepted launch_pdl (None: not tried yet)
-_SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+# learnt once per process: whether this Triton accepts launch_pdl (None: not tried yet); a capability
+# of the installed Triton/driver, not a tuning knob, written only by _launch_with_pdl_fallback
+_PDL = {"ok": None}
 CPU_SMS = 4              # "multiprocessors" the plan assumes off-GPU (interpreter, offline compiles)
 
 
@@ -270,8 +259,8 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
         lse = mx + tl.log2(tl.maximum(tl.sum(tl.exp2(cm - mx[None, :]) * cl, 0), 1e-30))   # [GC]
         val = tl.exp2(ms - lse[:, None]) * sp
         ssum += tl.sum(tl.where(g_ok[:, None] & vis[None, :], val, 0.0), 0)
-    # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
-    mult = tl.full([SL], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
+    # comparison grid of nsa.ops.common: round-half-even(s * 2**SCORE_BITS * d / (G*l)) in fp64
+    mult = tl.full([SL], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
     x = ssum.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int64)   # rint for 0 <= x < 2**52
     prio = tl.where(j == cur, 3, tl.where(j == 0, 2, tl.where(j == cur - 1, 1, 0))).to(tl.int64)
@@ -455,26 +444,7 @@ def _counters(dev: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _check(q: torch.Tensor, v: torch.Tensor, gates: torch.Tensor) -> None:
-    """NotImplementedError (the dispatcher falls back to torch) for what the kernels do not cover."""
-    if q.dtype not in _SUPPORTED or gates.dtype not in _SUPPORTED:
-        raise NotImplementedError(f"q/gates dtype {q.dtype}/{gates.dtype}: the triton decode kernel "
-                                  "supports fp16/bf16/fp32 (use backend='torch' for fp64)")
-    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        raise NotImplementedError(f"d_k={q.shape[-1]} / d_v={v.shape[-1]} exceed {MAX_HEAD_DIM}")
-
-
-def tune_for(rows_h: int, tune: dict | None = None) -> dict:
-    """The launch knobs for rows_h (query row, kv head) pairs: TUNE, TUNE_LARGE on top for large
-    counts, then `tune` (explicit overrides)."""
-    tn = dict(TUNE)
-    if rows_h >= tn["large_rows"]:
-        tn.update(TUNE_LARGE)
-    tn.update(tune or {})
-    return tn
-
-
-def _warps(knob, elems: int) -> int:
+def _warps(knob: Warps, elems: int) -> int:
     """num_warps: the knob, or for "auto" about 32 elements of the largest tile per thread (1..8)."""
     if knob != "auto":
         return int(knob)
@@ -482,32 +452,32 @@ def _warps(knob, elems: int) -> int:
 
 
 def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: int, n_sel: int,
-                w: int, sms: int, tune: dict) -> dict:
+                w: int, sms: int, knobs: DecodeKnobs) -> dict:
     """Launch geometry from capacities only (so a captured graph fits every later step).
 
     rows_h = B*Tq*H (row, kv head) pairs; n_cap compressed-token slots; s_cap raw-token slots;
-    sms = multiprocessors; tune = the knobs (tune_for).
+    sms = multiprocessors; knobs = DecodeTuning.knobs(rows_h).
     """
     r, u = l // d, l_sel // d
-    bn = max(16, next_pow2(max(tune["cmp_tile"], r + u)))
+    bn = max(16, next_pow2(max(knobs.cmp_tile, r + u)))
     nbj = (bn - (r - 1)) // u                       # selection blocks a sub-tile owns
     nb_vis_cap = (n_cap + r - 1 + u - 1) // u if n_cap > 0 else 0
     nsub = max(1, triton.cdiv(nb_vis_cap, nbj))
     # split-K: about cmp_per_sm programs per multiprocessor in all (one resident wave)
-    want = max(1, int(tune["cmp_per_sm"] * sms) // rows_h)
+    want = max(1, int(knobs.cmp_per_sm * sms) // rows_h)
     subs = triton.cdiv(nsub, min(want, nsub))
     nch = triton.cdiv(nsub, subs)
     nb_p2 = max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1))
     kr = max(2, next_pow2(n_sel))
-    sl = min(nb_p2, max(2, next_pow2(tune["score_slice"]), nb_p2 // 16))
+    sl = min(nb_p2, max(2, next_pow2(knobs.score_slice), nb_p2 // 16))
     ck = min(sl, kr)                                # candidates per scoring slice
     ncand = (nb_p2 // sl) * ck
     # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
     # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
-    tw = min(max(16, next_pow2(l_sel)), tune["tile"])      # key tile (tokens) of both kinds
+    tw = min(max(16, next_pow2(l_sel)), knobs.tile)      # key tile (tokens) of both kinds
     nbs = triton.cdiv(l_sel, tw)
     nwt = triton.cdiv(min(w, max(s_cap, 1)), tw)
-    p2 = max(2, int(tune["sw_per_sm"] * sms) // rows_h)
+    p2 = max(2, int(knobs.sw_per_sm * sms) // rows_h)
     tpp = max(1, triton.cdiv(n_sel * nbs + nwt, p2))
     spb = triton.cdiv(n_sel, triton.cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
     nss = triton.cdiv(n_sel, spb)
@@ -518,39 +488,43 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
                 NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
 
 
-def _launch_all(specs: list, pdl: bool) -> None:
+def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
     """Launch [(name, kernel, grid, args, constexprs)] in order; with pdl the kernels get PDL=True
-    (griddepcontrol in the code) and every launch but the first the launch_pdl attribute."""
+    (griddepcontrol in the code) and every launch but the first the launch_pdl attribute. info, when
+    given, receives name -> the compiled kernel (register / spill diagnostics)."""
     for i, (name, kernel, grid, args, kw) in enumerate(specs):
         extra = dict(launch_pdl=True) if pdl and i > 0 else {}
-        LAST_LAUNCH[name] = kernel[grid](*args, **kw, PDL=pdl, **extra)
+        compiled = kernel[grid](*args, **kw, PDL=pdl, **extra)
+        if info is not None:
+            info[name] = compiled
 
 
-def _launch_with_pdl_fallback(specs: list, want_pdl: bool) -> None:
+def _launch_with_pdl_fallback(specs: list, want_pdl: bool, info: dict | None = None) -> None:
     """Programmatic dependent launch when wanted and this Triton/driver takes it; learnt once, on the
     first try outside a CUDA-graph capture (a failed launch must not happen inside one)."""
     pdl = want_pdl and _PDL["ok"] is not False
     if pdl and _PDL["ok"] is None and torch.cuda.is_current_stream_capturing():
         pdl = False
     if not pdl:
-        _launch_all(specs, False)
+        _launch_all(specs, False, info)
         return
     try:
-        _launch_all(specs, True)
+        _launch_all(specs, True, info)
         _PDL["ok"] = True
     except Exception:  # noqa: BLE001 - e.g. no launch_pdl in this Triton: plain launches from now on
         if _PDL["ok"]:
             raise
         _PDL["ok"] = False
-        _launch_all(specs, False)
+        _launch_all(specs, False, info)
 
 
 def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                       v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor,
                       *, pos0: int | torch.Tensor, win_pos0: int | torch.Tensor | None, l: int, d: int,
                       l_sel: int, n_sel: int, w: int, scale: float, win_ring: int = 0,
-                      tune: dict | None = None, target_programs: int | None = None,
-                      cmp_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      tuning: DecodeTuning | None = None, target_programs: int | None = None,
+                      cmp_tile: int | None = None,
+                      launch_info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NSA for queries at absolute positions pos0 .. pos0+Tq-1 against cache buffers (no checks of
     lengths here: nsa.ops.nsa_decode validates the int form).
 
@@ -560,11 +534,13 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     (a ring of win_ring >= w + Tq - 1 rows; win_pos0 is then ignored). pos0 / win_pos0: Python
     ints, or int device tensors of shape [1] or [B] (then nothing on the host depends on them: a
     CUDA graph of this call replays at any position that fits the buffers). scale: the softmax
-    scale. tune: launch knobs over tune_for(...) (tests shrink them); target_programs / cmp_tile:
-    shorthands for tune's cmp_per_sm (in programs in all) / cmp_tile. Returns (o [B,Tq,HQ,dv] in
-    q.dtype, block_idx [B,Tq,H,n_sel] int64 ascending, -1 padded).
+    scale. tuning: the launch knobs (None: the preset of q's device; tests shrink them with
+    DecodeTuning.with_knobs); target_programs / cmp_tile: shorthands setting the knobs' cmp_per_sm and
+    sw_per_sm (from programs in all) / cmp_tile. launch_info: a dict that receives kernel name ->
+    compiled kernel (register / spill diagnostics). Returns (o [B,Tq,HQ,dv] in q.dtype,
+    block_idx [B,Tq,H,n_sel] int64 ascending, -1 padded).
     """
-    _check(q, v_slc, gates)
+    check_supported(q, v_slc, gates)
     B, Tq, HQ, dk = q.shape
     H, dv = k_slc.shape[2], v_slc.shape[3]
     G = HQ // H
@@ -574,15 +550,16 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
             raise ValueError(f"{name} needs a unit stride in its last dim, got strides {x.stride()}")
     dev = q.device
     R = B * Tq
-    tn = tune_for(R * H, tune)
+    tn = (tuning or tuning_for(dev).decode).knobs(R * H)
     sms = _sm_count(dev.index or 0) if dev.type == "cuda" else CPU_SMS
     if target_programs is not None:
-        tn["cmp_per_sm"] = tn["sw_per_sm"] = max(1, target_programs) / sms
+        per_sm = max(1, target_programs) / sms
+        tn = dataclasses.replace(tn, cmp_per_sm=per_sm, sw_per_sm=per_sm)
     if cmp_tile is not None:
-        tn["cmp_tile"] = cmp_tile
+        tn = dataclasses.replace(tn, cmp_tile=cmp_tile)
     n_cap = k_cmp.shape[1]
     plan = decode_plan(rows_h=R * H, n_cap=n_cap, s_cap=k_slc.shape[1], l=l, d=d, l_sel=l_sel,
-                       n_sel=n_sel, w=w, sms=sms, tune=tn)
+                       n_sel=n_sel, w=w, sms=sms, knobs=tn)
     if n_cap == 0:  # nothing compressed yet: any valid pointer, every load is masked off
         k_cmp, v_cmp = k_slc, v_slc
     pos_ptr = isinstance(pos0, torch.Tensor)
@@ -621,8 +598,8 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                 k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
                 v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2)
     cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
-                  NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn["cmp_warps"],
-                  num_stages=tn["cmp_stages"], **geo)
+                  NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn.cmp_warps,
+                  num_stages=tn.cmp_stages, **geo)
     SL, NB_P2 = plan["SL"], plan["NB_P2"]
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
@@ -633,7 +610,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                     LOGNSL=plan["NSL"].bit_length() - 1, NSEL=n_sel, KR=plan["NSEL_P2"],
                     LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
                     LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
-                    num_warps=_warps(tn["score_warps"], gc * max(SL, nch_p2)), **geo)
+                    num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
     sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
@@ -642,15 +619,15 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
-                 num_warps=tn["slc_warps"], num_stages=tn["slc_stages"])
+                 num_warps=tn.slc_warps, num_stages=tn.slc_stages)
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
                  gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
     np2_p2 = max(2, next_pow2(NP2))
     comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
-                   num_warps=_warps(tn["comb_warps"], max(nch_p2, np2_p2) * bdv))
+                   num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
     _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
                                ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
                                ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
                                ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
-                              bool(tn["pdl"]) and q.is_cuda)
+                              bool(tn.pdl) and q.is_cuda, launch_info)
     return o, bi

@@ -7,8 +7,8 @@ Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so e
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
 
-Compressed branch on a dense kernel (CMP_DENSE): on CUDA with fp16/bf16 the compressed attention
-can run as one grouped-query causal SDPA call (cuDNN or flash, cmp_dense.py) outside the Function;
+Compressed branch on a dense kernel (tuning.cmp_dense, nsa/ops/tuning.py): on CUDA with fp16/bf16 the
+compressed attention can run as one grouped-query causal SDPA call (cuDNN or flash, cmp_dense.py) outside the Function;
 its output and log-sum-exp come in as o_cmp / lse_cmp, the Function returns g_cmp * dO as their
 gradient and autograd runs that kernel's backward (dq of that branch is then added by autograd).
 """
@@ -18,22 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fallbacks import count_fallback
+from ..tuning import CmpDenseTuning, KernelTuning, tuning_for
 from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
 from .select import slc_bwd, slc_fwd
-
-# "auto": the compressed branch on the first dense SDPA kernel (cmp_dense.BACKENDS) whose one-off
-# probe passes on this device/dtype/head size, for T >= CMP_DENSE_MIN_T (with or without autograd:
-# a no-grad forward, e.g. a reentrant checkpoint, must choose the same blocks as the recomputation)
-# and torch.use_deterministic_algorithms off (cuDNN's backward is not bitwise repeatable at 64k);
-# else the Triton kernel. "off": always the Triton kernel; "cudnn" / "flash" / "math": that one
-# (tests, benchmarks). H200, bf16, HQ=64, H=4, d=128, compressed branch fwd / fwd+bwd ms, cuDNN vs
-# Triton (bench/bench_cmp_dense.py, 2026-11-24): 8k 0.40/1.73 vs 0.39/1.88, 16k 0.93/3.43 vs
-# 1.07/5.00, 32k 2.55/10.28 vs 3.46/15.19, 64k 8.36/34.41 vs 12.47/52.44.
-CMP_DENSE = "auto"
-CMP_DENSE_MIN_T = 16384   # at 8k the gated Triton kernel is as fast (full op 11.4-12.0 ms either way)
 
 
 @triton.jit
@@ -111,20 +102,22 @@ class NSATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, l, d, l_sel,
-                n_sel, w, scale, chunk):
+                n_sel, w, scale, chunk, tuning):
         ctx.ext_cmp = o_cmp_in is not None
+        at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
             o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
         else:
-            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale)
+            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale, tuning=at)
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
-        block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
-        o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale)
-        o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale)
+        block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
+                                  tuning=tuning.scores)
+        o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select)
+        o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx)
-        ctx.hp = (l, d, l_sel, w, scale, chunk)
+        ctx.hp = (l, d, l_sel, w, scale, chunk, tuning)
         ctx.mark_non_differentiable(block_idx)
         return o, block_idx
 
@@ -132,7 +125,7 @@ class NSATritonFunction(torch.autograd.Function):
     def backward(ctx, do, _dbi):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
          lse_cmp, lse_slc, lse_win, block_idx) = ctx.saved_tensors
-        l, d, l_sel, w, scale, chunk = ctx.hp
+        l, d, l_sel, w, scale, chunk, tuning = ctx.hp
         do = do.contiguous()
         # dgates [B,T,HQ,3] fp32, and for an outside compressed branch its output's gradient g_cmp * dO
         dg, do_cmp = gate_grads(do, o_cmp, o_slc, o_win, gates if ctx.ext_cmp else None)
@@ -140,29 +133,34 @@ class NSATritonFunction(torch.autograd.Function):
             dq, dkc, dvc = None, None, None
         else:
             dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
-                                    stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32)
+                                    stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
+                                    tuning=tuning.attn)
             do_cmp = None
         dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                gates[..., 1], l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
-                               dq_dtype=torch.float32)
+                               dq_dtype=torch.float32, tuning=tuning.select)
         dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
-                                stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype)
+                                stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
+                                tuning=tuning.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
-                     n_sel: int, w: int, scale: float, dkdv_chunk: int = 1024):
+                     n_sel: int, w: int, scale: float, dkdv_chunk: int = 1024,
+                     tuning: KernelTuning | None = None):
     """Make layouts kernel-friendly and run the autograd.Function (inputs already validated).
 
+    tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
     fp32 partials added in a fixed order); small values exercise that path in tests."""
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
     q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
+    tuning = tuning or tuning_for(q.device)
     o_cmp = lse_cmp = None
-    be = cmp_dense_backend(q, k_cmp, v_cmp)
+    be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense)
     if be is not None:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
@@ -173,7 +171,8 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             _dense_failed(q, v_cmp, be, exc)
             o_cmp = lse_cmp = None
     return NSATritonFunction.apply(q, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
-                                   gates.contiguous(), o_cmp, lse_cmp, l, d, l_sel, n_sel, w, scale, dkdv_chunk)
+                                   gates.contiguous(), o_cmp, lse_cmp, l, d, l_sel, n_sel, w, scale, dkdv_chunk,
+                                   tuning)
 
 
 def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception) -> None:
@@ -181,20 +180,22 @@ def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception)
     and warned once."""
     import warnings
 
-    from ..dispatch import count_fallback
     count_fallback(f"cmp_dense:{be}->triton")
     why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
     cmp_dense.disable(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], why)
     warnings.warn(f"compressed branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
 
 
-def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> str | None:
-    """The dense SDPA backend the compressed branch uses for these inputs (CMP_DENSE), or None."""
-    if CMP_DENSE == "off" or k_cmp.shape[1] == 0:
+def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
+                      cfg: CmpDenseTuning | None = None) -> str | None:
+    """The dense SDPA backend the compressed branch uses for these inputs under cfg (None: the
+    preset of q's device), or None for the Triton kernel."""
+    cfg = cfg or tuning_for(q.device).cmp_dense
+    if cfg.mode == "off" or k_cmp.shape[1] == 0:
         return None
-    if CMP_DENSE != "auto":
-        return CMP_DENSE
-    if not q.is_cuda or q.shape[1] < CMP_DENSE_MIN_T or torch.are_deterministic_algorithms_enabled():
+    if cfg.mode != "auto":
+        return cfg.mode
+    if not q.is_cuda or q.shape[1] < cfg.min_t or torch.are_deterministic_algorithms_enabled():
         return None
     key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
     if torch.cuda.is_current_stream_capturing() and not cmp_dense.probed(*key):

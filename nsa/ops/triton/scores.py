@@ -34,25 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import LOG2E, SCORE_BITS
+from ..tuning import ScoreTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
 
-LOG2E = 1.4426950408889634
-GRID_BITS = 21       # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**21
-# (rows per program, min compressed tokens per chunk, num_warps, num_stages, map of tiles with
-# <= 16 tokens and BT * BN * NBJ_PAD <= 16384, map of the others). Maps: 0 = head sum then band sum
-# on CUDA cores (exact fp32); 1 = p @ cnt on tensor cores at P_PREC (tf32x3 on GPU; spills, tests
-# only) then head sum; 2 = p @ cnt as two fp16 products (hi + lo * 2**-12: ~22-bit p) then head sum.
-# H200, T=64k, B=1, HQ=64, H=4, d_k=128, bf16, triton 3.6 (unfused scores + top-n: 24.7 ms):
-# (128, 64, 8, 2, 2, 2) 10.3-10.6 ms; stages 3: 10.2; (256, 64, 8, 2, 0, 2) 10.5; (256, 64, 8, 2, 2, 2)
-# 12.0; (128, 64, 4, 2, 2, 2) 11.5; (128, 32, 8, 2, 2, 2) 12.1; (128, 64, 4, 2, 0, 2) 14.8.
-# 2026-11-24 (bench_attention.py --sweep 65536 --sweep-only scores.): (128, 64, 8, 2, 2, 2) 10.52,
-# stages 3 10.48, stages 4 10.81, (64, 64, 4, 3, 2, 2) 11.54, (256, 64, 8, 3, 0, 2) 10.13 (16 tokens
-# per tile, the exact fp32 map); 128-token chunks (256, 128, 8, 3, 0, 2) 12.55, (128, 128, 8, 3, 2, 2)
-# 13.62; 32 tokens per tile (512, 64, 8, 3, 0, 2) 11.13. 128k: 40.8 vs 53.3 ms for the old default.
-# Module-level so benchmarks can try others (bench/bench_select.py, bench_attention.py --sweep).
-SCORE_TILE = (256, 64, 8, 3, 0, 2)
-BIG_SCORE_TILE = (128, 64, 8, 2, 2, 2)  # head dims in (128, 256]
-SKIP_MERGE = False   # skip a chunk's merge when no token of the tile gains (no gain on random data)
+GRID_BITS = SCORE_BITS + 1   # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**GRID_BITS
+SCORE_GRID = tl.constexpr(float(2 ** SCORE_BITS))   # the score grid of nsa/ops/common.py, for the kernels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,7 +131,7 @@ def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: 
     """run [BT, KR] best keys so far (descending); s [BT, NBJ_PAD] scores of blocks j0.. -> new run."""
     cols = tl.arange(0, NBJ_PAD)
     jj = (j0 + cols).to(tl.int64)                                            # [NBJ_PAD]
-    mult = tl.full([1, 1], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
+    mult = tl.full([1, 1], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
     x = s.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int64)   # rint for 0 <= x < 2**52
     key = (grid << IB) + (((1 << IB) - 1) - jj)[None, :]
@@ -279,13 +266,13 @@ def _select_kernel(Q, KC, LSE, BI, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
 
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
-                  l_sel: int, n_sel: int, scale: float, tile: tuple | None = None,
-                  wide_keys: bool | None = None, skip_merge: bool | None = None) -> torch.Tensor:
+                  l_sel: int, n_sel: int, scale: float, tuning: ScoreTuning | None = None,
+                  wide_keys: bool | None = None) -> torch.Tensor:
     """q [B,T,HQ,dk], k_cmp [B,N,H,dk] (N may be 0), lse_cmp fp32 [B,T,HQ] (natural log, -inf where no
     compressed token is visible) -> block_idx int64 [B,T,H,n_sel], ascending, -1 padded.
 
-    tile overrides SCORE_TILE / BIG_SCORE_TILE; wide_keys forces int64 (True) or int32 (False, only
-    if the block count fits) ranking keys; both exist for tests and benchmarks."""
+    tuning: tiles and skip_merge (None: the preset of q's device); wide_keys forces int64 (True) or
+    int32 (False, only if the block count fits) ranking keys (tests and benchmarks)."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
     G = HQ // H
@@ -293,7 +280,9 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     R, LC = l_sel // d, l // d
     nsb = triton.cdiv(T, l_sel)
     bdk = max(16, next_pow2(dk))
-    rows, bn_min, warps, stages, map_small, map_big = tile or (BIG_SCORE_TILE if bdk > 128 else SCORE_TILE)
+    tuning = tuning or tuning_for(q.device).scores
+    tile = tuning.tile_for(bdk > 128)
+    rows, bn_min, warps, stages = tile.rows, tile.min_keys, tile.warps, tile.stages
     block_r = row_block(GP, rows)
     bn = max(16, bn_min, next_pow2(R + LC - 1))
     nbj = (bn - LC + 1) // R
@@ -307,9 +296,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         key64 = wide_keys
     bt = block_r // GP
     # the CUDA-core map holds a [BT, BN, NBJ_PAD] product: only for small ones (registers)
-    mode = map_small if bt <= 16 and bt * bn * nbj_pad <= 16384 else map_big
-    if tile is None and not q.is_cuda:
-        mode = 0   # Triton's interpreter: the exact fp32 map is also the fastest there
+    mode = tile.map_small if bt <= 16 and bt * bn * nbj_pad <= 16384 else tile.map_big
     bi = torch.empty(B, T, H, n_sel, device=q.device, dtype=torch.int64)
     n_tiles = triton.cdiv(T, bt)
     _select_kernel[(n_tiles, B * H)](
@@ -319,5 +306,5 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=SKIP_MERGE if skip_merge is None else skip_merge, num_warps=warps, num_stages=stages)
+        SKIP=tuning.skip_merge, num_warps=warps, num_stages=stages)
     return bi

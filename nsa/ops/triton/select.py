@@ -28,28 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import FORCED_STEP, LOG2E
+from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import online_softmax_step
-
-LOG2E = 1.4426950408889634
-SCORE_BITS = 20          # must equal nsa.ops.common.SCORE_BITS (asserted by the tests)
-FORCED_STEP = 2 ** (SCORE_BITS + 1)
-# num_warps of the per-token selection kernels (fwd, dq, dK/dV) and (query, head) rows per step of
-# the dK/dV kernel. H200, T=32k, HQ=64, H=4, d=128: fwd 4 warps 7.9 ms vs 8 warps 12.4; dK/dV 64 rows
-# 30.8 ms (whole selection backward) vs 32 rows 34.6, 16 rows 42.5. 64k with 2 stages each: dK/dV
-# with 4 warps 38.7 ms (whole selection backward) vs 8 warps 46.3; 128 rows 41.1 vs 64 rows 46.0.
-# 64k with gates (bench_attention.py --sweep 65536 --sweep-only select.SLC_WARPS, H200): fwd 2 warps
-# 15.7 ms vs 4 warps 16.1, 1 warp 18.8; backward (dq 2, dK/dV 4) 33.4 vs (4, 4) 34.3; dK/dV with 2
-# warps 551 (spills).
-SLC_WARPS = (2, 2, 4)
-# num_stages of the same three kernels; 64k (bench_attention.py --sweep): selection backward 55.1 ms
-# with (2, 1, 1), 46.1 with (2, 2, 2), 50.2 with (2, 3, 3); forward 16.0 with 2 stages, 18.1 with 3
-SLC_STAGES = (2, 2, 2)
-# key rows per pipeline stage of the forward and dq kernels (capped by l_sel; a smaller tile halves
-# the shared memory per stage, so more programs fit on a multiprocessor). 64k sweep (fwd / whole
-# backward ms): (64, 64) 15.8 / 33.6, (32, 32) 17.8 / 34.5 (3 stages: 16.6 / 34.7), (16, 16) 21.3 / 38.4.
-SLC_BS = (64, 64)
-SLC_DKDV_ROWS = 32   # 64k with gates (as the op runs it): 32 rows 34.1 ms, 64 rows 43.2, 128 rows 41.6
+from .scores import SCORE_GRID
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,8 +136,8 @@ def _topn_kernel(SC, BI, sbb, sbt, sbh, T, H, NSB,
     cur = t // LSEL
     elig = (j[None, :] <= cur[:, None]) & (j < NSB)[None, :] & t_ok[:, None]
     s = tl.load(SC + ((b * H + h) * T + t.to(tl.int64))[:, None] * NSB + j[None, :], mask=elig, other=0.0)
-    # comparison grid of nsa.ops.common: round-half-even(s * 2**20 * d / (G*l)) in fp64
-    mult = tl.full([1, 1], 1048576.0 * STRIDE, tl.float64) / (G * L_CMP)
+    # comparison grid of nsa.ops.common: round-half-even(s * 2**SCORE_BITS * d / (G*l)) in fp64
+    mult = tl.full([1, 1], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
     x = s.to(tl.float64) * mult
     grid = ((x + 4503599627370496.0) - 4503599627370496.0).to(tl.int32)   # rint for 0 <= x < 2**52
     jb = j[None, :]
@@ -422,8 +405,10 @@ def _slc_meta(q: torch.Tensor, G: int, dk: int, dv: int, l_sel: int) -> dict:
 
 
 def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
-            l_sel: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ])."""
+            l_sel: int, scale: float, tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
+    tuning: launch parameters (None: the preset of q's device)."""
+    tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
@@ -433,8 +418,8 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
         q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), SLC_BS[0]), num_stages=SLC_STAGES[0], num_warps=SLC_WARPS[0],
-        **meta)
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.fwd_keys), num_stages=tn.fwd_stages,
+        num_warps=tn.fwd_warps, **meta)
     return o, lse
 
 
@@ -474,8 +459,10 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int):
 def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
             lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
             chunk: int = 1024, dq_in: torch.Tensor | None = None,
-            dq_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            dq_dtype: torch.dtype | None = None,
+            tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
+    tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
@@ -492,8 +479,8 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dq_kernel[(T, B * H)](
         q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), SLC_BS[1]), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
-        num_stages=SLC_STAGES[1], num_warps=SLC_WARPS[1], **meta)
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.dq_keys), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
+        num_stages=tn.dq_stages, num_warps=tn.dq_warps, **meta)
     inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
@@ -503,9 +490,9 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dkdv_kernel[(inv["w_max"],)](
         q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
         dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=SLC_STAGES[2], num_warps=SLC_WARPS[2],
+        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
         GP=next_pow2(HQ // H),
-        ROWS=max(SLC_DKDV_ROWS, next_pow2(HQ // H)), **{k: v for k, v in meta.items() if k != "GR"})
+        ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)), **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
                                        num_warps=8)

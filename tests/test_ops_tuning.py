@@ -1,0 +1,98 @@
+"""Kernel launch parameters as typed configs (nsa/ops/tuning.py): presets, policy, pass-through."""
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.ops import KernelPolicy, nsa_attention, nsa_decode
+from nsa.ops.batched import nsa_torch
+from nsa.ops.common import NSAParams
+from nsa.ops.testing import decode_views, make_inputs
+from nsa.ops.tuning import (AMPERE, CPU, HOPPER, PRESETS, CmpDenseTuning, DecodeTuning, KernelTuning,
+                            TorchTuning, tuning_for)
+
+HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
+
+
+def test_presets_are_frozen_and_named():
+    assert set(PRESETS) == {"hopper", "ampere", "cpu"} and PRESETS["cpu"] is CPU
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HOPPER.attn.fwd.rows = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HOPPER.cmp_dense = CmpDenseTuning("off")
+    assert AMPERE.attn == HOPPER.attn and AMPERE.name == "ampere"
+    # the CPU preset differs only where the interpreter / the CPU torch path want it to
+    assert CPU.scores.tile.map_small == CPU.scores.tile.map_big == 0 and CPU.torch.dense_factor == 8.0
+    assert HOPPER.torch.dense_factor == 4.0 and CPU.attn == HOPPER.attn and CPU.decode == HOPPER.decode
+
+
+def test_tuning_for_device():
+    assert tuning_for("cpu") is CPU and tuning_for(torch.device("cpu")) is CPU
+    if torch.cuda.is_available():
+        major = torch.cuda.get_device_capability()[0]
+        assert tuning_for("cuda") is (AMPERE if major == 8 else HOPPER)
+
+
+def test_cmp_dense_mode_is_checked():
+    with pytest.raises(ValueError, match="CmpDenseTuning.mode"):
+        CmpDenseTuning("fast")
+
+
+def test_decode_regimes_and_overrides():
+    dt = DecodeTuning()
+    assert dt.knobs(dt.large_rows - 1) is dt.small and dt.knobs(dt.large_rows) is dt.large
+    assert dt.small.pdl and not dt.large.pdl and dt.large.score_warps == "auto"
+    pinned = dt.with_knobs(cmp_tile=16, pdl=False)
+    assert pinned.small.cmp_tile == pinned.large.cmp_tile == 16 and not pinned.small.pdl
+    assert pinned.large.slc_warps == dt.large.slc_warps   # other fields keep their regime's value
+
+
+def test_policy_carries_the_device_preset():
+    pol = KernelPolicy.resolve("cpu", torch.float32, "torch")
+    assert pol.tuning is CPU and "tuning=cpu" in str(pol)
+    custom = KernelPolicy("torch", "cpu", "float32", {}, {}, None, HOPPER)
+    assert custom.tuning is HOPPER
+
+
+def test_nsa_attention_passes_tuning_to_the_torch_path():
+    """An explicit tuning reaches the kernels: dense_factor 0 forces the per-query gather path, which
+    equals nsa_torch called with that factor directly (and the default run, up to rounding)."""
+    xs = make_inputs(1, 40, 4, 2, 8, 8, l=HP["l"], d=HP["d"], seed=3)
+    gather = KernelTuning("test", torch=TorchTuning(dense_factor=0.0, cpu_tile=16))
+    o, bi = nsa_attention(*xs, **HP, backend="torch", tuning=gather)
+    o_ref, bi_ref = nsa_torch(*xs, p=NSAParams(**HP), scale=8 ** -0.5, tile=16, dense_factor=0.0)
+    assert torch.equal(o, o_ref) and torch.equal(bi, bi_ref)
+    o_def, bi_def = nsa_attention(*xs, **HP, backend="torch")
+    assert torch.equal(bi, bi_def) and torch.allclose(o, o_def, atol=1e-6)
+
+
+def test_nsa_decode_accepts_tuning():
+    xs = make_inputs(1, 30, 4, 2, 8, 8, l=HP["l"], d=HP["d"], seed=4)
+    views, pos0, win_pos0 = decode_views(xs, 29, 1, HP["w"], HP["l"], HP["d"])
+    gather = KernelTuning("test", torch=TorchTuning(dense_factor=0.0))
+    o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend="torch", tuning=gather)
+    o_ref, bi_ref = nsa_torch(*views, p=NSAParams(**HP), scale=8 ** -0.5, pos0=pos0, win_pos0=win_pos0,
+                              dense_factor=0.0)
+    assert torch.equal(o, o_ref) and torch.equal(bi, bi_ref)
+
+
+def test_no_public_mutable_module_state_in_ops():
+    """Tuning is passed, never patched: no module of nsa/ops binds a public name to a dict, list or
+    set at module level (private caches such as learnt capabilities stay underscored)."""
+    root = Path(__file__).resolve().parents[1] / "nsa" / "ops"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets, value = ([], None)
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp)) or (
+                isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("dict", "list", "set"))
+            for t in targets:
+                if mutable and isinstance(t, ast.Name) and not t.id.startswith("_") and t.id != "__all__":
+                    bad.append(f"{path.relative_to(root)}:{t.id}")
+    assert bad == [], bad
