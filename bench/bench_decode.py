@@ -125,11 +125,10 @@ def breakdown(c, S, tuning, iters: int = 20) -> dict:
     """Per-kernel device microseconds (torch.profiler, L2 warm) and registers / spills per kernel.
     PDL off: a dependent kernel's time would include its wait for the previous one."""
     from torch.profiler import ProfilerActivity, profile
-
-    from nsa.ops.triton import decode as tdec
     args, pos, win = step_inputs(c, S)
     tn = common.decode_knobs_variant(tuning, pdl=False)
-    call = lambda: common.decode_op(args, pos, win, tn)  # noqa: E731
+    kernels: dict = {}
+    call = lambda: common.decode_op(args, pos, win, tn, launch_info=kernels)  # noqa: E731
     call()
     torch.cuda.synchronize()
     out = {}
@@ -141,7 +140,7 @@ def breakdown(c, S, tuning, iters: int = 20) -> dict:
         tot = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if evt.key.startswith("_") and evt.count:
             out[evt.key] = round(tot / evt.count, 2)
-    for name, k in getattr(tdec, "LAST_LAUNCH", {}).items():   # the last call's compiled kernels
+    for name, k in kernels.items():   # the compiled kernels of the last call
         out[f"{name}_regs_spills"] = (getattr(k, "n_regs", None), getattr(k, "n_spills", None))
     return out
 
@@ -205,7 +204,7 @@ def stage_costs(c, S, reps, tuning) -> dict:
     out = {"trivial": {"cold_us": time_cold(trivial, reps), "hot_us": time_hot(trivial, reps)}}
     try:
         for n in (1, 2, 3, 4):
-            tdec._launch_with_pdl_fallback = lambda specs, pdl, n=n: orig(specs[:n], pdl)
+            tdec._launch_with_pdl_fallback = lambda specs, pdl, *rest, n=n: orig(specs[:n], pdl, *rest)
             replay = common.graphed(lambda: common.decode_op(args, pos, win, tuning))
             out[f"first_{n}"] = {"cold_us": time_cold(replay, reps), "hot_us": time_hot(replay, reps)}
     finally:

@@ -222,16 +222,15 @@ def run_ncu_attention(a) -> None:
 
 def run_ncu_decode(a) -> None:
     from bench_decode import make_cache, step_inputs
-
-    from nsa.ops.triton import decode as tdec
     torch.manual_seed(0)
     c = make_cache(a.B, a.S, 64, 4, 128, 128)
     args, pos, win = step_inputs(c, a.S)
     tuning = common.decode_knobs_variant(common.base_tuning(), pdl=False)
+    kernels: dict = {}
     for _ in range(a.calls):
-        common.decode_op(args, pos, win, tuning)
+        common.decode_op(args, pos, win, tuning, launch_info=kernels)
     torch.cuda.synchronize()
-    for name, k in getattr(tdec, "LAST_LAUNCH", {}).items():   # the last call's compiled kernels
+    for name, k in kernels.items():   # the compiled kernels of the last call
         print(name, "regs", getattr(k, "n_regs", None), "spills", getattr(k, "n_spills", None),
               "shared", getattr(getattr(k, "metadata", None), "shared", None))
 

@@ -330,11 +330,15 @@ def nsa_op(x: list[torch.Tensor], tuning=None):
     return nsa_attention(*x, **HP, backend="triton", **kw)
 
 
-def decode_op(args: list[torch.Tensor], pos: torch.Tensor, win: torch.Tensor, tuning=None):
+def decode_op(args: list[torch.Tensor], pos: torch.Tensor, win: torch.Tensor, tuning=None,
+              launch_info: dict | None = None):
     """One decode step on the Triton launcher with device positions (the CUDA-graph form); tuning: a
-    KernelTuning (its decode part is used) or None for the policy's default."""
+    KernelTuning (its decode part is used) or None for the policy's default; launch_info: a dict that
+    receives the compiled kernels (registers / spills)."""
     from nsa.ops.triton import decode as tdec
     kw = {} if tuning is None else {"tuning": tuning.decode}
+    if launch_info is not None:
+        kw["launch_info"] = launch_info
     return tdec.nsa_decode_triton(*args, pos0=pos, win_pos0=win, scale=args[0].shape[-1] ** -0.5, **HP, **kw)
 
 
@@ -372,12 +376,9 @@ def decode_large_rows(base) -> int:
 def select_blocks_op(q, kc, lse, scale: float, tuning=None):
     """The fused scores + top-n kernel alone, with tuning.scores (or the default tile)."""
     from nsa.ops.triton import scores
-    if tuning is None:
-        return scores.select_blocks(q, kc, lse, l=HP["l"], d=HP["d"], l_sel=HP["l_sel"], n_sel=HP["n_sel"],
-                                    scale=scale)
+    kw = {} if tuning is None else {"tuning": tuning.scores}
     return scores.select_blocks(q, kc, lse, l=HP["l"], d=HP["d"], l_sel=HP["l_sel"], n_sel=HP["n_sel"],
-                                scale=scale, tile=dataclasses.astuple(tuning.scores.tile),
-                                skip_merge=tuning.scores.skip_merge)
+                                scale=scale, **kw)
 
 
 # ----------------------------------------------------------------------------------------- CLI and results
