@@ -19,7 +19,7 @@ OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
 export OUT
 T_TESTS=${T_TESTS:-260}
-T_BENCH=${T_BENCH:-300}
+T_BENCH=${T_BENCH:-500}
 
 gpu_info() {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
