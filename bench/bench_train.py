@@ -7,7 +7,7 @@
 
 bare: one device, nsa.train.step.train_step over nsa.data's plain parquet iterator; the bench syncs the
       device after every step (bench-only) so step times are exact.
-ray:  pipelines/builder.launch (Ray Data + TorchTrainer + DDP + full telemetry); times come from the
+ray:  nsa/launch/builder.launch (Ray Data + TorchTrainer + DDP + full telemetry); times come from the
       heartbeats (host wall clock between step boundaries; in steady state the GPU paces the host).
 Both: tokens/s (total and per device), step and fetch p50/p95, fetch as a share of step time, and MFU
 from an analytic FLOP count of the model (matmuls of every linear layer per token, the compression MLPs
