@@ -104,6 +104,6 @@ case "$cmd" in
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \
              | grep -vE "USDT|_warn_once|Profiler clears" | tee "$OUT/profile_$m.log" | tail -60 ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
-  -h|--help|help|"") sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//' ;;
+  -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
   *) echo "bench/gpu.sh: unknown command '$cmd' (bash bench/gpu.sh --help lists them)" >&2; exit 2 ;;
 esac
