@@ -88,9 +88,8 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
 
 
 def sweep_space() -> dict[str, list[dict]]:
-    """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries
-    (the only place this script names the tuning dataclasses)."""
-    from nsa.ops.tuning import ScoreTile, Tile
+    """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries."""
+    Tile, ScoreTile = common.attn_tile, common.score_tile
 
     def sel(kind: str, vals: tuple, keys=("fwd", "dq", "dkdv")) -> dict:
         return {f"select.{k}_{kind}": v for k, v in zip(keys, vals)}
@@ -332,12 +331,11 @@ def run_select(a, dims) -> dict:
 def select_variants() -> dict[str, object]:
     """{name: KernelTuning} for --branch select: score tiles (rows, min keys, warps, stages, map <= 16
     tokens, map > 16 tokens) and the merge skip on the default tile."""
-    from nsa.ops.tuning import ScoreTile
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
     for t in [(128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2), (128, 64, 8, 3, 2, 2),
               (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2)]:
-        out[str(t)] = common.tuning_variant(base, {"scores.tile": ScoreTile(*t)})
+        out[str(t)] = common.tuning_variant(base, {"scores.tile": common.score_tile(*t)})
     return out
 
 

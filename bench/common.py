@@ -306,6 +306,18 @@ def base_tuning(device: str = "cuda"):
     return tuning_for(device)
 
 
+def attn_tile(rows: int, keys: int, warps: int, stages: int):
+    """A compressed / window attention tile (nsa.ops.tuning.Tile)."""
+    from nsa.ops.tuning import Tile
+    return Tile(rows, keys, warps, stages)
+
+
+def score_tile(*fields: int):
+    """A fused-selection tile (nsa.ops.tuning.ScoreTile): rows, min keys, warps, stages, two map kinds."""
+    from nsa.ops.tuning import ScoreTile
+    return ScoreTile(*fields)
+
+
 def tuning_variant(base, changes: dict[str, Any]):
     """base with dotted fields replaced, e.g. {"select.fwd_warps": 4, "attn.fwd": Tile(...)}; each level
     is rebuilt with dataclasses.replace (the configs are frozen; nothing is patched)."""
