@@ -1,169 +1,66 @@
-"""Benchmark: NSA attention op (Triton backend) vs the fastest dense causal SDPA, forward and
-forward+backward, at paper sizes (l=32, d=16, l_sel=64, n_sel=16, w=512; B=1, HQ=64, H=4,
-d_k=d_v=128, bf16). Times are medians of CUDA-event-timed iterations after warm-up. The NSA op
-timed is nsa_attention_triton on precomputed q / k / v / compressed k~ v~ / gates (the layer's
-projections and the compression MLP are excluded, as are the dense side's projections).
+"""Op speed: the NSA attention op (Triton backend) against the best dense attention and fla-core, or one
+branch of it against its alternative.
 
-    python bench/bench_attention.py --T 8192 16384 32768 65536 [--breakdown 65536] [--decode]
+    python bench/bench_attention.py [--T 8192 16384 32768 65536] [--breakdown 65536] [--sweep 65536]
+    python bench/bench_attention.py --branch window|cmp|select [--T ...]
 
-Prints a table and writes bench/out/attention_<date>.json (and a copy under --copy-to, if given).
+Paper sizes (l=32, d=16, l_sel=64, n_sel=16, w=512; B=1, HQ=64, H=4, d_k=d_v=128, bf16); times are
+medians of CUDA-event-timed calls after warm-up.
+
+--branch op (default): the whole op on precomputed q / k / v / compressed k~ v~ / gates (the layer's
+  projections and compression MLP excluded, as are the dense side's projections), forward and
+  forward+backward, with peak memory, against every dense implementation present (SDPA cuDNN / flash /
+  efficient / math, FlashAttention-4 and -2 when importable; --dense narrows it); the fastest is "best
+  dense". fla-core's parallel_nsa as a peer when importable (--no-peers skips it). --breakdown T: per-
+  kernel-stage times; --sweep T: the op under each kernel-tuning variant of sweep_space() (passed as
+  tuning=, nothing patched; --sweep-only PREFIX picks some).
+--branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
+  block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
+  delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
+--branch cmp: the compressed branch alone, Triton kernel vs the residue-split dense SDPA
+  (nsa/ops/triton/cmp_dense.py) on each of its backends, with errors against the Triton kernel.
+--branch select: the fused scores + top-n kernel under several score tiles against the unfused score
+  tensor + top-n kernels, with the share of block_idx rows equal to the unfused path's.
+
+JSON: bench/out/attention[_<branch>]_<stamp>.json; --save copies it to bench/results/.
 """
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import json
-import os
-import shutil
-import statistics
-import sys
-
 import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common
+from common import HP
 
-from nsa.ops.common import num_cmp_tokens  # noqa: E402
-from nsa.ops.triton import nsa_attention_triton  # noqa: E402
-
-HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
+BRANCH_DEFAULTS = {"op": (2, 5), "window": (3, 10), "cmp": (2, 5), "select": (1, 5)}   # (warmup, iters)
 
 
-def cuda_time(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() over iters, timed with CUDA events after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def t_args(doc: str, default_t=(8192, 65536)) -> argparse.ArgumentParser:
-    """The command line shared by the per-T GPU scripts: --T (sequence lengths), --iters, --copy-to
-    (also copy the JSON there); the caller adds its own flags. doc: the script's docstring."""
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
-    ap.add_argument("--T", type=int, nargs="+", default=list(default_t))
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--copy-to", default=None, help="also copy the JSON into this directory")
-    return ap
-
-
-def save_json(result: dict, name: str, copy_to: str | None = None, out_dir: str | None = None) -> str:
-    """Writes result to <out_dir or bench/out>/<name>_<date>.json (and a copy under copy_to); the path."""
-    out_dir = out_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}_{dt.date.today().isoformat()}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    if copy_to:
-        os.makedirs(copy_to, exist_ok=True)
-        shutil.copy(path, copy_to)
-    print(f"wrote {path}")
-    return path
-
-
-def peak_mem(fn) -> float:
-    """Peak GiB allocated during fn() above what was allocated before it."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-
-
-def nsa_inputs(B, T, HQ, H, dk, dv, dtype=torch.bfloat16):
-    N = num_cmp_tokens(T, HP["l"], HP["d"])
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=dtype).requires_grad_()  # noqa: E731
-    x = [r(B, T, HQ, dk), r(B, N, H, dk), r(B, N, H, dv), r(B, T, H, dk), r(B, T, H, dv),
-         r(B, T, H, dk), r(B, T, H, dv)]
-    x.append(torch.rand(B, T, HQ, 3, device="cuda", dtype=dtype).requires_grad_())
-    return x
-
-
-def bench_nsa(B, T, HQ, H, dk, dv, warmup, iters):
-    x = nsa_inputs(B, T, HQ, H, dk, dv)
+# ----------------------------------------------------------------------------------------- whole op
+def bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, tuning=None, mem=True):
+    x = common.nsa_inputs(B, T, HQ, H, dk, dv)
     do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
 
     def fwd():
         with torch.no_grad():
-            return nsa_attention_triton(*x, **HP)
+            return common.nsa_op(x, tuning)
 
     def fwd_bwd():
-        o, _ = nsa_attention_triton(*x, **HP)
+        o, _ = common.nsa_op(x, tuning)
         return torch.autograd.grad(o, x, do)
 
-    res = {"fwd_ms": cuda_time(fwd, warmup, iters), "fwd_bwd_ms": cuda_time(fwd_bwd, warmup, iters)}
-    res["fwd_mem_gib"] = peak_mem(fwd)
-    res["fwd_bwd_mem_gib"] = peak_mem(fwd_bwd)
+    res = {"fwd_ms": common.gpu_time(fwd, warmup, iters), "fwd_bwd_ms": common.gpu_time(fwd_bwd, warmup, iters)}
+    if mem:
+        res["fwd_mem_gib"], res["fwd_bwd_mem_gib"] = common.peak_mem_gib(fwd), common.peak_mem_gib(fwd_bwd)
     return res
 
 
-def _sdpa_backends():
-    from torch.nn.attention import SDPBackend
-    out = {}
-    for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):  # "efficient" measured 3-4x slower on H200
-        if hasattr(SDPBackend, name):
-            out[name.split("_")[0].lower()] = getattr(SDPBackend, name)
-    return out
-
-
-def bench_dense(B, T, HQ, H, dk, dv, warmup, iters):
-    """Fastest causal SDPA among cuDNN / flash / efficient, with enable_gqa or expanded K/V."""
-    from torch.nn.attention import sdpa_kernel
-    q = torch.randn(B, HQ, T, dk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, H, T, dk, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, H, T, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(B, HQ, T, dv, device="cuda", dtype=torch.bfloat16)
-    G = HQ // H
-    tried = {}
-    for bname, backend in _sdpa_backends().items():
-        for gqa in (("enable_gqa", "expand") if bname == "cudnn" else ("enable_gqa",)):
-            def call():
-                with sdpa_kernel(backend):
-                    if gqa == "enable_gqa":
-                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                    kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-                    return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
-
-            def fwd():
-                with torch.no_grad():
-                    return call()
-
-            def fwd_bwd():
-                return torch.autograd.grad(call(), (q, k, v), do)
-
-            key = f"{bname}/{gqa}"
-            try:
-                r = {"fwd_ms": cuda_time(fwd, warmup, iters), "fwd_bwd_ms": cuda_time(fwd_bwd, warmup, iters)}
-                r["fwd_mem_gib"] = peak_mem(fwd)
-                r["fwd_bwd_mem_gib"] = peak_mem(fwd_bwd)
-                tried[key] = r
-            except Exception as exc:  # noqa: BLE001 - a backend that refuses this shape is skipped
-                tried[key] = {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-    ok = {k: v for k, v in tried.items() if "error" not in v}
-    best_f = min(ok, key=lambda k: ok[k]["fwd_ms"])
-    best_fb = min(ok, key=lambda k: ok[k]["fwd_bwd_ms"])
-    return {"fwd_ms": ok[best_f]["fwd_ms"], "fwd_backend": best_f, "fwd_mem_gib": ok[best_f]["fwd_mem_gib"],
-            "fwd_bwd_ms": ok[best_fb]["fwd_bwd_ms"], "fwd_bwd_backend": best_fb,
-            "fwd_bwd_mem_gib": ok[best_fb]["fwd_bwd_mem_gib"], "all": tried}
-
-
 def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
-    """Per-stage times (ms) of the Triton NSA forward and backward."""
+    """Per-stage times (ms) of the Triton NSA forward and backward, each launcher called alone."""
     from nsa.ops.triton import attn, function, scores, select
-    q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
+    q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in common.nsa_inputs(B, T, HQ, H, dk, dv)]
     sc = dk ** -0.5
     l, d, l_sel, n_sel, w = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"], HP["w"]
     out = {}
-    t = lambda name, fn: out.__setitem__(name, cuda_time(fn, warmup, iters))  # noqa: E731
+    t = lambda name, fn: out.__setitem__(name, common.gpu_time(fn, warmup, iters))  # noqa: E731
     oc, lc = attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc)
     t("cmp_fwd", lambda: attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc))
     # "select": the fused scores + top-n the forward uses; the unfused pair for comparison
@@ -190,172 +87,282 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     return out
 
 
-SWEEP = {
-    "attn.FWD_TILE": [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)],
-    "attn.DQ_TILE": [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 32, 4, 3)],
-    "attn.DKDV_TILE": [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3)],
-    "select.SLC_WARPS": [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2), (4, 4, 2), (4, 2, 4)],
-    "select.SLC_DKDV_ROWS": [16, 32, 64],
-    "select.SLC_STAGES": [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)],
-    "select.SLC_BS": [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)],
-    "scores.SCORE_TILE": [(256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 128, 8, 3, 0, 2),
-                          (128, 128, 8, 3, 2, 2), (256, 128, 8, 2, 0, 2), (512, 64, 8, 3, 0, 2)],
-}
+def sweep_space() -> dict[str, list[dict]]:
+    """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries."""
+    Tile, ScoreTile = common.attn_tile, common.score_tile
+
+    def sel(kind: str, vals: tuple, keys=("fwd", "dq", "dkdv")) -> dict:
+        return {f"select.{k}_{kind}": v for k, v in zip(keys, vals)}
+    return {
+        "attn.fwd": [{"attn.fwd": Tile(*t)} for t in [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]],
+        "attn.dq": [{"attn.dq": Tile(*t)} for t in [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
+                                                    (64, 32, 4, 3)]],
+        "attn.dkdv": [{"attn.dkdv": Tile(*t)} for t in [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3),
+                                                        (32, 64, 4, 3), (16, 128, 4, 3)]],
+        "select.warps": [sel("warps", w) for w in [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2),
+                                                   (4, 4, 2), (4, 2, 4)]],
+        "select.dkdv_rows": [{"select.dkdv_rows": r} for r in (16, 32, 64)],
+        "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
+        "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
+        "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
+            (256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 128, 8, 3, 0, 2), (128, 128, 8, 3, 2, 2),
+            (256, 128, 8, 2, 0, 2), (512, 64, 8, 3, 0, 2)]],
+    }
 
 
 def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
-    """Times the stages a tile setting affects, for each candidate in SWEEP whose key starts with
-    `only` (ms). The backward calls pass the gates as the op does (a gated dO changes the kernels)."""
-    from nsa.ops.triton import attn, scores, select
-    mods = {"attn": attn, "select": select, "scores": scores}
-    q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in nsa_inputs(B, T, HQ, H, dk, dv)]
-    sc = dk ** -0.5
-    l, d, l_sel, n_sel, w = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"], HP["w"]
-    oc, lc = attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc)
-    ow, lw = attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc)
-    bi = select.select_topn(select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc), G=HQ // H,
-                            l=l, d=d, l_sel=l_sel, n_sel=n_sel)
-    os_, ls = select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc)
-    do = torch.randn_like(oc)
-    delta = (do.float() * oc.float()).sum(-1)
-    stages = {
-        "attn.FWD_TILE": {
-            "cmp_fwd": lambda: attn.attn_fwd(q, kc, vc, stride=d, offset=l - 1, window=0, scale=sc),
-            "win_fwd": lambda: attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc)},
-        "attn.DQ_TILE": {
-            "cmp_bwd": lambda: attn.attn_bwd(q, kc, vc, do, lc, delta, g[..., 0], stride=d, offset=l - 1,
-                                             window=0, scale=sc),
-            "win_bwd": lambda: attn.attn_bwd(q, kw, vw, do, lw, delta, g[..., 2], stride=1, offset=0, window=w,
-                                             scale=sc)},
-        "select.SLC_WARPS": {
-            "slc_fwd": lambda: select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc),
-            "slc_bwd": lambda: select.slc_bwd(q, ks, vs, bi, do, ls, delta, g[..., 1], l_sel=l_sel, scale=sc)},
-    }
-    stages["scores.SCORE_TILE"] = {
-        "select": lambda: scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc)}
-    stages["attn.DKDV_TILE"] = stages["attn.DQ_TILE"]
-    stages["select.SLC_DKDV_ROWS"] = {"slc_bwd": stages["select.SLC_WARPS"]["slc_bwd"]}
-    stages["select.SLC_STAGES"] = stages["select.SLC_WARPS"]
-    stages["select.SLC_BS"] = stages["select.SLC_WARPS"]
-    out = {}
-    for key, cands in SWEEP.items():
-        if not key.startswith(only):
+    """The whole op (fwd and fwd+bwd ms) under each sweep_space() variant whose group starts with `only`,
+    each built from the device's default tuning and passed as tuning=."""
+    base = common.base_tuning()
+    out = {"defaults": bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, base, mem=False)}
+    print(f"sweep T={T} defaults: {out['defaults']}", flush=True)
+    for group, variants in sweep_space().items():
+        if not group.startswith(only):
             continue
-        mod, name = key.split(".")
-        orig = getattr(mods[mod], name)
-        for cand in cands:
-            setattr(mods[mod], name, cand)
+        for changes in variants:
+            key = ",".join(f"{k}={v}" for k, v in changes.items())
             try:
-                out[f"{key}={cand}"] = {st: round(cuda_time(fn, warmup, iters), 3) for st, fn in stages[key].items()}
+                out[key] = bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, common.tuning_variant(base, changes),
+                                     mem=False)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
-                out[f"{key}={cand}"] = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
-            print(f"sweep T={T} {key}={cand}: {out[f'{key}={cand}']}", flush=True)
-        setattr(mods[mod], name, orig)
+                out[key] = {"error": common.error_text(exc, 100)}
+            print(f"sweep T={T} {key}: {out[key]}", flush=True)
+            torch.cuda.empty_cache()
     return out
 
 
-def bench_decode(B, S, HQ, H, dk, dv, warmup, iters):
-    """One query token at context S: NSA decode (nsa.ops.nsa_decode, torch backend) vs dense SDPA."""
-    from nsa.ops import nsa_decode
-    l, d, w = HP["l"], HP["d"], HP["w"]
-    N = num_cmp_tokens(S, l, d)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(B, 1, HQ, dk, **bf)
-    kc, vc = torch.randn(B, N, H, dk, **bf), torch.randn(B, N, H, dv, **bf)
-    ks, vs = torch.randn(B, S, H, dk, **bf), torch.randn(B, S, H, dv, **bf)
-    wp0 = S - w
-    kw, vw = torch.randn(B, w, H, dk, **bf), torch.randn(B, w, H, dv, **bf)
-    g = torch.rand(B, 1, HQ, 3, **bf)
-    res = {}
-    with torch.no_grad():
-        def nsa():
-            return nsa_decode(q, kc, vc, ks, vs, kw, vw, g, pos0=S - 1, win_pos0=wp0, **HP, backend="torch")
-        res["nsa_torch_ms"] = cuda_time(nsa, warmup, iters)
-        qd = q.transpose(1, 2)
-        kd, vd = ks.transpose(1, 2), vs.transpose(1, 2)
-
-        def dense():
-            return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
-        res["dense_ms"] = cuda_time(dense, warmup, iters)
-    return res
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
-    ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--HQ", type=int, default=64)
-    ap.add_argument("--H", type=int, default=4)
-    ap.add_argument("--dk", type=int, default=128)
-    ap.add_argument("--dv", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--breakdown", type=int, nargs="*", default=[], help="T values for per-stage times")
-    ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the tile-config sweep")
-    ap.add_argument("--sweep-only", default="", help="sweep only the SWEEP keys with this prefix")
-    ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
-    ap.add_argument("--decode", action="store_true", help="also time a decode step at 64k (B=1, 16)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    ap.add_argument("--copy-to", default=None, help="also copy the JSON into this directory")
-    a = ap.parse_args()
-    torch.manual_seed(0)
-    dims = (a.B, a.HQ, a.H, a.dk, a.dv)
-    rows, result = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                        "date": dt.datetime.now().isoformat(timespec="seconds"), "hparams": HP,
-                        "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {}}
-    import triton
-    result["triton"] = triton.__version__
+def run_op(a, dims) -> dict:
+    result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
+              "dense_available": common.print_dense_available()}
+    rows, peer_rows = [], []
     for T in a.T:
-        nsa = bench_nsa(a.B, T, *dims[1:], a.warmup, a.iters)
+        nsa = bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters)
         torch.cuda.empty_cache()
-        dense = bench_dense(a.B, T, *dims[1:], a.warmup, a.iters)
+        dense = common.time_dense(dims[0], T, *dims[1:], a.warmup, a.iters, only=a.dense)
         torch.cuda.empty_cache()
+        if "error" in dense:
+            raise SystemExit(f"T={T}: {dense['error']}: {dense['all']}")
         rf, rfb = dense["fwd_ms"] / nsa["fwd_ms"], dense["fwd_bwd_ms"] / nsa["fwd_bwd_ms"]
         result["T"][T] = {"nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb}
-        if not a.no_peers:   # fla-core when importable: same shapes, ratios to dense and to ours
-            from peers import time_fla
-            fla = time_fla(a.B, T, *dims[1:], HP["n_sel"], HP["l_sel"], cuda_time, a.warmup, a.iters)
+        if not a.no_peers:   # same shapes; ratios to best dense and to ours
+            fla = common.time_fla(dims[0], T, *dims[1:], HP["n_sel"], HP["l_sel"], a.warmup, a.iters)
             torch.cuda.empty_cache()
             if "fwd_ms" in fla:
                 fla.update(speedup_fwd=dense["fwd_ms"] / fla["fwd_ms"],
                            speedup_fwd_bwd=dense["fwd_bwd_ms"] / fla["fwd_bwd_ms"],
                            ours_vs_fla_fwd=fla["fwd_ms"] / nsa["fwd_ms"],
                            ours_vs_fla_fwd_bwd=fla["fwd_bwd_ms"] / nsa["fwd_bwd_ms"])
+                peer_rows.append([T, fla["fwd_ms"], fla["speedup_fwd"], fla["ours_vs_fla_fwd"], fla["fwd_bwd_ms"],
+                                  fla["speedup_fwd_bwd"], fla["ours_vs_fla_fwd_bwd"]])
             result["T"][T]["fla"] = fla
-            print(f"T={T}: fla-core {fla}", flush=True)
-        rows.append((T, nsa["fwd_ms"], dense["fwd_ms"], rf, nsa["fwd_bwd_ms"], dense["fwd_bwd_ms"], rfb,
-                     nsa["fwd_bwd_mem_gib"], dense["fwd_bwd_mem_gib"], dense["fwd_backend"]))
+        rows.append([T, nsa["fwd_ms"], dense["fwd_ms"], rf, nsa["fwd_bwd_ms"], dense["fwd_bwd_ms"], rfb,
+                     nsa["fwd_bwd_mem_gib"], dense["fwd_bwd_mem_gib"],
+                     f"{dense['fwd_backend']} / {dense['fwd_bwd_backend']}"])
         print(f"T={T}: nsa {nsa} dense fwd {dense['fwd_ms']:.2f} fwd+bwd {dense['fwd_bwd_ms']:.2f}", flush=True)
     for T in a.breakdown:
-        result.setdefault("breakdown", {})[T] = breakdown(a.B, T, *dims[1:], a.warmup, a.iters)
-        print(f"breakdown T={T}: " + " ".join(f"{k}={v:.2f}" for k, v in result["breakdown"][T].items()),
-              flush=True)
+        result.setdefault("breakdown", {})[T] = bd = breakdown(dims[0], T, *dims[1:], a.warmup, a.iters)
+        print(f"breakdown T={T}: " + " ".join(f"{k}={v:.2f}" for k, v in bd.items()), flush=True)
     for T in a.sweep:
-        result.setdefault("sweep", {})[T] = sweep(a.B, T, *dims[1:], 1, 3, a.sweep_only)
-    if a.decode:
-        for B in (1, 16):
-            try:
-                result.setdefault("decode", {})[B] = bench_decode(B, 65536, *dims[1:], a.warmup, a.iters)
-            except Exception as exc:  # noqa: BLE001 - report and continue
-                result.setdefault("decode", {})[B] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
-            print(f"decode B={B} S=65536: {result['decode'][B]}", flush=True)
-    path = save_json(result, "attention", a.copy_to, a.out)
-    print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  B,HQ,H,dk,dv={dims}")
-    print(f"{'T':>6} {'nsa fwd':>9} {'dense fwd':>9} {'x':>6} {'nsa f+b':>9} {'dense f+b':>9} {'x':>6} "
-          f"{'nsa GiB':>8} {'dense GiB':>9}  dense backend")
-    for r in rows:
-        print(f"{r[0]:>6} {r[1]:>9.2f} {r[2]:>9.2f} {r[3]:>6.2f} {r[4]:>9.2f} {r[5]:>9.2f} {r[6]:>6.2f} "
-              f"{r[7]:>8.2f} {r[8]:>9.2f}  {r[9]}")
-    peer_rows = [(T, v["fla"]) for T, v in result["T"].items() if "fwd_ms" in v.get("fla", {})]
+        result.setdefault("sweep", {})[T] = sweep(dims[0], T, *dims[1:], 1, 3, a.sweep_only)
+    print(f"\nms; x = best dense / NSA; B,HQ,H,dk,dv={dims}")
+    common.print_table(["T", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB", "dense GiB",
+                        "best dense fwd / f+b"], rows)
     if peer_rows:
-        print(f"\nfla-core parallel_nsa (compression + selection, mean-pooled compression):")
-        print(f"{'T':>6} {'fla fwd':>9} {'x dense':>8} {'ours x':>7} {'fla f+b':>9} {'x dense':>8} {'ours x':>7}")
-        for T, f in peer_rows:
-            print(f"{T:>6} {f['fwd_ms']:>9.2f} {f['speedup_fwd']:>8.2f} {f['ours_vs_fla_fwd']:>7.2f} "
-                  f"{f['fwd_bwd_ms']:>9.2f} {f['speedup_fwd_bwd']:>8.2f} {f['ours_vs_fla_fwd_bwd']:>7.2f}")
-    else:
+        print("\nfla-core parallel_nsa (compression + selection, mean-pooled compression); x dense = dense / fla, "
+              "ours x = fla / ours")
+        common.print_table(["T", "fla fwd", "x dense", "ours x", "fla f+b", "x dense", "ours x"], peer_rows)
+    elif not a.no_peers:
         first = next(iter(result["T"].values()), {}).get("fla", {})
-        print(f"\nfla-core not timed: {first.get('why') or first.get('skipped') or first.get('error') or 'skipped'}")
+        print(f"\nfla-core not timed: {first.get('why') or first.get('skipped') or first.get('error')}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------- branches
+def run_window(a, dims) -> dict:
+    from nsa.ops.triton import attn
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    _, HQ, H, dk, _ = dims
+    w, sc = HP["w"], dk ** -0.5
+    res, rows = {"w": w, "rows": []}, []
+    fa = torch.compile(flex_attention, dynamic=False)
+    for T in a.T:
+        torch.manual_seed(T)
+        r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        q, k, v, do = r(1, T, HQ, dk), r(1, T, H, dk), r(1, T, H, dk), r(1, T, HQ, dk)
+        ones = torch.ones(q.shape[:-1], device="cuda", dtype=q.dtype)
+
+        def ours_fwd():
+            return attn.attn_fwd(q, k, v, stride=1, offset=0, window=w, scale=sc)
+
+        delta = (do.float() * ours_fwd()[0].float()).sum(-1)
+
+        def ours_fwd_bwd():
+            o, lse = ours_fwd()
+            return attn.attn_bwd(q, k, v, do, lse, delta, ones, stride=1, offset=0, window=w, scale=sc)
+
+        row = {"T": T, "ours_fwd_ms": common.gpu_time(ours_fwd, a.warmup, a.iters),
+               "ours_fwd_bwd_ms": common.gpu_time(ours_fwd_bwd, a.warmup, a.iters)}
+        try:
+            bm = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki < w), None, None, T, T, device="cuda")
+            qt, kt, vt, dot = (x.transpose(1, 2).contiguous() for x in (q, k, v, do))
+            qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
+
+            def flex_fwd():
+                with torch.no_grad():
+                    return fa(qt, kt, vt, block_mask=bm, scale=sc, enable_gqa=True)
+
+            def flex_fwd_bwd():
+                return torch.autograd.grad(fa(qg, kg, vg, block_mask=bm, scale=sc, enable_gqa=True), (qg, kg, vg), dot)
+
+            o_f, o_o = flex_fwd().transpose(1, 2).float(), ours_fwd()[0].float()
+            row["flex_rel_err"] = ((o_f - o_o).norm() / o_o.norm()).item()
+            row["flex_fwd_ms"] = common.gpu_time(flex_fwd, a.warmup, a.iters)
+            row["flex_fwd_bwd_ms"] = common.gpu_time(flex_fwd_bwd, a.warmup, a.iters)
+            rows.append([T, row["ours_fwd_ms"], row["flex_fwd_ms"], row["flex_fwd_ms"] / row["ours_fwd_ms"],
+                         row["ours_fwd_bwd_ms"], row["flex_fwd_bwd_ms"],
+                         row["flex_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"], f"{row['flex_rel_err']:.2e}"])
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+            row["flex_error"] = common.error_text(exc, 200)
+            rows.append([T, row["ours_fwd_ms"], "-", "-", row["ours_fwd_bwd_ms"], "-", "-", row["flex_error"]])
+        res["rows"].append(row)
+        print(f"T={T}: {row}", flush=True)
+    print(f"\nwindow branch, w={w}, HQ={HQ} H={H} d={dk} bf16; ms; x = flex / ours")
+    common.print_table(["T", "ours fwd", "flex fwd", "x", "ours f+b", "flex f+b", "x", "flex rel err"], rows, ".3f")
+    return res
+
+
+def _rel(x, y):
+    x, y = x.float(), y.float()
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def run_cmp(a, dims) -> dict:
+    from nsa.ops.common import num_cmp_tokens
+    from nsa.ops.triton import attn, cmp_dense
+    B, HQ, H, dk, dv = dims
+    l, d, sc = HP["l"], HP["d"], dk ** -0.5
+    res = {"probe": cmp_dense.probe("cuda:0", torch.bfloat16, dk, dv), "T": {}}
+    print("probe:", res["probe"], flush=True)
+    rows = []
+    kw = dict(stride=d, offset=l - 1, window=0, scale=sc)
+    for T in a.T:
+        N = num_cmp_tokens(T, l, d)
+        g = torch.Generator(device="cuda").manual_seed(T)
+        mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+        q, kc, vc, do = mk(B, T, HQ, dk), mk(B, N, H, dk), mk(B, N, H, dv), mk(B, T, HQ, dv)
+        o_t, lse_t = attn.attn_fwd(q, kc, vc, **kw)
+        gq, gk, gv = attn.attn_bwd(q, kc, vc, do, lse_t, (do.float() * o_t.float()).sum(-1), None, **kw)
+
+        def tri_fwd_bwd():
+            o, s = attn.attn_fwd(q, kc, vc, **kw)
+            return attn.attn_bwd(q, kc, vc, do, s, (do.float() * o.float()).sum(-1), None, **kw)
+
+        out = {"triton": {"fwd_ms": common.gpu_time(lambda: attn.attn_fwd(q, kc, vc, **kw), a.warmup, a.iters),
+                          "fwd_bwd_ms": common.gpu_time(tri_fwd_bwd, a.warmup, a.iters)}}
+        for be in cmp_dense.BACKENDS:
+            try:
+                x = [t.clone().requires_grad_() for t in (q, kc, vc)]
+
+                def call(be=be, x=x):
+                    return cmp_dense.cmp_attention_dense(*x, l=l, d=d, scale=sc, backend=be)
+
+                def fwd(call=call):
+                    with torch.no_grad():
+                        return call()
+
+                o, lse = call()
+                grads = torch.autograd.grad(o, x, do)
+                same = all(torch.equal(u, w) for u, w in zip(grads, torch.autograd.grad(call()[0], x, do)))
+                fin = torch.isfinite(lse_t)
+                err = {"o": _rel(o, o_t), "lse_max_abs": float((lse[fin] - lse_t[fin]).abs().max()),
+                       "lse_inf_equal": bool((torch.isinf(lse) == torch.isinf(lse_t)).all()),
+                       "dq": _rel(grads[0], gq), "dk": _rel(grads[1], gk), "dv": _rel(grads[2], gv),
+                       "bitwise_repeatable_grads": same}
+                out[be] = {"fwd_ms": common.gpu_time(fwd, a.warmup, a.iters),
+                           "fwd_bwd_ms": common.gpu_time(lambda call=call, x=x: torch.autograd.grad(
+                               call()[0], x, do), a.warmup, a.iters), "err_vs_triton": err}
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                out[be] = {"error": common.error_text(exc, 300)}
+            print(f"T={T} {be}: {out[be]}", flush=True)
+        res["T"][T] = out
+        rows += [[T, be, v["fwd_ms"], v["fwd_bwd_ms"], out["triton"]["fwd_ms"] / v["fwd_ms"],
+                  out["triton"]["fwd_bwd_ms"] / v["fwd_bwd_ms"]] for be, v in out.items() if "fwd_ms" in v]
+        torch.cuda.empty_cache()
+    print("\ncompressed branch; ms; x = Triton / impl")
+    common.print_table(["T", "impl", "fwd ms", "f+b ms", "x fwd", "x f+b"], rows)
+    return res
+
+
+def run_select(a, dims) -> dict:
+    from nsa.ops.common import num_cmp_tokens
+    from nsa.ops.triton import attn, select
+    _, HQ, H, dk, _ = dims
+    l, d, l_sel, n_sel = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"]
+    sc = dk ** -0.5
+    variants = select_variants()
+    res = {"T": {}}
+    for T in a.T:
+        torch.manual_seed(0)
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, T, HQ, dk, **bf)
+        kc = torch.randn(1, num_cmp_tokens(T, l, d), H, dk, **bf)
+        _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=sc)
+
+        def unfused():
+            s = select.block_scores(q, kc, lse, l=l, d=d, l_sel=l_sel, scale=sc)
+            return select.select_topn(s, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+
+        ref = unfused()
+        r = res["T"][T] = {"unfused_ms": common.gpu_time(unfused, a.warmup, a.iters), "fused": {}}
+        print(f"T={T}: unfused scores+topn {r['unfused_ms']:.2f} ms", flush=True)
+        for key, tuning in variants.items():
+            try:
+                bi = common.select_blocks_op(q, kc, lse, sc, tuning)
+                same = (bi == ref).all(-1).float().mean().item()   # sync-ok: benchmark
+                ms = common.gpu_time(lambda t=tuning: common.select_blocks_op(q, kc, lse, sc, t), a.warmup, a.iters)
+                r["fused"][key] = {"ms": ms, "rows_equal_unfused": same}
+                print(f"  fused {key}: {ms:.2f} ms ({r['unfused_ms'] / ms:.2f}x), rows equal {same:.6f}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
+                r["fused"][key] = {"error": common.error_text(exc, 200)}
+                print(f"  fused {key}: {r['fused'][key]['error']}", flush=True)
+    return res
+
+
+def select_variants() -> dict[str, object]:
+    """{name: KernelTuning} for --branch select: score tiles (rows, min keys, warps, stages, map <= 16
+    tokens, map > 16 tokens) and the merge skip on the default tile."""
+    base = common.base_tuning()
+    out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
+    for t in [(128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2), (128, 64, 8, 3, 2, 2),
+              (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2)]:
+        out[str(t)] = common.tuning_variant(base, {"scores.tile": common.score_tile(*t)})
+    return out
+
+
+def main() -> None:
+    ap = common.t_args(__doc__)
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--branch", choices=sorted(BRANCH_DEFAULTS), default="op",
+                    help="op: the whole NSA op; window / cmp / select: that branch against its alternative")
+    ap.add_argument("--dense", nargs="*", default=None,
+                    help="dense baselines to try (name prefixes: sdpa-cudnn sdpa-flash sdpa-efficient sdpa-math "
+                         "fa4 fa2; default all present)")
+    ap.add_argument("--breakdown", type=int, nargs="*", default=[], help="T values for per-stage times")
+    ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
+    ap.add_argument("--sweep-only", default="", help="sweep only the groups with this prefix (e.g. select.)")
+    ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
+    ap.set_defaults(warmup=None, iters=None)
+    a = ap.parse_args()
+    w0, i0 = BRANCH_DEFAULTS[a.branch]
+    a.warmup = w0 if a.warmup is None else a.warmup
+    a.iters = i0 if a.iters is None else a.iters
+    if not common.has_cuda():
+        raise SystemExit("bench_attention.py needs a CUDA device (the Triton kernels run natively)")
+    torch.manual_seed(0)
+    dims = (a.B, a.HQ, a.H, a.dk, a.dv)
+    run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select}[a.branch]
+    result = run(a, dims)
+    common.write_result(result, "attention" if a.branch == "op" else f"attention_{a.branch}", a)
 
 
 if __name__ == "__main__":

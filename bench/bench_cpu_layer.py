@@ -14,7 +14,8 @@ high-water mark is reset (/proc/self/clear_refs <- 5) and the RSS taken; peak = 
 timed passes minus that RSS: the extra resident memory one forward+backward needs (torch's CPU
 allocations are plain malloc/mmap, so RSS sees them; the reset keeps one-time costs such as code
 paging out). Where the reset is refused, ru_maxrss is used (hwm_reset=false in the JSON).
-peak_first_call_mib (first pass, one-time costs included) is recorded too. Writes bench/out/*.json.
+peak_first_call_mib (first pass, one-time costs included) is recorded too. Writes
+bench/out/cpu_layer_<stamp>.json (--save: also bench/results/cpu_layer.json).
 """
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import common
+
 DIM, HQ, H, DK, DV = 256, 8, 2, 32, 32
-HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
-ROOT = Path(__file__).resolve().parents[1]
+HP = common.HP
+ROOT = common.ROOT
 
 
 def _rss_mib() -> float:
@@ -150,7 +152,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads in each measurement (0: torch's default)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    common.result_args(ap)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -177,16 +179,13 @@ def main() -> None:
             print(f"{what:6} {T:>6} {ns:>15} {ds:>15} "
                   f"{nsa['median_s'] / dense['median_s']:>6.2f} {nsa['peak_extra_mib']:>9.1f} "
                   f"{dense['peak_extra_mib']:>9.1f}", flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    meta = dict(torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+    meta = dict(python=platform.python_version(), cpus=os.cpu_count(),
                 load_avg=os.getloadavg(), threads=args.threads or torch.get_num_threads(),
                 shapes=dict(dim=DIM, HQ=HQ, H=H, d_k=DK, d_v=DV, B=1, **HP),
                 memory="VmHWM after the timed passes minus RSS after warm-up (high-water reset via "
                        "/proc/self/clear_refs), fresh subprocess per row",
                 timing="median (and min) of reps fwd+bwd after one warm-up")
-    path = Path(args.out) / f"bench_cpu_layer_{time.strftime('%Y%m%d_%H%M%S')}.json"
-    path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    print(f"wrote {path}")
+    common.write_result(dict(meta=meta, rows=rows), "cpu_layer", args)
 
 
 if __name__ == "__main__":

@@ -7,32 +7,31 @@
 
 bare: one device, nsa.train.step.train_step over nsa.data's plain parquet iterator; the bench syncs the
       device after every step (bench-only) so step times are exact.
-ray:  pipelines/builder.launch (Ray Data + TorchTrainer + DDP + full telemetry); times come from the
+ray:  nsa/launch/builder.launch (Ray Data + TorchTrainer + DDP + full telemetry); times come from the
       heartbeats (host wall clock between step boundaries; in steady state the GPU paces the host).
 Both: tokens/s (total and per device), step and fetch p50/p95, fetch as a share of step time, and MFU
 from an analytic FLOP count of the model (matmuls of every linear layer per token, the compression MLPs
 per block, and the attention FLOPs NSA actually computes: compressed keys visible to each query,
 n_sel*l_sel selected keys, w window keys; backward = 2x forward; the gradient-checkpointing recompute
-is not counted, as usual for MFU). Prints a table; writes JSON to bench/out/ and, if set, to $OUT.
+is not counted, as usual for MFU). Prints a table; writes bench/out/train_<stamp>.json (--save: also
+bench/results/train.json; $OUT or --copy-to: <dir>/train.json).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-for p in (str(ROOT), str(ROOT / "pipelines")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import torch
 
-import torch  # noqa: E402
-
-from nsa.config import RunConfig, extra_output_dir, resolve_config  # noqa: E402
+import common
+from common import ROOT
+from nsa.config import RunConfig, resolve_config
 
 # dense peak TFLOPS by device-name substring and autocast dtype (bf16/fp16 tensor cores; fp32 = TF32)
 PEAK_TFLOPS = {"H200": {"bf16": 989, "fp16": 989, "fp32": 494}, "H100": {"bf16": 989, "fp16": 989, "fp32": 494},
@@ -137,9 +136,15 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ ray loop
-def run_ray(cfg: RunConfig, sources: dict[str, str], steps: int, warmup: int, out_dir: Path) -> dict[str, Any]:
+def _builder():
+    """The pipelines' trainer builder (nsa/launch/builder.py)."""
     from nsa.launch import builder
+    return builder
+
+
+def run_ray(cfg: RunConfig, sources: dict[str, str], steps: int, warmup: int, out_dir: Path) -> dict[str, Any]:
     from nsa.config import config_from_dict
+    builder = _builder()
     d = cfg.to_dict()
     d["train"].update(steps=warmup + steps)
     root = cfg.logging.root if sources.get("logging.root") == "cli" else str(out_dir / "runs")
@@ -197,15 +202,14 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 5, --tiny 2)")
     ap.add_argument("--skip-bare", action="store_true")
     ap.add_argument("--skip-ray", action="store_true")
-    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "out"))
+    common.result_args(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     a = ap.parse_args()
     profile = a.config or str(ROOT / "pipelines" / "configs" / ("tiny_cpu.yaml" if a.tiny else "prod_50k.yaml"))
     cfg, sources = resolve_config(profile, (TINY if a.tiny else []) + list(a.overrides))
     steps, warmup = a.steps or (4 if a.tiny else 30), a.warmup if a.warmup is not None else (2 if a.tiny else 5)
-    from nsa.launch import builder
-    builder.validate_inputs(cfg)                       # absolute paths, data present (auto-prepare default)
-    out_dir = Path(a.out_dir)
+    _builder().validate_inputs(cfg)                    # absolute paths, data present (auto-prepare default)
+    out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     model = None
@@ -226,7 +230,7 @@ def main() -> int:
     if a.tiny:   # cross-check the analytic count against torch's counter (torch backend on CPU)
         counted = counted_flops_per_token(cfg, model.cpu(), torch.device("cpu"))
         flops["counted_train_per_token_torch_backend"] = counted
-    report = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "profile": profile, "overrides": a.overrides,
+    report = {"profile": os.path.relpath(profile, ROOT), "overrides": a.overrides,
               "steps": steps, "warmup": warmup, "flops_per_token": flops, "peak_flops": peak,
               "config": cfg.to_dict(), "rows": rows}
     print(_table(rows))
@@ -235,12 +239,7 @@ def main() -> int:
           f"attention {flops['attention_fwd'] / 1e6:.2f} M per forward)"
           + (f"; torch counter {flops['counted_train_per_token_torch_backend'] / 1e6:.2f} M"
              if "counted_train_per_token_torch_backend" in flops else ""))
-    name = f"bench_train_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    targets = [out_dir / name] + ([Path(extra_output_dir()) / "bench_train.json"] if extra_output_dir() else [])
-    for t in targets:
-        t.parent.mkdir(parents=True, exist_ok=True)
-        t.write_text(json.dumps(report, indent=2, default=str))
-        print(f"wrote {t}")
+    common.write_result(report, "train", a)
     return 0
 
 

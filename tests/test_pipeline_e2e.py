@@ -11,12 +11,11 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
-import sys
 
 import pytest
 import yaml
 
-from conftest import REPO, TINY_PROFILE, tiny_overrides
+from conftest import TINY_PROFILE, tiny_overrides
 from nsa.config import config_from_dict, resolve_config
 from nsa.telemetry import read_heartbeat
 
@@ -117,8 +116,8 @@ def test_one_mlflow_run_for_the_whole_lifecycle(lifecycle):
 
 def test_bench_ray_row_from_the_run(lifecycle):
     """bench/bench_train.py's Ray row, computed from this real 2-worker run (restart included)."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import bench_train
+    from test_pipeline_bench import load_bench
+    bench_train = load_bench("bench_train")
     run_dir = lifecycle["done"].run_dir
     cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
     row = bench_train.ray_row(run_dir, cfg, warmup=2)

@@ -78,7 +78,7 @@ def _win_note() -> str:
     except Exception:  # noqa: BLE001 - any import problem means "not available"
         fa = "flash-attn not installed"
     return ("window branch on the own Triton kernel (H200, 64k, w=512: fwd 4.15 ms vs compiled FlexAttention "
-            f"4.54, fwd+bwd 13.5 vs 16.0; bench/bench_window.py); {fa}")
+            f"4.54, fwd+bwd 13.5 vs 16.0; bench/bench_attention.py --branch window); {fa}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,272 @@
+#!/usr/bin/env python
+"""Profiling: where the time goes, one mode per question.
+
+    python bench/bench_profile.py kernels --T 8192 65536 [--iters 5] [--ops]
+    python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
+    ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
+        python bench/bench_profile.py ncu-attention --T 65536 --calls 1
+    ncu --kernel-name regex:_cmp_kernel --launch-skip 2 --launch-count 1 --section WarpStateStats \\
+        python bench/bench_profile.py ncu-decode --B 16 --S 65536
+
+kernels: every kernel's device microseconds per call, calls per step and share of one NSA
+  forward+backward (Triton backend, paper sizes, B=1, HQ=64, H=4, d=128, bf16) under torch.profiler,
+  and the dense SDPA forward+backward of the same shapes for scale; --ops also lists the aten ops with
+  the most own device time (names the producer of each glue kernel). JSON: profile_attention.
+step: a training step of the prod_50k model per step-mode variant (bare nsa.train step on synthetic
+  tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
+  means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
+  the most self CPU / GPU time. JSON: profile_step.
+ncu-attention / ncu-decode: drivers for Nsight Compute that run only the kernels to profile (a few
+  forward+backward calls of the op; a few graph-free decode steps with device positions, PDL off, then
+  the decode kernels' registers / spills / shared memory). The first call compiles: skip it in ncu.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import common
+from common import HP, ROOT
+
+STEP_VARIANTS = {
+    "ckpt": [],
+    "nockpt": ["model.grad_checkpointing=false"],
+    "torch": ["nsa.backend=torch"],
+    "compile": ["model.compile=true"],
+    "compile_nockpt": ["model.compile=true", "model.grad_checkpointing=false"],
+    "graph": ["runtime.cuda_graph=true"],
+    "compile_graph": ["model.compile=true", "runtime.cuda_graph=true"],
+}
+
+
+# ----------------------------------------------------------------------------------------- kernels
+def kernel_table(fn, iters: int) -> tuple[list[dict], float]:
+    """[{kernel, us_per_call, calls_per_iter, share}] sorted by total time, and device ms per iter."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    tot, cnt = defaultdict(float), defaultdict(int)
+    for evt in prof.events():
+        if evt.device_type.name != "CUDA":
+            continue
+        tot[evt.name] += getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
+        cnt[evt.name] += 1
+    total = sum(tot.values())
+    rows = [dict(kernel=k[:90], us_per_call=round(tot[k] / cnt[k], 1), calls_per_iter=cnt[k] / iters,
+                 ms_per_iter=round(tot[k] / iters / 1e3, 3), share=round(tot[k] / total, 4))
+            for k in sorted(tot, key=lambda k: -tot[k])]
+    return rows, total / iters / 1e3
+
+
+def op_table(fn, iters: int, top: int = 25) -> list[dict]:
+    """The aten ops with the most device time of their own (kernels they launched), by input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages(group_by_input_shape=True):
+        own = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+        if evt.key.startswith("aten::") and own > 0:
+            rows.append(dict(op=evt.key, shapes=str(evt.input_shapes)[:120], calls_per_iter=evt.count / iters,
+                             ms_per_iter=round(own / iters / 1e3, 3)))
+    return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
+
+
+def run_kernels(a) -> None:
+    B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
+    result = {"hp": HP, "runs": {}}
+    for T in a.T:
+        x = common.nsa_inputs(B, T, HQ, H, dk, dv)
+        do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
+
+        def nsa_step():
+            o, _ = common.nsa_op(x)
+            return torch.autograd.grad(o, x, do)
+
+        bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        qd, kd, vd = torch.randn(B, HQ, T, dk, **bf), torch.randn(B, H, T, dk, **bf), torch.randn(B, H, T, dv, **bf)
+        dod = torch.randn(B, HQ, T, dv, device="cuda", dtype=torch.bfloat16)
+
+        def dense_step():
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+            return torch.autograd.grad(o, (qd, kd, vd), dod)
+
+        rows, ms = kernel_table(nsa_step, a.iters)
+        drows, dms = kernel_table(dense_step, a.iters)
+        run = result["runs"][str(T)] = {"nsa_device_ms": round(ms, 3), "dense_device_ms": round(dms, 3),
+                                        "kernels": rows, "dense_kernels": drows}
+        print(f"\nT={T}: NSA fwd+bwd device {ms:.2f} ms, dense {dms:.2f} ms (ratio {dms / ms:.2f}x)")
+        common.print_table(["kernel", "us/call", "calls", "ms", "share"],
+                           [[r["kernel"][:70], r["us_per_call"], r["calls_per_iter"], r["ms_per_iter"],
+                             f"{r['share']:.1%}"] for r in rows], [""] + [".1f", "g", ".3f", ""])
+        if a.ops:
+            run["aten_ops"] = ops = op_table(nsa_step, a.iters)
+            common.print_table(["aten op (own device time)", "ms", "calls", "input shapes"],
+                               [[r["op"], r["ms_per_iter"], r["calls_per_iter"], r["shapes"]] for r in ops],
+                               ["", ".3f", "g", ""])
+        del x, qd, kd, vd
+        torch.cuda.empty_cache()
+    common.write_result(result, "profile_attention", a)
+
+
+# ----------------------------------------------------------------------------------------- step
+def _build(overrides: list[str]):
+    from nsa.config import resolve_config
+    from nsa.model import TinyLM
+    from nsa.train import build_optimizer, build_scheduler, precision_from_config
+    cfg, _ = resolve_config(str(ROOT / "pipelines" / "configs" / "prod_50k.yaml"), overrides)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    prec = precision_from_config(cfg.runtime, dev)
+    model = TinyLM.from_config(cfg.model, cfg.nsa).to(dev)
+    opt = build_optimizer(model, cfg.train)
+    sched = build_scheduler(opt, cfg.train)
+    batch = torch.randint(0, cfg.model.vocab, (cfg.train.batch_size, cfg.train.seq_len + 1), device=dev)
+    return cfg, dev, prec, model, opt, sched, batch
+
+
+def profile_variant(name: str, overrides: list[str], steps: int, warmup: int, top: int) -> dict[str, Any]:
+    from nsa.train.graphed import single_device_step
+    cfg, dev, prec, model, opt, sched, batch = _build(overrides)
+    run_step, _ = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
+
+    def step():
+        return run_step([batch])
+
+    t0 = time.perf_counter()
+    for _ in range(warmup + (cfg.runtime.cuda_graph_warmup + 1 if cfg.runtime.cuda_graph else 0)):
+        step()
+    common.sync()
+    warmup_s = time.perf_counter() - t0
+    wall, host = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        common.sync()
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    cuda = dev.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    n_prof = 2
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n_prof):
+            step()
+        common.sync()
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events) / n_prof if cuda else float("nan")
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                                         "cuLaunchKernelEx")) / n_prof
+    cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    gpu_top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top] if cuda else []
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    row = {"variant": name, "overrides": overrides, "seq_len": cfg.train.seq_len, "batch": cfg.train.batch_size,
+           "wall_ms_p50": statistics.median(wall), "host_ms_p50": statistics.median(host), "gpu_ms": gpu_us / 1e3,
+           "launches": launches, "toks_per_s": tokens / statistics.median(wall) * 1e3, "warmup_s": warmup_s,
+           "cpu_top": [{"op": e.key, "count": e.count / n_prof, "self_cpu_ms": e.self_cpu_time_total / 1e3 / n_prof}
+                       for e in cpu_top],
+           "gpu_top": [{"op": e.key[:90], "count": e.count / n_prof,
+                        "self_gpu_ms": e.self_device_time_total / 1e3 / n_prof} for e in gpu_top]}
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_step(a) -> None:
+    rows = []
+    for v in a.variants.split(","):
+        if v not in STEP_VARIANTS:
+            raise SystemExit(f"--variants: unknown {v!r}; choose from {sorted(STEP_VARIANTS)}")
+        rows.append(r := profile_variant(v, STEP_VARIANTS[v] + a.overrides, a.steps, a.warmup, a.top))
+        print(f"\n== {v} (seq {r['seq_len']}, batch {r['batch']}): wall {r['wall_ms_p50']:.1f} ms, "
+              f"host {r['host_ms_p50']:.1f} ms, gpu {r['gpu_ms']:.1f} ms, {r['launches']:.0f} launches, "
+              f"{r['toks_per_s']:.0f} tok/s (warm-up {r['warmup_s']:.1f} s)", flush=True)
+        for e in r["cpu_top"]:
+            print(f"  cpu {e['self_cpu_ms']:8.2f} ms  x{e['count']:6.0f}  {e['op']}")
+        for e in r["gpu_top"][:12]:
+            print(f"  gpu {e['self_gpu_ms']:8.2f} ms  x{e['count']:6.0f}  {e['op']}")
+    print()
+    common.print_table(["variant", "seq", "wall ms", "host ms", "gpu ms", "launches", "tok/s"],
+                       [[r["variant"], r["seq_len"], r["wall_ms_p50"], r["host_ms_p50"], r["gpu_ms"], r["launches"],
+                         r["toks_per_s"]] for r in rows], ["", "", ".1f", ".1f", ".1f", ".0f", ".0f"])
+    common.write_result({"rows": rows}, "profile_step", a)
+
+
+# ----------------------------------------------------------------------------------------- ncu drivers
+def run_ncu_attention(a) -> None:
+    torch.manual_seed(0)
+    x = common.nsa_inputs(1, a.T, 64, 4, 128, 128)
+    do = torch.randn(1, a.T, 64, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(a.calls):
+        o, _ = common.nsa_op(x)
+        torch.autograd.grad(o, x, do)
+    torch.cuda.synchronize()
+
+
+def run_ncu_decode(a) -> None:
+    from bench_decode import make_cache, step_inputs
+    torch.manual_seed(0)
+    c = make_cache(a.B, a.S, 64, 4, 128, 128)
+    args, pos, win = step_inputs(c, a.S)
+    tuning = common.decode_knobs_variant(common.base_tuning(), pdl=False)
+    kernels: dict = {}
+    for _ in range(a.calls):
+        common.decode_op(args, pos, win, tuning, launch_info=kernels)
+    torch.cuda.synchronize()
+    for name, k in kernels.items():   # the compiled kernels of the last call
+        print(name, "regs", getattr(k, "n_regs", None), "spills", getattr(k, "n_spills", None),
+              "shared", getattr(getattr(k, "metadata", None), "shared", None))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    k = sub.add_parser("kernels", help="per-kernel device time of one NSA forward+backward vs dense")
+    k.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
+    k.add_argument("--iters", type=int, default=5)
+    k.add_argument("--ops", action="store_true", help="also list the aten ops with the most own device time")
+    for name in ("HQ", "H", "dk", "dv"):
+        k.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
+    common.result_args(k)
+    s = sub.add_parser("step", help="host vs GPU time and launches of a training step, per step mode")
+    s.add_argument("--variants", default="ckpt,nockpt", help=f"comma list of {sorted(STEP_VARIANTS)}")
+    s.add_argument("--steps", type=int, default=10)
+    s.add_argument("--warmup", type=int, default=3)
+    s.add_argument("--top", type=int, default=20)
+    common.result_args(s)
+    s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    na = sub.add_parser("ncu-attention", help="Nsight Compute driver: a few NSA forward+backward calls")
+    na.add_argument("--T", type=int, default=65536)
+    na.add_argument("--calls", type=int, default=2)
+    nd = sub.add_parser("ncu-decode", help="Nsight Compute driver: a few decode steps (device positions)")
+    nd.add_argument("--B", type=int, default=16)
+    nd.add_argument("--S", type=int, default=65536)
+    nd.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    if a.mode != "step" and not common.has_cuda():
+        raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
+    {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,
+     "ncu-decode": run_ncu_decode}[a.mode](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
