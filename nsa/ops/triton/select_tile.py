@@ -21,7 +21,6 @@ Results have the meaning of select.slc_fwd / slc_bwd (same lse, same o/dq/dk/dv 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -438,3 +437,57 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
                                        num_warps=8)
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int = 32, stride: int = 16,
+               l_sel: int = 64, n_sel: int = 16, block_idx: torch.Tensor | None = None,
+               tuning: TileTuning | None = None) -> list[dict]:
+    """Prints (and returns) per-token vs tile selection fwd / bwd ms on one GPU, bf16, B=1, with the
+    union fraction of each m. block_idx: the op's own selection on random inputs (as the op benchmark)
+    unless given (e.g. captured from a trained model). bwd includes its union/inversion preprocessing;
+    fwd includes tile_unions."""
+    from triton.testing import do_bench
+
+    from .function import nsa_triton_apply
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device=dev).bfloat16()
+
+    q, k, v, do = r(1, T, HQ, d), r(1, T, H, d), r(1, T, H, d), r(1, T, HQ, d)
+    gate = torch.rand(1, T, HQ, 3, generator=gen, device=dev).bfloat16()[..., 1]
+    if block_idx is None:
+        n = max(0, (T - l) // stride + 1)
+        with torch.no_grad():
+            block_idx = nsa_triton_apply(q, r(1, n, H, d), r(1, n, H, d), k, v, k, v,
+                                         torch.rand(1, T, HQ, 3, device=dev).bfloat16(), l=l, d=stride,
+                                         l_sel=l_sel, n_sel=n_sel, w=512, scale=d ** -0.5)[1]
+    scale = d ** -0.5
+    from .select import slc_bwd, slc_fwd
+    o, lse = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale)
+    delta = (do.float() * o.float()).sum(-1)
+    rows = []
+    base_f = do_bench(lambda: slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale))
+    base_b = do_bench(lambda: slc_bwd(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale))
+    print(f"T={T} HQ={HQ} H={H} d={d} l_sel={l_sel} n_sel={n_sel}  per-token: fwd {base_f:.2f} ms, "
+          f"bwd {base_b:.2f} ms  ({torch.cuda.get_device_name()})")
+    for m in ms:
+        frac = tile_union_fraction(block_idx, m).item()   # sync-ok: benchmark report
+        un = tile_unions(block_idx, m)
+        f = do_bench(lambda: slc_fwd_tile(q, k, v, block_idx, l_sel=l_sel, scale=scale, m=m, tuning=tuning))
+        b = do_bench(lambda: slc_bwd_tile(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale,
+                                          m=m, tuning=tuning))
+        u = do_bench(lambda: tile_unions(block_idx, m))
+        fk = do_bench(lambda: slc_fwd_tile(q, k, v, block_idx, l_sel=l_sel, scale=scale, m=m, union=un,
+                                           tuning=tuning))
+        rows.append(dict(T=T, HQ=HQ, H=H, d=d, m=m, union_fraction=frac, fwd_ms=f, bwd_ms=b, union_ms=u,
+                         fwd_kernel_ms=fk, per_token_fwd_ms=base_f, per_token_bwd_ms=base_b))
+        print(f"  m={m:2d} rows={max(16, next_pow2(m * HQ // H)):3d} union {frac:.3f}: fwd {f:.2f} ms "
+              f"({base_f / f:.2f}x; kernel {fk:.2f}, tile_unions {u:.2f}), bwd {b:.2f} ms ({base_b / b:.2f}x)")
+    return rows
