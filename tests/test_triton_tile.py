@@ -117,6 +117,8 @@ CASES = {
     "fp16_g2_m4": (1, 45, 4, 2, 32, 32, 16, 3, 4, "random", 1024, torch.float16),
 }
 
+TOKEN_DKDV = {"g2_m4_random", "g16_m2_identical", "g1_m16_long_local", "fp16_g2_m4"}
+
 
 def case_inputs(case, seed):
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
@@ -137,7 +139,9 @@ def test_tile_matches_per_token_and_oracle(case):
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)))
     assert (bi[:, 0] == -1).any() or n_sel == 1, "early tokens should have -1 padded rows"
-    per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, scale, m, chunk)
+    # dK/dV by tiles (the union walk) or by tokens (select.py's kernel): each on half the cases
+    tn = tt.TileTuning(dkdv_by="token" if case in TOKEN_DKDV else "tile")
+    per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, scale, m, chunk, tuning=tn)
     ref = oracle(q, k, v, bi, gate, do, l_sel, scale)
     for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), tile, per_tok, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -176,8 +180,8 @@ def test_sub_block_keys_and_multi_tile_steps():
     case = "g3_m8_lsel24_chunked"
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
     ref = oracle(q, k, v, bi, gate, do, 24, scale)
-    for m, tn in ((8, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_rows=16)),
-                  (1, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_rows=64))):
+    for m, tn in ((8, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_by="tile", dkdv_rows=16)),
+                  (1, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_by="tile", dkdv_rows=64))):
         o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=24, scale=scale, m=m, tuning=tn)
         delta = (do * o).sum(-1)
         grads = tt.slc_bwd_tile(q, k, v, bi, do, lse, delta, gate, l_sel=24, scale=scale, m=m, chunk=7,
@@ -219,6 +223,22 @@ def brute_union(bi: torch.Tensor, m: int):
     return out
 
 
+def check_union(bi: torch.Tensor, m: int, un: "tt.TileUnion") -> None:
+    B, T, H, _ = bi.shape
+    nt, width = triton.cdiv(T, m), m * bi.shape[3]
+    assert un.blocks.shape == un.bits.shape == (B, H, nt, width) and un.size.shape == (B, H, nt)
+    assert un.blocks.dtype == un.bits.dtype == un.size.dtype == torch.int32
+    want = brute_union(bi.cpu(), m)
+    blocks, bits, size = un.blocks.cpu(), un.bits.cpu(), un.size.cpu()
+    for (b, h, n), items in want.items():
+        k = len(items)
+        assert size[b, h, n] == k
+        assert blocks[b, h, n, :k].tolist() == [j for j, _ in items]
+        assert (blocks[b, h, n, k:] == -1).all() and (bits[b, h, n, k:] == 0).all()
+        got_bits = [x & 0xFFFFFFFF for x in bits[b, h, n, :k].tolist()]   # bit 31 is int32's sign
+        assert got_bits == [x for _, x in items], (b, h, n)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 32])
 @pytest.mark.parametrize("mode", ["random", "identical", "own", "ties"])
 def test_tile_unions_match_bruteforce(m, mode):
@@ -226,25 +246,24 @@ def test_tile_unions_match_bruteforce(m, mode):
     B, T, H, S, l_sel = 2, 75, 2, 4, 4
     bi = tied_block_idx(B, T, H, S, l_sel, gen) if mode == "ties" else \
         make_block_idx(B, T, H, 1 if mode == "own" else S, l_sel, mode, gen)
-    un = tt.tile_unions(bi, m)
-    nt, width = triton.cdiv(T, m), m * bi.shape[3]
-    assert un.blocks.shape == un.bits.shape == (B, H, nt, width) and un.size.shape == (B, H, nt)
-    assert un.blocks.dtype == un.bits.dtype == un.size.dtype == torch.int32
-    want = brute_union(bi.cpu(), m)
-    blocks, bits, size = un.blocks.cpu(), un.bits.cpu(), un.size.cpu()
-    total = 0
-    for (b, h, n), items in want.items():
-        k = len(items)
-        total += k
-        assert size[b, h, n] == k
-        assert blocks[b, h, n, :k].tolist() == [j for j, _ in items]
-        assert (blocks[b, h, n, k:] == -1).all() and (bits[b, h, n, k:] == 0).all()
-        got_bits = [x & 0xFFFFFFFF for x in bits[b, h, n, :k].tolist()]   # bit 31 is int32's sign
-        assert got_bits == [x for _, x in items], (b, h, n)
+    check_union(bi, m, tt.tile_unions(bi, m))
+    nt = triton.cdiv(T, m)
+    total = int(tt.tile_unions(bi, m).size.sum())
     frac = tt.tile_union_fraction(bi, m)
     assert frac.dim() == 0 and frac.device == bi.device
     assert abs(frac.item() - total / (B * H * nt * m * bi.shape[3])) < 1e-6
-    assert torch.equal(tt.tile_union_sizes(bi, m), un.size)
+    assert torch.equal(tt.tile_union_sizes(bi, m), tt.tile_unions(bi, m).size)
+
+
+@pytest.mark.parametrize("m,mode", [(1, "random"), (3, "ties"), (8, "identical"), (32, "random")])
+def test_union_kernel_matches_bruteforce(m, mode):
+    """The Triton union kernel (what CUDA runs; tile_unions takes torch ops on the CPU), interpreted."""
+    gen = torch.Generator().manual_seed(m)
+    B, T, H, S, l_sel = 1, 37 if m < 8 else 70, 1, 4, 4
+    bi = tied_block_idx(B, T, H, S, l_sel, gen) if mode == "ties" else make_block_idx(B, T, H, S, l_sel, mode, gen)
+    blocks, bits, size = tt._run_union(bi, m, size_only=False)
+    check_union(bi, m, tt.TileUnion(blocks, bits, size))
+    assert torch.equal(tt._run_union(bi, m, size_only=True)[2], size)
 
 
 def test_union_fraction_extremes():
@@ -262,6 +281,8 @@ def test_bad_tile_size_and_union():
         tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=scale, m=0)
     with pytest.raises(ValueError, match="tile size m"):
         tt.tile_unions(bi, tt.MAX_M + 1)
+    with pytest.raises(ValueError, match="dkdv_by"):
+        tt.TileTuning(dkdv_by="blocks")
     with pytest.raises(ValueError, match="union"):
         tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=scale, m=4, union=tt.tile_unions(bi, 2))
 
@@ -290,12 +311,15 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
     q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
     gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
     bi = make_block_idx(B, T, H, n_sel, l_sel, mode, gen, device="cuda")
-    for m in (2, 4, 8):
-        per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024)
+    for m, by in ((2, "tile"), (4, "token"), (8, "tile")):
+        tn = tt.TileTuning(dkdv_by=by)
+        un, ref_un = tt.tile_unions(bi, m), tt._tile_unions_torch(bi, m)   # kernel vs torch ops
+        assert all(torch.equal(a, b) for a, b in zip(un, ref_un)), f"m={m}: union kernel differs"
+        per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024, tuning=tn)
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), tile, per_tok):
             assert torch.isfinite(a).all(), f"m={m}: non-finite {name}"
             assert rel_rms(a, b) <= 5e-3, f"m={m} {name}: {rel_rms(a, b):.2e}"
-        again = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024)[1]
+        again = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024, tuning=tn)[1]
         for name, a, b in zip(("dq", "dk", "dv"), tile[2:], again[2:]):
             assert torch.equal(a, b), f"m={m}: {name} not bitwise repeatable"
         del per_tok, tile, again
