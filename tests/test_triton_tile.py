@@ -3,7 +3,7 @@
 
 On the CPU through Triton's interpreter (tiny odd shapes); outputs are NaN-poisoned (conftest), so an
 element a kernel leaves unwritten fails. The `gpu` tests compare tile and per-token kernels in bf16 at
-8k and 64k. `python tests/test_triton_tile.py [T HQ H d]` prints bench_tile's timings on a GPU.
+8k and 64k. `python tests/test_triton_tile.py [T HQ H d [run]]` prints bench_tile's timings on a GPU.
 """
 import os
 import sys
@@ -180,8 +180,9 @@ def test_sub_block_keys_and_multi_tile_steps():
     case = "g3_m8_lsel24_chunked"
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
     ref = oracle(q, k, v, bi, gate, do, 24, scale)
-    for m, tn in ((8, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_by="tile", dkdv_rows=16)),
-                  (1, tt.TileTuning(fwd_keys=16, dq_keys=16, dkdv_by="tile", dkdv_rows=64))):
+    small = (tt.TileLaunch(16, 4, 2), tt.TileLaunch(16, 4, 2))
+    for m, tn in ((8, tt.TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=16)),
+                  (1, tt.TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=64))):
         o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=24, scale=scale, m=m, tuning=tn)
         delta = (do * o).sum(-1)
         grads = tt.slc_bwd_tile(q, k, v, bi, do, lse, delta, gate, l_sel=24, scale=scale, m=m, chunk=7,
@@ -325,6 +326,6 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
         del per_tok, tile, again
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":   # T HQ H d [run]: run > 0 takes local selections (see bench_tile)
     args = [int(a) for a in sys.argv[1:]] or [8192, 64, 4, 128]
-    tt.bench_tile(*args)
+    tt.bench_tile(*args[:4], run=args[4] if len(args) > 4 else 0)
