@@ -8,15 +8,21 @@ a power of two >= 16 for tl.dot). Every row still attends exactly its own token'
 carries, per block, a bit mask of the tile's tokens that selected it (bit i <-> token t0 + i), so the
 per-row mask is `(bits >> i) & 1` and the causal limit `key <= token` inside the block.
 
-Preprocessing (tile_unions: one kernel, one program per (tile, b, kv head), no host sync): for each (b, kv head, tile) the ascending union of the tile's selected
-blocks, its size and the per-block token bits.
+Preprocessing (tile_unions; on CUDA one kernel, one program per (tile, b, kv head); no host sync):
+per (b, kv head, tile) the ascending union of the tile's selected blocks, its size and the per-block
+token bits. tile_union_fraction gives the policy's measure (loaded blocks relative to per-token).
 
-Backward: dq per tile program over the union (gate-scaled p as in select.slc_bwd); dK/dV without
-atomics: the tile unions are inverted on the device (sort of (b, h, block) keys), one program per
-(block, chunk of its tile list) sums over the tiles that contain the block in tile order, chunks > 0
-write fp32 partials that select._slc_reduce_kernel adds in chunk order (deterministic).
+Backward: dq per tile program over the union (gate folded into p as in select.slc_bwd). dK/dV without
+atomics, by default select.py's per-token kernel (per block, the tokens that selected it): K/V are
+loaded once per program there already, so tiles save nothing in dK/dV and the tile walk (one program
+per (block, chunk of the tiles whose union holds it), rows of non-selecting tokens masked) only adds
+masked work; it stays as TileTuning(dkdv_by="tile").
 
-Results have the meaning of select.slc_fwd / slc_bwd (same lse, same o/dq/dk/dv up to fp rounding).
+Cost: a tile does union_fraction * m times the per-token MMA work to load union_fraction of its K/V.
+H100, bf16, B=1, l_sel=64, n_sel=16 (bench_tile): HQ=64/H=4/d=128 at 64k, per-token fwd 17.0 ms; with
+unions of 0.25 at m=4 (strongly local selections) the tile fwd takes 6.5-6.9 ms, with the op's
+selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions
+(m=1: select.slc_fwd itself).
 """
 from __future__ import annotations
 
@@ -588,8 +594,9 @@ def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int =
     """Prints (and returns) per-token vs tile selection fwd / bwd ms on one GPU, bf16, B=1, with the
     union fraction of each m. block_idx: given (e.g. captured from a trained model), else
     local_block_idx(run=run, noise=noise) when run > 0 (run=32, noise=1.5 gives about the issue's
-    trained-model unions: 8k 0.69/0.47/0.29/0.17, 32k 0.80/0.63/0.46/0.30 at m=2/4/8/16), else the op's own selection on random inputs (as the op
-    benchmark). fwd and bwd each include tile_unions (shown apart: kernel = fwd given the union)."""
+    trained-model unions: 8k 0.69/0.47/0.29/0.17, 32k 0.80/0.63/0.46/0.30 at m=2/4/8/16), else the
+    op's own selection on random inputs (as the op benchmark). fwd and bwd each include tile_unions
+    (shown apart: kernel = fwd given the union)."""
     from triton.testing import do_bench
 
     from .function import nsa_triton_apply
