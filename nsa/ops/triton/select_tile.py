@@ -71,7 +71,7 @@ class TileTuning:
     # it loads is a member); "tile" walks the tiles whose union holds the block, masking the rows of
     # tokens that did not select it, i.e. union_fraction * m times the token walk's MMA work for the
     # same q/dO traffic (K/V are loaded once per program either way). H100, 8k, HQ=64, H=4, d=128:
-    # token 2.2 ms, tile 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
+    # token 2.2 ms, tile (64 rows per step) 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
     dkdv_by: str = "token"
     dkdv_rows: int = 32             # (token, head) rows per dK/dV step ("tile": whole tiles, >= one)
     dkdv_warps: int = 4
@@ -80,7 +80,6 @@ class TileTuning:
     def __post_init__(self) -> None:
         if self.dkdv_by not in ("token", "tile"):
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
-    big_keys: int = 32              # key rows per stage for padded head dims > 128
 
     def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
         return pair[0] if rows <= 64 else pair[1]
