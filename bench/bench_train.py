@@ -115,7 +115,9 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
                              cfg.train.batch_size, repeat=True, tiktoken_path=cfg.data.tiktoken_path)
     from nsa.train.graphed import single_device_step   # the pipeline's step-mode rule, on one device
     step, mode = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
-    step_ms, fetch_ms, tokens = [], [], 0
+    step_ms, fetch_ms, losses, tokens = [], [], [], 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     for i in range(warmup + steps):
         t0 = time.perf_counter()
         micro = [torch.from_numpy(next(it)).to(dev, non_blocking=True) for _ in range(cfg.train.accumulate)]
@@ -127,12 +129,55 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
         if i >= warmup:
             step_ms.append((t2 - t0) * 1e3)
             fetch_ms.append((t1 - t0) * 1e3)
+            losses.append(float(res.loss))  # the bench syncs every step anyway
             tokens = res.tokens
     p50 = statistics.median(step_ms)
     return {"mode": "bare", "step_mode": mode, "devices": 1, "device": str(dev), "tokens_per_step": tokens,
             "step_ms_p50": p50, "step_ms_p95": _pct(step_ms, 95), "fetch_ms_p50": statistics.median(fetch_ms),
             "fetch_ms_p95": _pct(fetch_ms, 95), "toks_per_s": tokens / (p50 / 1e3), "final_loss": float(res.loss),
+            "mean_loss": statistics.fmean(losses), "losses": losses,
+            "peak_mem_gib": torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None,
             "model": model}
+
+
+# ------------------------------------------------------------------------------------------ NSA vs dense
+def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """The bare loop twice per sequence length, model.attention=nsa then dense (same seed, same data from the
+    start of the corpus, same steps): one row per (seq, kind) with tokens/s, step time, peak memory, loss."""
+    import dataclasses
+    rows = []
+    for seq in seqs:
+        for kind in ("nsa", "dense"):
+            c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq),
+                                    model=dataclasses.replace(cfg.model, attention=kind))
+            try:
+                r = run_bare(c, steps, warmup)
+                r.pop("model")
+            except torch.cuda.OutOfMemoryError as exc:   # report the row, keep the other lengths
+                r = {"error": f"out of memory: {str(exc).splitlines()[0][:120]}"}
+            r.update(seq=seq, attention=kind)
+            rows.append(r)
+            print(f"  seq {seq:>6} {kind:<5} " + (r.get("error") or f"{r['toks_per_s']:>9.0f} tok/s  "
+                  f"{r['step_ms_p50']:>8.1f} ms  {r['step_mode']}"), flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _vs_dense_table(rows: list[dict[str, Any]]) -> str:
+    by = {(r["seq"], r["attention"]): r for r in rows}
+    lines = ["  seq   NSA tok/s  dense tok/s  NSA/dense   step ms NSA/dense    peak GiB NSA/dense   "
+             "mean loss NSA/dense  step mode NSA/dense", "-" * 118]
+    for seq in sorted({r["seq"] for r in rows}):
+        n, d = by.get((seq, "nsa"), {}), by.get((seq, "dense"), {})
+        if "toks_per_s" not in n or "toks_per_s" not in d:
+            lines.append(f"{seq:>6}  {n.get('error', '')} {d.get('error', '')}")
+            continue
+        mem = (f"{n['peak_mem_gib']:.1f}/{d['peak_mem_gib']:.1f}" if n.get("peak_mem_gib") is not None else "n/a")
+        lines.append(f"{seq:>6} {n['toks_per_s']:>11.0f} {d['toks_per_s']:>12.0f} {n['toks_per_s'] / d['toks_per_s']:>9.2f}x"
+                     f"   {n['step_ms_p50']:>8.1f}/{d['step_ms_p50']:<8.1f}   {mem:>14}      "
+                     f"{n['mean_loss']:.3f}/{d['mean_loss']:.3f}       {n['step_mode']}/{d['step_mode']}")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ ray loop
@@ -202,6 +247,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None, help="unmeasured steps first (default 5, --tiny 2)")
     ap.add_argument("--skip-bare", action="store_true")
     ap.add_argument("--skip-ray", action="store_true")
+    ap.add_argument("--vs-dense", type=int, nargs="+", metavar="SEQ", default=None,
+                    help="bare loop only: NSA vs the dense twin (model.attention=dense) at these sequence lengths, "
+                         "same data and steps; a table of tokens/s, step time, peak memory and loss with NSA/dense")
     common.result_args(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     a = ap.parse_args()
@@ -211,6 +259,12 @@ def main() -> int:
     _builder().validate_inputs(cfg)                    # absolute paths, data present (auto-prepare default)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if a.vs_dense:
+        rows = run_vs_dense(cfg, a.vs_dense, steps, warmup)
+        print(_vs_dense_table(rows))
+        common.write_result({"profile": os.path.relpath(profile, ROOT), "overrides": a.overrides, "steps": steps,
+                             "warmup": warmup, "config": cfg.to_dict(), "rows": rows}, "train_vs_dense", a)
+        return 0
     rows: list[dict[str, Any]] = []
     model = None
     if not a.skip_bare:

@@ -9,7 +9,15 @@
 #                                                decode table (sweep at the largest S, breakdown)
 #   bash bench/gpu.sh train [SEQ ...]            bare vs Ray Train throughput (needs .gpu_bundle), 2 GPUs too
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
+#   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
+#                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss
 #   bash bench/gpu.sh all                        tests, attention, decode
+#   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
+#                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
+#                                                (the other half), each under one call's 64 MiB carry limit
+#
+# FlashAttention-4 on the GPU machine: carry .fa4a in one call and .fa4b in the next (back to back: the
+# install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
 #
 # Logs and JSON go to $OUT (default bench/out/gpu); every script also copies its JSON there as
 # <name>.json. Time limits per step: T_TESTS, T_BENCH (seconds).
@@ -39,6 +47,43 @@ ray_bundle() {  # Ray and its dependencies from .gpu_bundle (../shared/tools/gpu
     python3 -m pip install -q --no-index --no-deps --target "$site" .gpu_bundle/*.whl || exit 1
   export PYTHONPATH="$site:$PWD" RAY_AUTH_MODE=disabled RAY_TRAIN_ENABLE_PRINT_PATCH=0
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+}
+
+fa4() {  # FlashAttention-4 into $HOME/fa4site from the carried halves (bundle-fa4); silent when absent
+  local site=$HOME/fa4site
+  if [ -d .fa4a ] && [ ! -d "$site/flash_attn" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .fa4a/*.whl && cp .fa4a/cu13.part.aa "$HOME/"
+  fi
+  if [ -d .fa4b ] && [ -f "$HOME/cu13.part.aa" ] && [ ! -d "$site/nvidia_cutlass_dsl/cu13" ]; then
+    cat "$HOME/cu13.part.aa" .fa4b/cu13.part.ab | xz -dc | tar -x -C "$site"
+  fi
+  if [ -d "$site/nvidia_cutlass_dsl/cu13" ]; then
+    export PYTHONPATH="$site/nvidia_cutlass_dsl/dsl_packages:$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "flash-attn-4: $site"
+  fi
+}
+
+bundle_fa4() {  # runs on the CPU machine with network (pip download), writes .fa4a and .fa4b
+  local tmp plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64)
+  tmp=$(mktemp -d); mkdir -p .fa4a .fa4b
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
+    -d "$tmp" flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+    nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi torch-c-dlpack-ext \
+    quack-kernels || exit 1
+  mkdir "$tmp/cu13" && (cd "$tmp/cu13" && unzip -q ../nvidia_cutlass_dsl_libs_cu13-*.whl) && rm "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl
+  (cd "$tmp/cu13" && tar -cf - . | xz -T0 -7) > "$tmp/cu13.tar.xz"   # 92 MB wheel -> ~65 MB
+  split -b 33M "$tmp/cu13.tar.xz" "$tmp/cu13.part."
+  mv "$tmp"/*.whl "$tmp/cu13.part.aa" .fa4a/ && mv "$tmp/cu13.part.ab" .fa4b/ && rm -rf "$tmp"
+  grep -qx '/.fa4a/' .git/info/exclude 2>/dev/null || printf '/.fa4a/\n/.fa4b/\n' >> .git/info/exclude
+  du -sh .fa4a .fa4b
+}
+
+run_vs_dense() {
+  local seqs=${*:-2048 8192 32768 65536}
+  python3 pipelines/prepare_data.py --out data/fineweb_local --overwrite >/dev/null || exit 1
+  timeout "$T_BENCH" python3 bench/bench_train.py --skip-ray --steps "${STEPS:-10}" --warmup "${WARMUP:-4}" \
+    --vs-dense $seqs --out "$OUT" data.path=data/fineweb_local logging.mlflow=false 2>&1 \
+    | tee "$OUT/vs_dense.log" | grep -vE "Warning|warn" | tail -16
 }
 
 run_tests() {
@@ -91,8 +136,14 @@ run_train() {
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
+  bundle-fa4) bundle_fa4; exit ;;
+  -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit ;;
+esac
+command -v nvidia-smi >/dev/null && fa4
+case "$cmd" in
   tests) gpu_info; run_tests "$@" ;;
   attention) gpu_info; run_attention "$@" ;;
+  vs-dense) gpu_info; run_vs_dense "$@" ;;
   sweep) gpu_info; timeout "$T_BENCH" python3 bench/bench_attention.py --T 65536 --no-peers --sweep 65536 \
            --sweep-only "${1:-}" 2>&1 | tee "$OUT/sweep.log" | grep "^sweep" ;;
   branch) gpu_info; b=${1:?branch window, cmp or select}; shift
