@@ -61,8 +61,11 @@ class ModelConfig:
     # torch.compile each block's dense parts (norms, projections, RoPE, compression MLP, gates, SwiGLU);
     # the NSA op stays an eager graph break. Cuts kernel launches ~4x on a launch-bound GPU step.
     compile: bool = False
+    # nsa: sparse attention blocks | dense: the same TinyLM with causal full attention (the A/B twin)
+    attention: str = "nsa"
 
     def __post_init__(self) -> None:
+        _one_of("model.attention", self.attention, ("nsa", "dense"))
         _positive("model", self, ("vocab", "dim", "n_layers", "n_heads", "n_kv_groups", "d_k", "d_v", "ffn_mult"))
         _require(self.n_heads % self.n_kv_groups == 0,
                  f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_groups={self.n_kv_groups} "
@@ -78,7 +81,7 @@ class NSAConfig:
     n_sel: int = 16      # selected blocks per token (forced blocks included)
     w: int = 512         # sliding window
     backend: str = "auto"          # auto | torch | triton | reference
-    allow_flash_attn: bool = True  # kernel policy may use flash-attn for the window when installed
+    allow_flash_attn: bool = True  # false: the kernel policy never imports or uses flash-attn (nsa/ops/flash.py)
 
     def __post_init__(self) -> None:
         _positive("nsa", self, ("l", "d", "l_sel", "n_sel", "w"))

@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="weights/compute dtype")
+    p.add_argument("--attention", choices=("nsa", "dense"), default=None,
+                   help="model kind to build (default: the checkpoint's model.attention); the other kind is refused")
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="replay each decode step as one CUDA graph (auto: on CUDA with the Triton kernels)")
     return p
@@ -43,6 +45,7 @@ def main() -> int:
     f = resolve_checkpoint_file(args.checkpoint)
     state = load_checkpoint(f, map_location="cpu")
     cfg = config_from_dict(state["config"])
+    cfg.model.attention = args.attention or cfg.model.attention
     from nsa.data.tokenizers import get_tokenizer
     from nsa.model import TinyLM
     tok = get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)

@@ -24,6 +24,7 @@ RAY_NOTES measured) always; ``RAY_AUTH_MODE=disabled`` only when this process st
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -68,9 +69,12 @@ def prepare_local_corpus(out: Path) -> None:
 
 def _check_model_compat(cfg: RunConfig, ckpt_cfg: dict[str, Any], where: str) -> None:
     mine = cfg.to_dict()
-    diffs = [f"{s}.{k}: checkpoint {ckpt_cfg.get(s, {}).get(k)!r}, config {v!r}"
+    # a field the checkpoint predates (e.g. model.attention) counts as its default there
+    default = {s: dataclasses.asdict(type(getattr(cfg, s))()) for s in ("model", "nsa")}
+    diffs = [f"{s}.{k}: checkpoint {ckpt_cfg.get(s, {}).get(k, default[s][k])!r}, config {v!r}"
              for s in ("model", "nsa") for k, v in mine[s].items()
-             if k not in ("backend", "allow_flash_attn", "grad_checkpointing") and ckpt_cfg.get(s, {}).get(k) != v]
+             if k not in ("backend", "allow_flash_attn", "grad_checkpointing")
+             and ckpt_cfg.get(s, {}).get(k, default[s][k]) != v]
     if diffs:
         raise UserError(f"{where} was trained with another model shape: " + "; ".join(diffs) +
                         " (use the checkpoint's values or start a fresh run)")

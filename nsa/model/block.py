@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from nsa.layers.attention import NSAAttention
 from nsa.layers.cache import NSAKVCache, StaticNSACache, static_decode
+from nsa.layers.dense import DenseAttention
 
 
 class RMSNorm(nn.Module):
@@ -50,13 +51,17 @@ class LlamaBlockNSA(nn.Module):
                  d_v: int = 64, l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 4,
                  w: int = 128, ffn_mult: float = 8.0 / 3.0, backend: str = "auto",
                  compression: str = "mlp", rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6) -> None:
+                 norm_eps: float = 1e-6, attention: str = "nsa", allow_flash_attn: bool = True) -> None:
         super().__init__()
         if ffn_mult <= 0:
             raise ValueError(f"ffn_mult={ffn_mult}: must be > 0")
         self.attn_norm = RMSNorm(dim, norm_eps)
-        self.attn = NSAAttention(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
-                                 compression=compression, rope_base=rope_base, backend=backend)
+        if attention == "dense":  # the dense twin (nsa/layers/dense.py): same block, full attention
+            self.attn = DenseAttention(dim, n_heads, n_kv_groups, d_k, d_v, rope_base=rope_base,
+                                       allow_flash=allow_flash_attn)
+        else:
+            self.attn = NSAAttention(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
+                                     compression=compression, rope_base=rope_base, backend=backend)
         self.mlp_norm = RMSNorm(dim, norm_eps)
         self.mlp = SwiGLU(dim, swiglu_hidden(dim, ffn_mult))
 

@@ -33,8 +33,12 @@ class TinyLM(nn.Module):
                  l_sel: int = 64, n_sel: int = 16, w: int = 512, grad_checkpointing: bool = False,
                  backend: str = "auto", compression: str = "mlp", ffn_mult: float = 8.0 / 3.0,
                  tie_embeddings: bool = False, rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6, compile_blocks: bool | str = False) -> None:
+                 norm_eps: float = 1e-6, compile_blocks: bool | str = False,
+                 attention: str = "nsa", allow_flash_attn: bool = True) -> None:
         super().__init__()
+        if attention not in ("nsa", "dense"):
+            raise ValueError(f"attention={attention!r}: choose 'nsa' or 'dense' (model.attention)")
+        self.attention = attention
         for name, val in (("vocab", vocab), ("dim", dim), ("n_layers", n_layers)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
                 raise ValueError(f"{name}={val!r}: must be a positive integer")
@@ -45,7 +49,8 @@ class TinyLM(nn.Module):
         self.blocks = nn.ModuleList(
             LlamaBlockNSA(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
                           ffn_mult=ffn_mult, backend=backend, compression=compression,
-                          rope_base=rope_base, norm_eps=norm_eps)
+                          rope_base=rope_base, norm_eps=norm_eps, attention=attention,
+                          allow_flash_attn=allow_flash_attn)
             for _ in range(n_layers))
         self.norm = RMSNorm(dim, norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
@@ -177,6 +182,9 @@ class TinyLM(nn.Module):
 
     def _check_graphable(self, ids: torch.Tensor) -> None:
         """ValueError naming why cuda_graph=True cannot run here."""
+        if self.attention != "nsa":
+            raise ValueError(f"cuda_graph=True decodes NSA caches; this model is model.attention="
+                             f"{self.attention!r}: pass cuda_graph=False")
         if ids.device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"cuda_graph=True needs CUDA (ids are on {ids.device}); move the model and "
                              "ids to a GPU or pass cuda_graph=False")

@@ -89,7 +89,7 @@ def _win_note() -> str:
     """Why the window branch runs on the own Triton kernel (the issue's candidates, measured)."""
     try:
         import flash_attn  # noqa: F401
-        fa = "flash-attn installed but not wired (untested here)"
+        fa = "flash-attn installed (off for this branch unless nsa.ops.flash.select_flash_branches)"
     except Exception:  # noqa: BLE001 - any import problem means "not available"
         fa = "flash-attn not installed"
     return ("window branch on the own Triton kernel (H200, 64k, w=512: fwd 4.15 ms vs compiled FlexAttention "
@@ -109,7 +109,8 @@ class KernelPolicy:
 
     @classmethod
     def resolve(cls, device: torch.device | str, dtype: torch.dtype,
-                requested: str = "auto") -> "KernelPolicy":
+                requested: str = "auto", allow_flash: bool = True,
+                head_dim: int | None = None) -> "KernelPolicy":
         _check_requested(requested)
         dev = torch.device(device)
         ok, why = _triton_status(dev) if requested in ("auto", "triton") else (False, "")
@@ -130,6 +131,11 @@ class KernelPolicy:
         if used == "triton":
             reasons["cmp"] = reason + "; " + _cmp_dense_note()
             reasons["win"] = reason + "; " + _win_note()
+        if head_dim is not None:  # dense attention and flash-attn (nsa/ops/flash.py), probed once
+            from .flash import policy_entries
+            extra_b, extra_r = policy_entries(dev, dtype, head_dim, allow_flash)
+            backends.update(extra_b)
+            reasons.update({b: (reasons[b] + "; " + r if b in reasons else r) for b, r in extra_r.items()})
         return cls(requested, str(dev), str(dtype).replace("torch.", ""), backends, reasons, fallback)
 
     @property
@@ -138,7 +144,7 @@ class KernelPolicy:
         return self.backends["cmp"]
 
     def __str__(self) -> str:
-        parts = " ".join(f"{b}={self.backends[b]}" for b in BRANCHES)
+        parts = " ".join(f"{b}={v}" for b, v in self.backends.items())
         reasons = sorted(set(self.reasons.values()))
         return (f"KernelPolicy(requested={self.requested} device={self.device} dtype={self.dtype}): "
                 f"{parts} [{'; '.join(reasons)}]")

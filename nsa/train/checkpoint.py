@@ -174,6 +174,8 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any]) -> None:
     """Load the checkpoint's model weights (strict) into an unwrapped model."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
+    from nsa.model.kind import check_attention_kind  # nsa vs dense twin: one clear line, not key lists
+    check_attention_kind(model, state)
     model.load_state_dict(state["model"], strict=True)
 
 

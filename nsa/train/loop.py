@@ -138,7 +138,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _kernel_policy(cfg: Any, device: torch.device, prec: Precision) -> str:
     try:
         from nsa.ops import KernelPolicy
-        return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend))
+        return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend,
+                                        allow_flash=cfg.nsa.allow_flash_attn, head_dim=cfg.model.d_k))
     except Exception as exc:  # describing the policy must never stop training
         return f"unavailable: {exc}"
 
