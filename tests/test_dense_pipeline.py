@@ -56,8 +56,8 @@ def test_generate_on_the_dense_checkpoint_and_refuse_it_as_nsa(dense_run):
 
 
 def test_resume_a_dense_checkpoint_as_nsa_is_refused_before_ray(dense_run):
-    import builder
-    from _cli import UserError
+    from nsa.launch import builder
+    from nsa.launch.cli import UserError
     _, run_dir, data, root = dense_run
     cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(data, root, train__resume_from=run_dir), env={})
     with pytest.raises(UserError, match="model.attention: checkpoint 'dense', config 'nsa'"):
@@ -66,8 +66,8 @@ def test_resume_a_dense_checkpoint_as_nsa_is_refused_before_ray(dense_run):
 
 def test_checkpoints_from_before_the_field_resume_as_nsa():
     """A checkpoint config without model.attention (written before the field existed) is an NSA one."""
-    import builder
-    from _cli import UserError
+    from nsa.launch import builder
+    from nsa.launch.cli import UserError
     from nsa.config import RunConfig
     cfg = RunConfig()
     old = cfg.to_dict()
