@@ -274,7 +274,7 @@ def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
     assert pre["ok"] and pre["tokens"] == 64 and 0.0 <= pre["max_abs_diff"] <= pre["bound"], pre
     assert all(not r["checks"] for n_, r in rec.items() if n_ not in ("deterministic", "prefill"))
     assert {s["lane"] for s in summary["skipped"]} == set(CPU_SKIPPED)
-    assert "| fp16 | SKIPPED |" in md and "skipped: needs a GPU" in md and "repeat max|dloss| 0" in md
+    assert "| - | fp16 | SKIPPED |" in md and "skipped: needs a GPU" in md and "repeat: max loss diff 0 over 3" in md
     assert "mlflow ui --backend-store-uri" in out and "FAILED crash" in out and "SKIPPED" in out
 
     from mlflow import MlflowClient

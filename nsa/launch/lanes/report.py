@@ -41,9 +41,9 @@ def _check_cell(r: dict[str, Any]) -> str:
     for name, c in (r.get("checks") or {}).items():
         d = c.get("max_abs_diff")
         if name == "repeat":
-            cells.append(f"repeat max|dloss| {_f(d, '.3g')} over {c.get('steps', 0)} steps")
+            cells.append(f"repeat: max loss diff {_f(d, '.3g')} over {c.get('steps', 0)} steps")
         elif name == "prefill":
-            cells.append(f"prefill max|dlogit| {_f(d, '.2g')} (bound {_f(c.get('bound'), '.2g')})")
+            cells.append(f"prefill: max logit diff {_f(d, '.2g')} (bound {_f(c.get('bound'), '.2g')})")
     return "; ".join(cells) or "-"
 
 
