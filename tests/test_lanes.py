@@ -130,6 +130,7 @@ def test_repeat_check_and_prefill_bound(tmp_path):
     assert not repeat_check(a, tmp_path / "missing")["ok"]
     assert prefill_bound("fp32", 10.0) == pytest.approx(1e-3)           # test_decode's 1e-4, relative
     assert prefill_bound("fp32", 10.0) < prefill_bound("fp16", 10.0) < prefill_bound("bf16", 10.0)
+    assert prefill_bound("fp32", 10.0, tf32=True) == prefill_bound("fp16", 10.0)   # TF32 keeps fp16's mantissa
 
 
 def test_precedence_cli_over_lane_over_flags(tmp_path):
