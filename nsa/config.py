@@ -116,6 +116,7 @@ class RuntimeConfig:
     ray_num_cpus: Optional[int] = None   # logical CPUs of a locally started Ray instance
     max_failures: int = 2                # Ray FailureConfig: worker-group restarts from the last checkpoint
     detect_anomaly: bool = False
+    deterministic: bool = False          # torch.use_deterministic_algorithms(True) in every worker (lanes' repeat check)
     scaler_init_scale: float = 2.0 ** 16
     scaler_growth_interval: int = 2000
     scaler_growth_factor: float = 2.0

@@ -1,5 +1,7 @@
-"""A/B lanes (lanes/ab_grid.py -> nsa/launch/lanes/, lanes/lanes.yaml): the lanes file, lane configs, hang
-verdicts, and one real Ray Tune grid (a good lane beside a crashing one) with MLflow runs and the summary files."""
+"""A/B lanes (lanes/ab_grid.py -> nsa/launch/lanes/, lanes/lanes.yaml): the lanes file, lane configs, effective
+configs (every lane changes something on both base profiles, duplicates refused before Ray), hang verdicts, the
+lane checks, and one real Ray Tune grid of the SHIPPED lanes (plus a crashing lane) with MLflow runs, the
+deterministic lane's repeat comparison, the prefill check, the summary files and the figures."""
 from __future__ import annotations
 
 import json
@@ -12,18 +14,27 @@ from pathlib import Path
 import pytest
 
 from nsa.launch.lanes import cli as lanes_cli
+from nsa.launch.lanes.checks import prefill_bound, repeat_check
 from nsa.launch.lanes.configs import lane_config
+from nsa.launch.lanes.effective import effective_config
 from nsa.launch.lanes.plan import plan_grid
 from nsa.launch.lanes.records import lane_record
 from nsa.launch.lanes.resources import size_concurrency
-from nsa.launch.lanes.schema import DEFAULT_LANES, Lane, LaneError, load_lanes, select_lanes
+from nsa.launch.lanes.schema import DEFAULT_LANES, Lane, LaneError, fmt_value, load_lanes, select_lanes
 from nsa.launch.lanes.watchdog import SILENCE_FLOOR_S, hang_verdict
 
 REPO = Path(__file__).resolve().parents[1]
 
 TINY = str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml")
-RUNBOOK_LANES = ("baseline", "conservative", "fast_path", "fp32", "bf16", "deterministic", "anomaly",
-                 "no_aux_stats", "grad_ckpt", "accum2")
+PROD = str(REPO / "pipelines" / "configs" / "prod_50k.yaml")
+RUNBOOK_LANES = ("baseline", "conservative", "torch", "triton", "dense", "dense_flash_off", "fp32", "bf16", "fp16",
+                 "deterministic", "prefill", "anomaly", "no_aux_stats", "grad_ckpt", "no_grad_ckpt", "accum2")
+# lanes the CPU base cannot run, or already is (the baseline is that lane there)
+CPU_SKIPPED = {"torch": "already runs", "triton": "needs a GPU", "dense_flash_off": "CUDA only",
+               "fp32": "already runs", "fp16": "needs a GPU", "no_grad_ckpt": "already runs"}
+# on the GPU base (no flash-attn package here): auto is triton, bf16 and checkpointing are the profile's own
+GPU_SKIPPED = {"triton": "already runs", "bf16": "already runs", "grad_ckpt": "already runs",
+               "dense_flash_off": "no flash_attn package"}
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -39,7 +50,8 @@ def test_lanes_yaml_parses_and_every_lane_resolves(tmp_path):
     assert set(RUNBOOK_LANES) <= set(default_names)
     for lane in lanes.values():
         assert lane.why and len(lane.why.splitlines()) == 1, lane.name
-        lc = lane_config(TINY, lane, defaults, {}, pinned={"logging.root": str(tmp_path), "logging.name": lane.name})
+        cli = {"runtime.use_gpu": "true"} if lane.requires else {}     # fp16 is refused on CPU by the config
+        lc = lane_config(TINY, lane, defaults, cli, pinned={"logging.root": str(tmp_path), "logging.name": lane.name})
         flat = lc.cfg.flat()
         for key, want in lane.overrides.items():
             assert flat[key] == want, (lane.name, key, flat[key], want)
@@ -51,6 +63,74 @@ def test_lanes_yaml_parses_and_every_lane_resolves(tmp_path):
         else:
             assert lc.cfg.train.steps == min(lane.max_steps, int(defaults["train.steps"]))
     assert lanes["anomaly"].max_steps and lanes["anomaly"].overrides == {"runtime.detect_anomaly": True}
+
+
+def _plan(base, *extra, lanes=DEFAULT_LANES):
+    return plan_grid(lanes_cli.build_parser().parse_args(["--base", base, "--lanes", str(lanes), *extra]),
+                     validate=False)
+
+
+@pytest.mark.parametrize("base, skipped", [(TINY, CPU_SKIPPED), (PROD, GPU_SKIPPED)])
+def test_shipped_lanes_each_change_something_on_both_bases(base, skipped):
+    """Every default lane resolves to an effective config unlike the baseline's and every other lane's;
+    the ones that cannot run on (or already are) the base are skipped with the reason."""
+    plan = _plan(base)
+    assert {ln.name: why for ln, why in plan.skipped}.keys() == skipped.keys()
+    for lane, why in plan.skipped:
+        assert skipped[lane.name] in why, (lane.name, why)
+    _, lanes = load_lanes(DEFAULT_LANES)
+    effs = {lc.lane.name: effective_config(lc.cfg, lc.lane)[0] for lc in plan.lanes}
+    assert set(effs) == {ln.name for ln in select_lanes(lanes, None)} - set(skipped)
+    names = sorted(effs)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert effs[a] != effs[b], (a, b)
+    assert all(lc.effective for lc in plan.lanes if lc.lane.name != "baseline")
+    by = {lc.lane.name: lc for lc in plan.lanes}
+    assert by["deterministic"].effective["runtime.deterministic"] is True
+    assert by["deterministic"].effective["lane.repeat"] == 2 and by["prefill"].effective["lane.checks"] == "prefill"
+    assert by["dense"].effective["model.attention"] == "dense"
+
+
+def test_duplicate_lane_exits_2_before_ray(tmp_path, monkeypatch, capsys):
+    """A lane equal to another lane, or to the baseline, after normalisation (backend auto is torch on CPU,
+    flash-attn has no effect there) is refused in the driver: exit 2, one line naming both lanes."""
+    from nsa.launch import builder
+
+    def no_ray(*a, **k):
+        raise AssertionError("Ray was started for a lanes file that must be refused")
+    monkeypatch.setattr(builder, "connect_ray", no_ray)
+    dup = _write(tmp_path, "lanes:\n  baseline: {why: w}\n  eager: {why: a, overrides: {train.accumulate: 2}}\n"
+                           "  slow: {why: b, overrides: {train.accumulate: 2, nsa.allow_flash_attn: false}}\n")
+    assert lanes_cli.main(["--lanes", str(dup)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lanes 'eager' and 'slow'" in err and "train.accumulate" in err, err
+    assert "nsa.allow_flash_attn" in err
+    same = _write(tmp_path, "lanes:\n  baseline: {why: w}\n  conservative: {why: c, overrides: {nsa.backend: torch}}\n")
+    assert lanes_cli.main(["--lanes", str(same)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lane 'conservative' has the same effective config as lane 'baseline'" in err, err
+    assert "nsa.backend=torch (baseline's value: auto resolves to torch without CUDA)" in err, err
+    twice = _write(tmp_path, "lanes:\n  a: {why: w}\n  a: {why: v, overrides: {train.accumulate: 2}}\n")
+    assert lanes_cli.main(["--lanes", str(twice)]) == 2
+    assert "'a' is given twice" in capsys.readouterr().err
+
+
+def test_repeat_check_and_prefill_bound(tmp_path):
+    def run(name, losses):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "training.csv").write_text("step,loss\n" + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
+        return d
+    a, b, c = run("a", [5.5, 5.25, 5.0]), run("b", [5.5, 5.25, 5.0]), run("c", [5.5, 5.25, 5.0 + 1e-7])
+    same = repeat_check(a, b)
+    assert same["ok"] and same["max_abs_diff"] == 0.0 and same["steps"] == 3
+    off = repeat_check(a, c)
+    assert not off["ok"] and off["worst_step"] == 3 and "step 3" in off["error"]
+    assert not repeat_check(a, tmp_path / "missing")["ok"]
+    assert prefill_bound("fp32", 10.0) == pytest.approx(1e-3)           # test_decode's 1e-4, relative
+    assert prefill_bound("fp32", 10.0) < prefill_bound("fp16", 10.0) < prefill_bound("bf16", 10.0)
+    assert prefill_bound("fp32", 10.0, tf32=True) == prefill_bound("fp16", 10.0)   # TF32 keeps fp16's mantissa
 
 
 def test_precedence_cli_over_lane_over_flags(tmp_path):
@@ -86,6 +166,11 @@ def test_entry_point_runs_from_another_directory(tmp_path):
     assert r.returncode == 0 and "baseline" in r.stdout, r.stderr
     r = run("--help")
     assert r.returncode == 0 and "--max-concurrent" in r.stdout and "Ray Tune grid" in r.stdout, r.stderr
+    assert all(f"\n  {name} " in r.stdout for name in RUNBOOK_LANES), r.stdout      # --help lists the lanes
+    r = run("--print-config")
+    assert r.returncode == 0, r.stderr
+    assert "== lane fp16: skipped on this base: needs a GPU" in r.stdout
+    assert "== lane fp32: skipped on this base: the base already runs this lane: runtime.precision=fp32" in r.stdout
     r = run("--only", "nope")
     assert r.returncode == 2 and r.stderr.startswith("error: unknown lane(s)") and "Traceback" not in r.stderr
 
@@ -96,6 +181,8 @@ def test_entry_point_runs_from_another_directory(tmp_path):
     ("lanes:\n  a: {why: w, overrides: {logging.name: z}}\n", r"set by the grid"),
     ("lanes:\n  a/b: {why: w}\n", r"lane name"),
     ("lanes:\n  a: {why: w, max_step: 3}\n", r"unknown fields \['max_step'\]"),
+    ("lanes:\n  a: {why: w, requires: [tpu]}\n", r"requires=\['tpu'\] must be a list of \['gpu', 'flash_attn'\]"),
+    ("lanes:\n  a: {why: w, repeat: 3}\n", r"repeat=3 must be 1 or 2"),
     ("defaults: {train.stepz: 3}\nlanes:\n  a: {why: w}\n", r"defaults.*train.stepz"),
     ("lanes: {}\n", r"non-empty 'lanes:'"),
     ("lanes:\n  a: {why: w: x}\n", r"not valid YAML"),
@@ -140,60 +227,85 @@ def test_lane_record_fails_a_completed_lane_with_a_stall(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- Ray Tune grid
-GRID_LANES = """
-defaults:
-  runtime.num_workers: 1
-  runtime.cpus_per_worker: 0.25
-  runtime.max_failures: 0
-  train.steps: 3
-  train.seq_len: 64
-  train.batch_size: 4
-  train.eval_batches: 1
-  train.warmup_steps: 1
-  logging.log_every: 1
-  logging.tensorboard: false
-lanes:
-  good:
-    why: nothing changed
-    overrides: {}
+CRASH_LANE = """
   crash:
     why: the worker raises before step 2
     overrides: {runtime.fault: crash@2}
 """
+SMALL = ["data.source=synthetic", "train.seq_len=64", "train.batch_size=2", "train.eval_batches=1",
+         "train.eval_every=3", "train.warmup_steps=1"]
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(600)
-def test_grid_runs_lanes_reports_failure_and_tags_mlflow(ray_session, tmp_path, capsys):
-    lanes = _write(tmp_path, GRID_LANES)
+@pytest.mark.timeout(900)
+def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
+    """The shipped lanes.yaml (plus one crashing lane) on the tiny profile, 3 steps each, as one Tune grid:
+    every lane completes but the crash, each MLflow run carries its own effective params, the deterministic
+    lane's two runs agree step for step, the prefill check ran, skipped lanes say why, the summary run holds
+    the figures."""
+    lanes = _write(tmp_path, (REPO / "lanes" / "lanes.yaml").read_text() + CRASH_LANE)
     root = tmp_path / "runs"
-    args = lanes_cli.build_parser().parse_args(["--lanes", str(lanes), "data.source=synthetic", f"logging.root={root}"])
+    args = lanes_cli.build_parser().parse_args(["--lanes", str(lanes), *SMALL, f"logging.root={root}"])
     plan = plan_grid(args)
     with pytest.raises(LaneError, match=r"--max-concurrent=1000: each lane holds up to 0.26 CPU"):
         size_concurrency(plan, 1000)          # refused before fit(): Ray would wait forever
     assert 1 <= size_concurrency(plan, None) <= 2
-    code = lanes_cli.main(["--lanes", str(lanes), "--name", "g1", "--max-concurrent", "2", "--stall-seconds", "120",
-                         "data.source=synthetic", f"logging.root={root}"])
+    code = lanes_cli.main(["--lanes", str(lanes), "--name", "g1", "--steps", "3", "--stall-seconds", "300",
+                           "--hang-grace", "0", *SMALL, f"logging.root={root}"])
     out = capsys.readouterr().out
     assert code == 1, out[-3000:]                       # a lane failed -> non-zero exit
+    n = len(plan.lanes)
+    assert f"lane 1 of {n}:" in out and f"lane {n} of {n}:" in out and f"({n} of {n} done)" in out
     summary = json.loads((root / "g1" / "lanes_summary.json").read_text())
-    assert (root / "g1" / "lanes_summary.md").is_file()
+    md = (root / "g1" / "lanes_summary.md").read_text()
     rec = {r["lane"]: r for r in summary["lanes"]}
-    good, crash = rec["good"], rec["crash"]
-    assert good["status"] == "COMPLETED" and (good["step"], good["total_steps"]) == (3, 3), good
-    assert math.isfinite(good["final_loss"]) and good["val_loss"] is not None
-    assert crash["status"] == "FAILED" and "injected crash" in crash["error"], crash
+    assert set(rec) == {lc.lane.name for lc in plan.lanes} and "crash" in rec
     assert summary["failed"] == ["crash"] and summary["exit_code"] == 1
-    assert "mlflow ui --backend-store-uri" in out and "FAILED crash" in out
+    crash = rec.pop("crash")
+    assert crash["status"] == "FAILED" and "injected crash" in crash["error"], crash
+    for name, r in rec.items():
+        assert r["status"] == "COMPLETED", (name, r["error"])
+        assert r["step"] == r["total_steps"] == 3 and math.isfinite(r["final_loss"]) and r["val_loss"] is not None
+        assert r["toks_per_s"] > 0 and r["peak_mem_mib"] > 0 and len(r["loss_curve"]) == 3 and r["stalls"] == []
+    assert rec["baseline"]["rank"] is not None and rec["baseline"]["toks_vs_base"] == 1.0
+    rep = rec["deterministic"]["checks"]["repeat"]
+    assert rep["ok"] and rep["steps"] == 3 and rep["max_abs_diff"] == 0.0, rep      # zero on CPU
+    assert Path(rep["run_b"]).name == "deterministic.repeat"
+    pre = rec["prefill"]["checks"]["prefill"]
+    assert pre["ok"] and pre["tokens"] == 64 and 0.0 <= pre["max_abs_diff"] <= pre["bound"], pre
+    assert all(not r["checks"] for n_, r in rec.items() if n_ not in ("deterministic", "prefill"))
+    assert {s["lane"] for s in summary["skipped"]} == set(CPU_SKIPPED)
+    assert "| - | fp16 | SKIPPED |" in md and "skipped: needs a GPU" in md and "repeat: max loss diff 0 over 3" in md
+    assert "mlflow ui --backend-store-uri" in out and "FAILED crash" in out and "SKIPPED" in out
 
     from mlflow import MlflowClient
     client = MlflowClient(summary["mlflow_uri"])
     exp = client.get_experiment_by_name(summary["experiment"])
     runs = client.search_runs([exp.experiment_id], filter_string="tags.grid = 'g1'")
     by_lane = {r.data.tags["lane"]: r for r in runs}
-    assert sorted(by_lane) == ["crash", "good"] and len(runs) == 2
-    assert by_lane["good"].info.status == "FINISHED" and by_lane["crash"].info.status == "FAILED"
-    assert by_lane["good"].data.params["train.steps"] == "3"                  # params = resolved config
+    assert sorted(by_lane) == sorted(lc.lane.name for lc in plan.lanes) and len(runs) == n   # no repeat run
+    assert by_lane["crash"].info.status == "FAILED" and by_lane["crash"].data.tags["lane_status"] == "FAILED"
     assert by_lane["crash"].data.params["runtime.fault"] == "crash@2"
-    assert "loss" in by_lane["good"].data.metrics and "val_loss" in by_lane["good"].data.metrics
-    assert by_lane["crash"].data.tags["lane_status"] == "FAILED"
+    assert by_lane["baseline"].data.params["train.steps"] == "3"                  # params = resolved config
+    params = {}
+    for name, run in by_lane.items():
+        assert name == "crash" or run.info.status == "FINISHED", name
+        p = {k: v for k, v in run.data.params.items() if k != "logging.name"}
+        lc = next(lc for lc in plan.lanes if lc.lane.name == name)
+        for key, want in lc.lane.overrides.items():
+            assert p[key] in (str(want), fmt_value(want)), (name, key, p[key], want)
+        assert (p["lane.repeat"], p["lane.checks"]) == (str(lc.lane.repeat), ",".join(lc.lane.checks) or "-")
+        params[name] = p
+    names = sorted(params)
+    for i, a in enumerate(names):            # each lane's run differs from every other in its params
+        for b in names[i + 1:]:
+            assert params[a] != params[b], (a, b)
+    assert "loss" in by_lane["baseline"].data.metrics and "val_loss" in by_lane["baseline"].data.metrics
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.grid_summary = 'g1'")
+    assert len(parents) == 1
+    parent = parents[0].info.run_id
+    assert all(r.data.tags.get("mlflow.parentRunId") == parent for r in runs)
+    arts = {a.path for a in client.list_artifacts(parent)}
+    assert {"lanes_loss.png", "lanes_toks_per_s.png", "lanes_summary.json", "lanes_summary.md"} <= arts
+    assert parents[0].data.metrics["baseline.completed"] == 1.0 and parents[0].data.metrics["crash.completed"] == 0.0
+

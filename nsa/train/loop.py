@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
 import sys
 import tempfile
@@ -210,6 +211,9 @@ class Trainer:
         _seed_all(r.seed)                                   # identical init on every rank
         if r.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)
+        if r.deterministic:   # cuBLAS reads its workspace setting at first use, which comes after this
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         self.prec = precision_from_config(r, self.device)
         from nsa.model import TinyLM
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)

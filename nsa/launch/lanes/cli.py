@@ -23,11 +23,12 @@ from typing import Optional, Sequence
 from nsa.config import ConfigError
 from nsa.launch import builder
 from nsa.launch.cli import EXIT_USAGE, UserError
+from nsa.launch.lanes.effective import describe
 from nsa.launch.lanes.plan import DEFAULT_BASE, GridPlan, plan_grid
-from nsa.launch.lanes.report import format_table, write_summary
+from nsa.launch.lanes.report import format_table, rank, write_figures, write_summary
 from nsa.launch.lanes.resources import size_concurrency
 from nsa.launch.lanes.schema import DEFAULT_LANES, LaneError, load_lanes
-from nsa.launch.lanes.tracking import finalize_mlflow
+from nsa.launch.lanes.tracking import add_histories, finalize_mlflow, log_summary_run
 from nsa.launch.lanes.tuner import collect, run_tuner
 
 
@@ -42,27 +43,41 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
         MlflowClient(plan.mlflow_uri).search_experiments(max_results=1)
     print(f"grid {plan.grid_id}: {len(plan.lanes)} lanes ({', '.join(lc.lane.name for lc in plan.lanes)}), "
           f"{plan.max_concurrent} at a time, dir {plan.grid_dir}", flush=True)
+    for lane, why in plan.skipped:
+        print(f"lane {lane.name}: skipped on this base: {why}", flush=True)
     records = collect(plan, run_tuner(plan))
     finalize_mlflow(plan, records)
+    add_histories(plan, records)
+    records = rank(records)
     failed = [r for r in records if r["status"] != "COMPLETED"]
     code = 1 if failed and not plan.allow_failures else 0
     wall = time.time() - t0
     jpath, mpath = write_summary(plan, records, wall, code)
-    print(f"\n== lanes grid {plan.grid_id}: {len(records) - len(failed)}/{len(records)} completed in {wall:.0f}s")
-    print(format_table(records))
+    parent = log_summary_run(plan, records, [jpath, mpath, *write_figures(plan, records)])
+    print(f"\n== lanes grid {plan.grid_id}: {len(records) - len(failed)}/{len(records)} completed, "
+          f"{len(plan.skipped)} skipped, in {wall:.0f}s")
+    print(format_table(records, plan.skipped))
     for r in failed:
         print(f"FAILED {r['lane']}: {r['error']}  (run dir {r['run_dir']})")
     print(f"summary: {jpath}\n         {mpath}")
     if plan.mlflow_uri:
         print(f"mlflow:  mlflow ui --backend-store-uri {plan.mlflow_uri}   (experiment {plan.experiment}, "
-              f"tag grid={plan.grid_id})", flush=True)
+              f"tag grid={plan.grid_id}; summary run {parent})", flush=True)
     return code
+
+
+def _lanes_epilog(path: str = DEFAULT_LANES) -> str:
+    try:
+        lanes = load_lanes(path)[1].values()
+    except LaneError as e:
+        return f"lanes: {e}"
+    rows = [f"  {ln.name:<16}{ln.why[:100]}" + ("" if ln.default else " [--only]") for ln in lanes]
+    return "lanes of lanes/lanes.yaml (--list shows their overrides):\n" + "\n".join(rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ab_grid.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Lanes and their overrides: lanes/lanes.yaml (see --list).")
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_lanes_epilog())
     p.add_argument("--base", default=DEFAULT_BASE, help=f"base profile (default {DEFAULT_BASE})")
     p.add_argument("--lanes", default=DEFAULT_LANES, help="lanes file (default lanes/lanes.yaml)")
     p.add_argument("--only", help="comma-separated lane names (default: every lane with default: true)")
@@ -82,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _print_lanes(path: str) -> None:
     for ln in load_lanes(path)[1].values():
         extra = ("" if ln.default else " [not default]") + (f" [max_steps {ln.max_steps}]" if ln.max_steps else "")
+        extra += (f" [requires {','.join(ln.requires)}]" if ln.requires else "") + (
+            " [skip_if_baseline]" if ln.skip_if_baseline else "") + (f" [repeat {ln.repeat}]" if ln.repeat > 1 else "")
+        extra += f" [checks {','.join(ln.checks)}]" if ln.checks else ""
         print(f"{ln.name:<14} {ln.why}{extra}\n{'':<14} {json.dumps(ln.overrides)}")
 
 
@@ -93,12 +111,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.steps is not None and args.steps < 1:
             raise LaneError(f"--steps={args.steps} must be >= 1")
-        plan = plan_grid(args)
+        plan = plan_grid(args, validate=not args.print_config)
         if args.print_config:
             for lc in plan.lanes:
                 print(f"== lane {lc.lane.name}: {lc.lane.why}")
+                print(f"  effective vs baseline: {describe(lc.effective, sorted(lc.effective)) or 'none (the baseline)'}")
                 print("\n".join(f"  {k} = {v!r}  [{lc.sources[k]}]" for k, v in lc.cfg.flat().items()
                                 if lc.sources[k] != "default"))
+            for lane, why in plan.skipped:
+                print(f"== lane {lane.name}: skipped on this base: {why}")
             return 0
         return run_grid(plan, args.max_concurrent)
     except (LaneError, UserError, ConfigError, FileNotFoundError) as e:

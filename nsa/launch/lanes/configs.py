@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from nsa.config import ConfigError, RunConfig, resolve_config
@@ -16,6 +16,7 @@ class LaneConfig:
     lane: Lane
     cfg: RunConfig
     sources: dict[str, str]
+    effective: dict[str, Any] = field(default_factory=dict)   # effective fields that differ from the baseline
 
 
 def lane_config(base: Optional[str], lane: Lane, defaults: dict[str, Any], cli: dict[str, str], *,

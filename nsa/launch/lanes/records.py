@@ -72,5 +72,17 @@ def lane_record(lane: str, why: str, run_dir: Path, error: Optional[str], wall_s
         "val_loss": _num(summary.get("final_val_loss")), "toks_per_s": _steady_toks_per_s(summary),
         "toks_per_s_avg": _num(summary.get("toks_per_s")), "step_ms_p50": _num(summary.get("step_ms_p50")),
         "train_wall_s": _num(summary.get("wall_s")),
-        "wall_s": wall_s, "stalls": stalls, "run_dir": str(run_dir), "mlflow_run_id": mlflow_id,
+        "fallbacks": sum(int(v) for v in (summary.get("fallbacks") or {}).values()),
+        "fallback_counts": summary.get("fallbacks") or {}, "nonfinite_steps": _num(summary.get("nonfinite_steps")),
+        "wall_s": wall_s, "checks": {}, "stalls": stalls, "run_dir": str(run_dir), "mlflow_run_id": mlflow_id,
     }
+
+
+def add_checks(rec: dict[str, Any], checks: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Attach the lane's check results (checks.py); a failed check fails the lane with its one-line error."""
+    rec["checks"] = checks
+    bad = [c["error"] for c in checks.values() if not c.get("ok")]
+    if bad:
+        rec["status"] = "FAILED"
+        rec["error"] = "; ".join(([rec["error"]] if rec["error"] else []) + bad)
+    return rec

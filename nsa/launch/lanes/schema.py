@@ -14,6 +14,9 @@ from nsa.launch.cli import REPO_ROOT
 
 DEFAULT_LANES = str(REPO_ROOT / "lanes" / "lanes.yaml")
 LANE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used as a directory and MLflow run name
+REQUIREMENTS = ("gpu", "flash_attn")
+CHECKS = ("prefill",)
+LANE_FIELDS = ("why", "overrides", "max_steps", "default", "requires", "skip_if_baseline", "repeat", "checks")
 PINNED = ("logging.root", "logging.name", "logging.experiment", "logging.mlflow_uri", "train.resume")
 
 
@@ -28,6 +31,10 @@ class Lane:
     overrides: dict[str, Any]
     max_steps: Optional[int] = None     # cap on train.steps (slow-by-design lanes), unless key=value sets it
     default: bool = True                # part of the grid when --only is not given
+    requires: tuple[str, ...] = ()      # of REQUIREMENTS: unmet on this base -> the lane is skipped, with why
+    skip_if_baseline: bool = False      # a switch the base may already set: skipped (not refused) where it does
+    repeat: int = 1                     # runs of the same config; 2 compares their losses step by step
+    checks: tuple[str, ...] = ()        # of CHECKS, run on the lane's final model
 
 
 def fmt_value(v: Any) -> str:
@@ -59,9 +66,9 @@ def _parse_lane(name: str, body: Any, path: Path) -> Lane:
         raise LaneError(f"{where}: a lane name must be letters, digits, '_', '.', '-' (it names a directory)")
     if not isinstance(body, dict):
         raise LaneError(f"{where} must be a mapping with 'why' and 'overrides'")
-    unknown = set(body) - {"why", "overrides", "max_steps", "default"}
+    unknown = set(body) - set(LANE_FIELDS)
     if unknown:
-        raise LaneError(f"{where}: unknown fields {sorted(unknown)}; allowed: why, overrides, max_steps, default")
+        raise LaneError(f"{where}: unknown fields {sorted(unknown)}; allowed: {', '.join(LANE_FIELDS)}")
     why = body.get("why")
     if not isinstance(why, str) or not why.strip():
         raise LaneError(f"{where}: add a one-line 'why' (what the lane isolates)")
@@ -75,7 +82,39 @@ def _parse_lane(name: str, body: Any, path: Path) -> Lane:
     pinned = sorted(set(overrides) & set(PINNED))
     if pinned:
         raise LaneError(f"{where}: {pinned} are set by the grid for every lane; remove them from the lane")
-    return Lane(name, why.strip(), overrides, max_steps, bool(body.get("default", True)))
+    requires, checks = _names(where, "requires", body.get("requires"), REQUIREMENTS), _names(
+        where, "checks", body.get("checks"), CHECKS)
+    repeat = body.get("repeat", 1)
+    if repeat not in (1, 2):
+        raise LaneError(f"{where}: repeat={repeat!r} must be 1 or 2 (2: run twice and compare the losses)")
+    return Lane(name, why.strip(), overrides, max_steps, bool(body.get("default", True)), requires,
+                bool(body.get("skip_if_baseline", False)), repeat, checks)
+
+
+def _names(where: str, field: str, value: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A lane's list field (requires, checks): a list of known names."""
+    items = [value] if isinstance(value, str) else (value or [])
+    if not isinstance(items, list) or any(v not in allowed for v in items):
+        raise LaneError(f"{where}: {field}={value!r} must be a list of {list(allowed)}")
+    return tuple(dict.fromkeys(items))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise LaneError(f"{key!r} is given twice in one mapping (line {key_node.start_mark.line + 1}); "
+                            "each lane and key must appear once")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def load_lanes(path: str | Path) -> tuple[dict[str, Any], dict[str, Lane]]:
@@ -84,9 +123,11 @@ def load_lanes(path: str | Path) -> tuple[dict[str, Any], dict[str, Lane]]:
     if not p.is_file():
         raise LaneError(f"lanes file {str(p)!r} does not exist (the default is lanes/lanes.yaml)")
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.load(p.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise LaneError(f"{p} is not valid YAML: {e}") from None
+    except LaneError as e:
+        raise LaneError(f"{p}: {e}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("lanes"), dict) or not raw["lanes"]:
         raise LaneError(f"{p}: expected a mapping with a non-empty 'lanes:' mapping (and optional 'defaults:')")
     extra = set(raw) - {"defaults", "lanes"}

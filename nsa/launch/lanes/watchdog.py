@@ -9,7 +9,7 @@ from typing import Any, Optional
 from nsa.launch.lanes.records import first_line, read_heartbeats
 from nsa.launch.lanes.tracking import tag_lane_run
 
-SILENCE_FLOOR_S = 120.0   # hang_verdict rule (2) never fires sooner: worker start-up is silent and slow
+SILENCE_FLOOR_S = 600.0   # hang_verdict rule (2) never fires sooner: start-up is silent, minutes on a loaded 2-core box
 
 
 def hang_verdict(recs: list[dict[str, Any]], grace: float, stall_s: float, since: float, now: float) -> Optional[str]:
