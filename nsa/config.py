@@ -96,9 +96,11 @@ class NSAConfig:
 
     def __post_init__(self) -> None:
         _positive("nsa", self, ("l", "d", "l_sel", "n_sel", "w"))
-        _require(self.l >= self.d, f"nsa.l={self.l} must be >= nsa.d={self.d} (blocks may overlap, not leave gaps)")
-        _require(self.l % self.d == 0, f"nsa.d={self.d} must divide nsa.l={self.l}")
-        _require(self.l_sel % self.d == 0, f"nsa.d={self.d} must divide nsa.l_sel={self.l_sel}")
+        from nsa.ops.common import check_block_geometry   # the one home of the rule (the op checks it too)
+        try:
+            check_block_geometry(self.l, self.d, self.l_sel, prefix="nsa.")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         _one_of("nsa.backend", self.backend, ("auto", "torch", "triton", "reference"))
 
 
