@@ -196,9 +196,18 @@ def test_sub_block_keys_and_multi_tile_steps():
 
 
 @pytest.mark.parametrize("by,chunk", [("token", 1024), ("tile", 5)])
-def test_op_with_tile_m4_matches_per_token(by, chunk):
+def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
     """The whole op (nsa_triton_apply) with KernelTuning.tile.m=4 against m=1 (the per-token kernels)
     and the fp64 reference: same block_idx, o and every gradient, at test_triton_kernels' tolerances."""
+    from nsa.ops.triton import function as fn
+    calls = []
+
+    def spy(name):
+        real = getattr(fn, name)
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    for name in ("slc_fwd", "slc_bwd", "slc_fwd_tile", "slc_bwd_tile"):   # which selection kernels run
+        monkeypatch.setattr(fn, name, spy(name))
     B, T, HQ, H, dk, dv = 1, 45, 4, 2, 16, 16
     hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=8)
     args = [a.requires_grad_() for a in make_inputs(B, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"],
@@ -214,6 +223,9 @@ def test_op_with_tile_m4_matches_per_token(by, chunk):
         o, bi = nsa_triton_apply(*args, **hp, scale=dk ** -0.5, dkdv_chunk=chunk, tuning=tn)
         runs[m] = (o,) + torch.autograd.grad(o, args, do)
         assert torch.equal(bi.cpu(), rbi), f"m={m}: selected blocks differ from the reference"
+        want = ["slc_fwd", "slc_bwd"] if m == 1 else ["slc_fwd_tile", "slc_bwd_tile"]
+        assert calls == want, f"m={m}: ran {calls}"
+        calls.clear()
     for name, a, b, r in zip(["o"] + [f"d{n}" for n in INPUT_NAMES], runs[4], runs[1], (ro,) + rgrads):
         f = 1 if name == "o" else 2
         assert torch.isfinite(a).all(), f"non-finite {name}"
