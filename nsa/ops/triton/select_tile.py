@@ -34,7 +34,8 @@ import triton.language as tl
 
 from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning, tuning_for
 from ._utils import dot_precision, next_pow2
-from .attn import online_softmax_step
+from .attn import attn_fwd, online_softmax_step
+from .scores import select_blocks
 from .select import _slc_bwd_dkdv_kernel, _slc_reduce_kernel, invert_selection, slc_bwd, slc_fwd
 
 LOG2E = 1.4426950408889634
@@ -560,8 +561,6 @@ def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int =
     (shown apart: kernel = fwd given the union)."""
     from triton.testing import do_bench
 
-    from .function import nsa_triton_apply
-
     dev = "cuda"
     given = block_idx is not None
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -576,9 +575,9 @@ def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int =
     if block_idx is None:
         n = max(0, (T - l) // stride + 1)
         with torch.no_grad():
-            block_idx = nsa_triton_apply(q, r(1, n, H, d), r(1, n, H, d), k, v, k, v,
-                                         torch.rand(1, T, HQ, 3, device=dev).bfloat16(), l=l, d=stride,
-                                         l_sel=l_sel, n_sel=n_sel, w=512, scale=d ** -0.5)[1]
+            kc = r(1, n, H, d)   # the op's selection: its compressed lse, then the fused scores + top-n
+            lse_cmp = attn_fwd(q, kc, r(1, n, H, d), stride=stride, offset=l - 1, window=0, scale=d ** -0.5)[1]
+            block_idx = select_blocks(q, kc, lse_cmp, l=l, d=stride, l_sel=l_sel, n_sel=n_sel, scale=d ** -0.5)
     scale = d ** -0.5
     o, lse = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale)
     delta = (do.float() * o.float()).sum(-1)
