@@ -13,7 +13,8 @@ medians of CUDA-event-timed calls after warm-up.
   efficient / math, FlashAttention-4 and -2 when importable; --dense narrows it); the fastest is "best
   dense". fla-core's parallel_nsa as a peer when importable (--no-peers skips it). --breakdown T: per-
   kernel-stage times; --sweep T: the op under each kernel-tuning variant of sweep_space() (passed as
-  tuning=, nothing patched; --sweep-only PREFIX picks some).
+  tuning=, nothing patched; --sweep-only PREFIX picks some). --tile-m M: the op with the selection on
+  query tiles of M tokens (KernelTuning.tile.m; default 1 = the per-token kernels), to compare runs.
 --branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
   block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
   delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
@@ -135,8 +136,10 @@ def run_op(a, dims) -> dict:
     result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
               "dense_available": common.print_dense_available()}
     rows, peer_rows = [], []
+    tuning = None if a.tile_m == 1 else common.tile_m_variant(common.base_tuning(), a.tile_m)
+    result["tile_m"] = a.tile_m
     for T in a.T:
-        nsa = bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters)
+        nsa = bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tuning)
         torch.cuda.empty_cache()
         dense = common.time_dense(dims[0], T, *dims[1:], a.warmup, a.iters, only=a.dense)
         torch.cuda.empty_cache()
@@ -164,7 +167,7 @@ def run_op(a, dims) -> dict:
         print(f"breakdown T={T}: " + " ".join(f"{k}={v:.2f}" for k, v in bd.items()), flush=True)
     for T in a.sweep:
         result.setdefault("sweep", {})[T] = sweep(dims[0], T, *dims[1:], 1, 3, a.sweep_only)
-    print(f"\nms; x = best dense / NSA; B,HQ,H,dk,dv={dims}")
+    print(f"\nms; x = best dense / NSA; B,HQ,H,dk,dv={dims}; selection tile m={a.tile_m}")
     common.print_table(["T", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB", "dense GiB",
                         "best dense fwd / f+b"], rows)
     if peer_rows:
@@ -351,6 +354,8 @@ def main() -> None:
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
     ap.add_argument("--sweep-only", default="", help="sweep only the groups with this prefix (e.g. select.)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
+    ap.add_argument("--tile-m", type=int, default=1,
+                    help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token)")
     ap.set_defaults(warmup=None, iters=None)
     a = ap.parse_args()
     w0, i0 = BRANCH_DEFAULTS[a.branch]

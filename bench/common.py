@@ -331,6 +331,11 @@ def tuning_variant(base, changes: dict[str, Any]):
     return out
 
 
+def tile_m_variant(base, m: int):
+    """base with the selection on query tiles of m tokens (nsa.ops.tuning.TileTuning.m; 1 = per token)."""
+    return tuning_variant(base, {"tile.m": m})
+
+
 def tuning_dict(tuning) -> dict[str, Any]:
     return dataclasses.asdict(tuning)
 

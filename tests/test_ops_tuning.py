@@ -10,8 +10,8 @@ from nsa.ops import KernelPolicy, nsa_attention, nsa_decode
 from nsa.ops.batched import nsa_torch
 from nsa.ops.common import NSAParams
 from nsa.ops.testing import decode_views, make_inputs
-from nsa.ops.tuning import (AMPERE, CPU, HOPPER, PRESETS, CmpDenseTuning, DecodeTuning, KernelTuning,
-                            TorchTuning, tuning_for)
+from nsa.ops.tuning import (AMPERE, CPU, HOPPER, PRESETS, TILE_MAX_M, CmpDenseTuning, DecodeTuning,
+                            KernelTuning, TileTuning, TorchTuning, tuning_for)
 
 HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=6)
 
@@ -26,6 +26,10 @@ def test_presets_are_frozen_and_named():
     # the CPU preset differs only where the interpreter / the CPU torch path want it to
     assert CPU.scores.tile.map_small == CPU.scores.tile.map_big == 0 and CPU.torch.dense_factor == 8.0
     assert HOPPER.torch.dense_factor == 4.0 and CPU.attn == HOPPER.attn and CPU.decode == HOPPER.decode
+    # query-tile selection is off (m=1: per-token kernels) in every preset; its launches are shared
+    assert all(t.tile.m == 1 and t.tile == TileTuning() for t in PRESETS.values())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        HOPPER.tile.m = 4
 
 
 def test_tuning_for_device():
@@ -38,6 +42,18 @@ def test_tuning_for_device():
 def test_cmp_dense_mode_is_checked():
     with pytest.raises(ValueError, match="CmpDenseTuning.mode"):
         CmpDenseTuning("fast")
+
+
+def test_tile_tuning_is_checked():
+    for bad in (0, TILE_MAX_M + 1):
+        with pytest.raises(ValueError, match="TileTuning.m"):
+            TileTuning(m=bad)
+    with pytest.raises(ValueError, match="TileTuning.dkdv_by"):
+        TileTuning(dkdv_by="blocks")
+    on = HOPPER.replace(tile=dataclasses.replace(HOPPER.tile, m=8))
+    assert on.tile.m == 8 and on.tile.fwd == HOPPER.tile.fwd and on.select == HOPPER.select
+    tn = TileTuning()
+    assert tn.launch(tn.fwd, 64) is tn.fwd[0] and tn.launch(tn.fwd, 128) is tn.fwd[1]
 
 
 def test_decode_regimes_and_overrides():

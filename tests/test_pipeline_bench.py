@@ -88,6 +88,14 @@ def test_tuning_variant_replaces_nested_fields():
     assert v == Outer(Inner(1, 5), 7) and base == Outer()
 
 
+def test_tile_m_variant_sets_only_the_tile_size():
+    """bench_attention --tile-m M runs the op with KernelTuning.tile.m = M (the adapter's variant)."""
+    common = load_bench("common")
+    base = common.base_tuning("cpu")
+    v = common.tile_m_variant(base, 4)
+    assert v.tile.m == 4 and base.tile.m == 1 and v.replace(tile=base.tile) == base
+
+
 def test_bench_train_tiny_bare(tiny_data, tmp_path, monkeypatch, capsys):
     bench_train = load_bench("bench_train")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))

@@ -19,6 +19,9 @@ triton = pytest.importorskip("triton")
 from nsa.ops.reference import nsa_reference  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton import select_tile as tt  # noqa: E402
+from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
+from nsa.ops.testing import INPUT_NAMES, make_inputs  # noqa: E402
+from nsa.ops.tuning import TileLaunch, TileTuning, tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("poison_allocations")   # unwritten outputs fail (conftest)
@@ -140,7 +143,7 @@ def test_tile_matches_per_token_and_oracle(case):
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)))
     assert (bi[:, 0] == -1).any() or n_sel == 1, "early tokens should have -1 padded rows"
     # dK/dV by tiles (the union walk) or by tokens (select.py's kernel): each on half the cases
-    tn = tt.TileTuning(dkdv_by="token" if case in TOKEN_DKDV else "tile")
+    tn = TileTuning(dkdv_by="token" if case in TOKEN_DKDV else "tile")
     per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, scale, m, chunk, tuning=tn)
     ref = oracle(q, k, v, bi, gate, do, l_sel, scale)
     for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), tile, per_tok, ref):
@@ -180,9 +183,9 @@ def test_sub_block_keys_and_multi_tile_steps():
     case = "g3_m8_lsel24_chunked"
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
     ref = oracle(q, k, v, bi, gate, do, 24, scale)
-    small = (tt.TileLaunch(16, 4, 2), tt.TileLaunch(16, 4, 2))
-    for m, tn in ((8, tt.TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=16)),
-                  (2, tt.TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=64))):
+    small = (TileLaunch(16, 4, 2), TileLaunch(16, 4, 2))
+    for m, tn in ((8, TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=16)),
+                  (2, TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=64))):
         o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=24, scale=scale, m=m, tuning=tn)
         delta = (do * o).sum(-1)
         grads = tt.slc_bwd_tile(q, k, v, bi, do, lse, delta, gate, l_sel=24, scale=scale, m=m, chunk=7,
@@ -190,6 +193,44 @@ def test_sub_block_keys_and_multi_tile_steps():
         for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), (o, lse) + grads, ref):
             f = 1 if name in ("o", "lse") else 2
             assert rel_err(a, r) <= tol(torch.float32) * f, f"m={m} {name}: {rel_err(a, r):.2e}"
+
+
+@pytest.mark.parametrize("by,chunk", [("token", 1024), ("tile", 5)])
+def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
+    """The whole op (nsa_triton_apply) with KernelTuning.tile.m=4 against m=1 (the per-token kernels)
+    and the fp64 reference: same block_idx, o and every gradient, at test_triton_kernels' tolerances."""
+    from nsa.ops.triton import function as fn
+    calls = []
+
+    def spy(name):
+        real = getattr(fn, name)
+        return lambda *a, **k: calls.append(name) or real(*a, **k)
+
+    for name in ("slc_fwd", "slc_bwd", "slc_fwd_tile", "slc_bwd_tile"):   # which selection kernels run
+        monkeypatch.setattr(fn, name, spy(name))
+    B, T, HQ, H, dk, dv = 1, 45, 4, 2, 16, 16
+    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=8)
+    args = [a.requires_grad_() for a in make_inputs(B, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"],
+                                                     dtype=torch.float32, device=DEV, seed=21)]
+    ref_args = [a.detach().double().cpu().requires_grad_() for a in args]
+    ro, rbi = nsa_reference(*ref_args, **hp)
+    do = torch.randn(ro.shape, generator=torch.Generator().manual_seed(7)).to(DEV)
+    rgrads = torch.autograd.grad(ro, ref_args, do.double().cpu())
+    base = tuning_for(DEV)
+    runs = {}
+    for m in (1, 4):
+        tn = base.replace(tile=TileTuning(m=m, dkdv_by=by))
+        o, bi = nsa_triton_apply(*args, **hp, scale=dk ** -0.5, dkdv_chunk=chunk, tuning=tn)
+        runs[m] = (o,) + torch.autograd.grad(o, args, do)
+        assert torch.equal(bi.cpu(), rbi), f"m={m}: selected blocks differ from the reference"
+        want = ["slc_fwd", "slc_bwd"] if m == 1 else ["slc_fwd_tile", "slc_bwd_tile"]
+        assert calls == want, f"m={m}: ran {calls}"
+        calls.clear()
+    for name, a, b, r in zip(["o"] + [f"d{n}" for n in INPUT_NAMES], runs[4], runs[1], (ro,) + rgrads):
+        f = 1 if name == "o" else 2
+        assert torch.isfinite(a).all(), f"non-finite {name}"
+        assert rel_err(a, b) <= tol(torch.float32) * f, f"{name} m=4 vs m=1: {rel_err(a, b):.2e}"
+        assert rel_err(a, r) <= tol(torch.float32) * f, f"{name} m=4 vs reference: {rel_err(a, r):.2e}"
 
 
 def test_dq_accumulates_into_dq_in():
@@ -283,7 +324,9 @@ def test_bad_tile_size_and_union():
     with pytest.raises(ValueError, match="tile size m"):
         tt.tile_unions(bi, tt.MAX_M + 1)
     with pytest.raises(ValueError, match="dkdv_by"):
-        tt.TileTuning(dkdv_by="blocks")
+        TileTuning(dkdv_by="blocks")
+    with pytest.raises(ValueError, match="TileTuning.m"):
+        TileTuning(m=tt.MAX_M + 1)
     with pytest.raises(ValueError, match="union"):
         tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=scale, m=4, union=tt.tile_unions(bi, 2))
 
@@ -313,7 +356,7 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
     gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
     bi = make_block_idx(B, T, H, n_sel, l_sel, mode, gen, device="cuda")
     for m, by in ((2, "tile"), (4, "token"), (8, "tile"), (10, "token")):   # 10*G fills 64/128 rows at G=6
-        tn = tt.TileTuning(dkdv_by=by)
+        tn = TileTuning(dkdv_by=by)
         un, ref_un = tt.tile_unions(bi, m), tt._tile_unions_torch(bi, m)   # kernel vs torch ops
         assert all(torch.equal(a, b) for a, b in zip(un, ref_un)), f"m={m}: union kernel differs"
         per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024, tuning=tn)

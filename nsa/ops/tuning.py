@@ -63,6 +63,59 @@ class SelectTuning:
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
 
 
+TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
+
+
+@dataclass(frozen=True)
+class TileLaunch:
+    """One query-tile fwd or dq launch: key rows per pipeline stage (capped by l_sel), warps, stages."""
+
+    keys: int
+    warps: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class TileTuning:
+    """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
+    of a KV head per program, loading each block of the tile's union of selections once.
+
+    m: tokens per tile; 1 runs the per-token kernels of SelectTuning (the default: on an H100 the
+    tile kernels lost to them on the op's random selections and on trained-like ones, and won
+    2.4-3.4x only on strongly local selections, union fraction <= 0.25 at m=4).
+    Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch for rows <= 64, launch
+    for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
+    accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16,
+    d=128, 64 keys): K + V tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB.
+    H100, 64k, B=1, l_sel=64, n_sel=16, local selections (union 0.25 at m=4, 0.12 at m=8), fwd ms:
+    HQ=64/H=4/d=128 m=4 (64 rows) 4 warps 3 stages 64 keys 6.5 vs 2 stages 6.9; m=8 (128 rows)
+    8 warps 3 stages 32 keys 6.4 vs 2 stages 64 keys 7.5; HQ=12/H=2/d=64 m=8 (64 rows) 1.2 (3 stages
+    the same within 0.05); per-token 16.3 / 4.2. dq: 2 stages as good as 3."""
+
+    m: int = 1
+    fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
+    dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))
+    big_keys: int = 32              # cap on keys per stage for padded head dims > 128
+    # dK/dV: "token" walks, per block, the tokens that selected it (select.py's kernel, launched with
+    # SelectTuning's dkdv_*: every row it loads is a member); "tile" walks the tiles whose union holds
+    # the block, masking the rows of tokens that did not select it, i.e. union_fraction * m times the
+    # token walk's MMA work for the same q/dO traffic (K/V are loaded once per program either way).
+    # H100, 8k, HQ=64, H=4, d=128: token 2.2 ms, tile (64 rows per step) 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
+    dkdv_by: str = "token"
+    dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
+    dkdv_warps: int = 4
+    dkdv_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.m <= TILE_MAX_M:
+            raise ValueError(f"TileTuning.m must be in 1..{TILE_MAX_M} (1: per-token kernels), got {self.m}")
+        if self.dkdv_by not in ("token", "tile"):
+            raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
+
+    def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
+        return pair[0] if rows <= 64 else pair[1]
+
+
 @dataclass(frozen=True)
 class ScoreTile:
     """Fused block scores + top-n (nsa/ops/triton/scores.py select_blocks).
@@ -173,6 +226,7 @@ class KernelTuning:
     name: str
     attn: AttnTuning = AttnTuning()
     select: SelectTuning = SelectTuning()
+    tile: TileTuning = TileTuning()        # m=1: selection on the per-token kernels
     scores: ScoreTuning = ScoreTuning()
     cmp_dense: CmpDenseTuning = CmpDenseTuning()
     decode: DecodeTuning = DecodeTuning()

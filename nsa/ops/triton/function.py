@@ -1,8 +1,9 @@
 """NSA forward/backward on the Triton kernels, wired as one torch.autograd.Function.
 
 Forward: compressed attention (o_cmp, lse_cmp) -> block_idx from recomputed p_cmp (scores and top-n
-fused in scores.select_blocks; no score tensor is stored) -> selected attention (o_slc, lse_slc) ->
-window attention (o_win, lse_win) -> gated sum.
+fused in scores.select_blocks; no score tensor is stored) -> selected attention (o_slc, lse_slc; per
+token, or with tuning.tile.m > 1 on query tiles of m tokens, select_tile.py, whose block unions the
+backward reuses) -> window attention (o_win, lse_win) -> gated sum.
 Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
@@ -25,6 +26,7 @@ from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
 from .select import slc_bwd, slc_fwd
+from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_unions
 
 
 @triton.jit
@@ -112,11 +114,18 @@ class NSATritonFunction(torch.autograd.Function):
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tuning.scores)
-        o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select)
+        m = tuning.tile.m
+        if m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
+            union = tile_unions(block_idx, m)
+            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
+                                          union=union, tuning=tuning.tile)
+        else:
+            union = ()
+            o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select)
         o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
-                              lse_cmp, lse_slc, lse_win, block_idx)
+                              lse_cmp, lse_slc, lse_win, block_idx, *union)
         ctx.hp = (l, d, l_sel, w, scale, chunk, tuning)
         ctx.mark_non_differentiable(block_idx)
         return o, block_idx
@@ -124,7 +133,7 @@ class NSATritonFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dbi):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
-         lse_cmp, lse_slc, lse_win, block_idx) = ctx.saved_tensors
+         lse_cmp, lse_slc, lse_win, block_idx, *union) = ctx.saved_tensors
         l, d, l_sel, w, scale, chunk, tuning = ctx.hp
         do = do.contiguous()
         # dgates [B,T,HQ,3] fp32, and for an outside compressed branch its output's gradient g_cmp * dO
@@ -136,9 +145,14 @@ class NSATritonFunction(torch.autograd.Function):
                                     stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
                                     tuning=tuning.attn)
             do_cmp = None
-        dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                               gates[..., 1], l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
-                               dq_dtype=torch.float32, tuning=tuning.select)
+        slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq, dq_dtype=torch.float32)
+        if union:
+            dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
+                                        gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
+                                        tuning=tuning.tile, select=tuning.select, **slc_kw)
+        else:
+            dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
+                                   gates[..., 1], tuning=tuning.select, **slc_kw)
         dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
                                 stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
                                 tuning=tuning.attn)

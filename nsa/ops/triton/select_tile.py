@@ -16,73 +16,31 @@ Backward: dq per tile program over the union (gate folded into p as in select.sl
 atomics, by default select.py's per-token kernel (per block, the tokens that selected it): K/V are
 loaded once per program there already, so tiles save nothing in dK/dV and the tile walk (one program
 per (block, chunk of the tiles whose union holds it), rows of non-selecting tokens masked) only adds
-masked work; it stays as TileTuning(dkdv_by="tile").
+masked work; it stays as nsa.ops.tuning.TileTuning(dkdv_by="tile").
 
 Cost: a tile does union_fraction * m times the per-token MMA work to load union_fraction of its K/V.
 H100, bf16, B=1, l_sel=64, n_sel=16 (bench_tile): HQ=64/H=4/d=128 at 64k, per-token fwd 17.0 ms; with
 unions of 0.25 at m=4 (strongly local selections) the tile fwd takes 6.5-6.9 ms, with the op's
-selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions
-(m=1: select.slc_fwd itself).
+selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions:
+KernelTuning.tile.m (nsa/ops/tuning.py) picks it for the op (function.py), 1 = select.slc_fwd/slc_bwd.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning, tuning_for
 from ._utils import dot_precision, next_pow2
-from .attn import online_softmax_step
+from .attn import attn_fwd, online_softmax_step
+from .scores import select_blocks
 from .select import _slc_bwd_dkdv_kernel, _slc_reduce_kernel, invert_selection, slc_bwd, slc_fwd
 
 LOG2E = 1.4426950408889634
-MAX_M = 32            # token bits of a union entry live in one int32
+MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
 _NONE = torch.iinfo(torch.int64).max   # sort key of "no block" in the torch path (after every real block)
-
-
-@dataclass(frozen=True)
-class TileLaunch:
-    """One fwd or dq launch: key rows per pipeline stage (capped by l_sel), num_warps, num_stages."""
-
-    keys: int
-    warps: int
-    stages: int
-
-
-@dataclass(frozen=True)
-class TileTuning:
-    """Launch parameters of the tile kernels. Rows = m*G padded to a power of two (>= 16); `fwd` and
-    `dq` hold (launch for rows <= 64, launch for rows > 64).
-
-    Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32 accumulator needs 8 warps
-    to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16, d=128, 64 keys): K + V
-    tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB. H100, 64k, B=1,
-    l_sel=64, n_sel=16, local selections (union 0.25 at m=4, 0.12 at m=8), fwd ms:
-    HQ=64/H=4/d=128 m=4 (64 rows) 4 warps 3 stages 64 keys 6.5 vs 2 stages 6.9; m=8 (128 rows)
-    8 warps 3 stages 32 keys 6.4 vs 2 stages 64 keys 7.5; HQ=12/H=2/d=64 m=8 (64 rows) 1.2 (3 stages
-    the same within 0.05); per-token 16.3 / 4.2. dq: 2 stages as good as 3."""
-
-    fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
-    dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))
-    big_keys: int = 32              # cap on keys per stage for padded head dims > 128
-    # dK/dV: "token" walks, per block, the tokens that selected it (select.py's kernel: every row
-    # it loads is a member); "tile" walks the tiles whose union holds the block, masking the rows of
-    # tokens that did not select it, i.e. union_fraction * m times the token walk's MMA work for the
-    # same q/dO traffic (K/V are loaded once per program either way). H100, 8k, HQ=64, H=4, d=128:
-    # token 2.2 ms, tile (64 rows per step) 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
-    dkdv_by: str = "token"
-    dkdv_rows: int = 32             # (token, head) rows per dK/dV step ("tile": whole tiles, >= one)
-    dkdv_warps: int = 4
-    dkdv_stages: int = 2
-
-    def __post_init__(self) -> None:
-        if self.dkdv_by not in ("token", "tile"):
-            raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
-
-    def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
-        return pair[0] if rows <= 64 else pair[1]
 
 
 class TileUnion(NamedTuple):
@@ -454,8 +412,9 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
                  tuning: TileTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As select.slc_fwd (q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o, lse fp32
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
-    when the caller already has it (the backward reuses it)."""
-    tn = tuning or TileTuning()
+    when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
+    preset of q's device; its m is not read, m is the argument)."""
+    tn = tuning or tuning_for(q.device).tile
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H
@@ -503,12 +462,16 @@ def invert_tiles(un: TileUnion, T: int, l_sel: int, chunk: int) -> dict:
 def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
                  lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
                  m: int, chunk: int = 1024, dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
-                 union: TileUnion | None = None,
-                 tuning: TileTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 union: TileUnion | None = None, tuning: TileTuning | None = None,
+                 select: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of slc_fwd_tile with select.slc_bwd's contract: do is the op's dO (gate applied to p
     inside), delta = rowsum(dO * o_slc) fp32 [B,T,HQ], gate [B,T,HQ] view or None, dq_in accumulated
-    (in place when dq_dtype is fp32), chunk = queries per dK/dV program (rounded to whole tiles)."""
-    tn = tuning or TileTuning()
+    (in place when dq_dtype is fp32), chunk = queries per dK/dV program (rounded to whole tiles).
+    tuning / select: launch parameters of the tile kernels / of select.py's dK/dV kernel (the
+    dkdv_by="token" walk); None: the preset of q's device."""
+    preset = tuning_for(q.device)
+    tn = tuning or preset.tile
+    sn = select or preset.select
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H
@@ -540,8 +503,8 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-            CH=chunk, BS=bs, HAS_GATE=has_gate, GP=next_pow2(G), ROWS=max(tn.dkdv_rows, next_pow2(G)),
-            num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta_tok)
+            CH=chunk, BS=bs, HAS_GATE=has_gate, GP=next_pow2(G), ROWS=max(sn.dkdv_rows, next_pow2(G)),
+            num_warps=sn.dkdv_warps, num_stages=sn.dkdv_stages, **meta_tok)
     else:
         inv = invert_tiles(un, T, l_sel, max(1, chunk // m))
         xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
@@ -598,8 +561,6 @@ def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int =
     (shown apart: kernel = fwd given the union)."""
     from triton.testing import do_bench
 
-    from .function import nsa_triton_apply
-
     dev = "cuda"
     given = block_idx is not None
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -614,9 +575,9 @@ def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int =
     if block_idx is None:
         n = max(0, (T - l) // stride + 1)
         with torch.no_grad():
-            block_idx = nsa_triton_apply(q, r(1, n, H, d), r(1, n, H, d), k, v, k, v,
-                                         torch.rand(1, T, HQ, 3, device=dev).bfloat16(), l=l, d=stride,
-                                         l_sel=l_sel, n_sel=n_sel, w=512, scale=d ** -0.5)[1]
+            kc = r(1, n, H, d)   # the op's selection: its compressed lse, then the fused scores + top-n
+            lse_cmp = attn_fwd(q, kc, r(1, n, H, d), stride=stride, offset=l - 1, window=0, scale=d ** -0.5)[1]
+            block_idx = select_blocks(q, kc, lse_cmp, l=l, d=stride, l_sel=l_sel, n_sel=n_sel, scale=d ** -0.5)
     scale = d ** -0.5
     o, lse = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale)
     delta = (do.float() * o.float()).sum(-1)
