@@ -74,7 +74,7 @@ bundle_fa4() {  # runs on the CPU machine with network (pip download), writes .f
   (cd "$tmp/cu13" && tar -cf - . | xz -T0 -7) > "$tmp/cu13.tar.xz"   # 92 MB wheel -> ~65 MB
   split -b 33M "$tmp/cu13.tar.xz" "$tmp/cu13.part."
   mv "$tmp"/*.whl "$tmp/cu13.part.aa" .fa4a/ && mv "$tmp/cu13.part.ab" .fa4b/ && rm -rf "$tmp"
-  grep -qx '/.fa4a/' .git/info/exclude 2>/dev/null || printf '/.fa4a/\n/.fa4b/\n' >> .git/info/exclude
+  # .fa4a/.fa4b are in .gitignore, which also keeps them out of `ray job submit --working-dir .` uploads
   du -sh .fa4a .fa4b
 }
 
