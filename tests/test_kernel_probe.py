@@ -149,3 +149,73 @@ def test_real_kernels_pass_the_probe(monkeypatch):
                              ops.tuning_for("cpu"))
     probe.clear_probe_cache()
     assert res.ok, res.reason
+
+
+# ---------------------------------------------------------------- shared memory of the presets' tiles
+# Per-block shared memory the Triton launches may claim (opt-in maximum): sm_80 (A100) 163 KB,
+# sm_90 (H100/H200) 227 KB.
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+ELT = 2          # bf16 / fp16 bytes
+MAX_GROUP = 16   # query heads per KV head the estimate allows for (rows of the selection kernels)
+
+
+def smem_bytes(held_rows: int, held_width: int, stages: int, step_rows: int, step_width: int) -> int:
+    """Upper estimate of a flash-style kernel's shared memory: the tile it holds for the whole loop
+    (held_rows x held_width) plus `stages` pipeline buffers of the tile it streams per step
+    (step_rows x step_width), at 2 bytes each. A 1-stage loop still needs its one buffer.
+    E.g. the forward: rows x dk + stages x keys x (dk + dv), times 2 bytes."""
+    return (held_rows * held_width + max(stages, 1) * step_rows * step_width) * ELT
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def preset_smem(tn, d: int) -> dict[str, int]:
+    """Estimated bytes of every prefill launch of preset `tn` at head dim d (dk = dv = d, padded to a
+    power of two; heads above 128 use the `big_*` tiles, as nsa/ops/triton/attn.py picks them)."""
+    dp = max(16, _next_pow2(d))
+    big = dp > 128
+    fwd, dq, dkdv = tn.attn.tiles(big)
+    st = tn.select
+    g = MAX_GROUP
+    score = tn.scores.tile_for(big)
+    return {
+        # attention: Q held, K|V streamed; dq: Q|dO held, K|V streamed; dK/dV: K|V held, Q|dO streamed
+        "attn.fwd": smem_bytes(fwd.rows, dp, fwd.stages, fwd.keys, 2 * dp),
+        "attn.dq": smem_bytes(dq.rows, 2 * dp, dq.stages, dq.keys, 2 * dp),
+        "attn.dkdv": smem_bytes(dkdv.keys, 2 * dp, dkdv.stages, dkdv.rows, 2 * dp),
+        # selection: a token's query heads held, selected key rows streamed (keys per stage capped
+        # by *_keys); dK/dV: a block's K|V held (<= fwd_keys rows), query rows streamed
+        "select.fwd": smem_bytes(g, dp, st.fwd_stages, st.fwd_keys, 2 * dp),
+        "select.dq": smem_bytes(g, 2 * dp, st.dq_stages, st.dq_keys, 2 * dp),
+        "select.dkdv": smem_bytes(st.fwd_keys, 2 * dp, st.dkdv_stages, max(st.dkdv_rows, g), 2 * dp),
+        # block scores: query rows held, compressed keys streamed (K only)
+        "scores": smem_bytes(score.rows, dp, score.stages, score.min_keys, dp),
+    }
+
+
+def test_smem_estimate_formula():
+    # the forward's documented case: 128 rows x 128 + 3 x 64 keys x (128 + 128), bf16 = 128 KB
+    assert smem_bytes(128, 128, 3, 64, 256) == 128 * 1024
+    assert smem_bytes(16, 32, 0, 32, 64) == smem_bytes(16, 32, 1, 32, 64)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("name,arch", [("ampere", "sm_80"), ("hopper", "sm_90"), ("hopper", "sm_80")])
+def test_preset_tiles_fit_shared_memory(name, arch, d):
+    """Every prefill launch of the AMPERE and HOPPER presets fits sm_80's 163 KB (and so Hopper's
+    227 KB) for head dims up to 256: an A100 can run the tiles tuned on Hopper."""
+    from nsa.ops.tuning import PRESETS
+    est = preset_smem(PRESETS[name], d)
+    over = {k: v for k, v in est.items() if v > SMEM_LIMIT[arch]}
+    assert not over, f"{name} at d={d} exceeds {arch}'s {SMEM_LIMIT[arch]} B: {over}"
+
+
+def test_smem_check_catches_an_oversized_tile():
+    """The check fails for a tile that would not fit an A100 (4 stages of 128 keys at d=128)."""
+    import dataclasses
+    from nsa.ops.tuning import AMPERE, Tile
+    fat = AMPERE.replace(attn=dataclasses.replace(AMPERE.attn, fwd=Tile(128, 128, 8, 4)))
+    est = preset_smem(fat, 128)
+    assert est["attn.fwd"] > SMEM_LIMIT["sm_80"] and est["attn.fwd"] < SMEM_LIMIT["sm_90"] * 2
