@@ -94,6 +94,14 @@ def test_probe_passes_keeps_triton(monkeypatch, failing_triton):
     assert seen == [((1, SHAPE.probe_len(), 4, 16), 8, 16, "cpu")] and ops.fallback_counts() == {}
 
 
+def test_uncovered_shape_keeps_the_per_call_fallback(failing_triton):
+    """NotImplementedError (shape/dtype outside the kernels) is the op's own per-call fallback, not a
+    device fault: the policy stays triton and the op counts triton_unsupported->torch as before."""
+    failing_triton(lambda: NotImplementedError("d_k=192 not supported"))
+    pol = dispatch.cached_policy("triton", torch.device("cpu"), torch.float32, SHAPE)
+    assert pol.backend == "triton" and "not covered" in pol.reasons["cmp"] and ops.fallback_counts() == {}
+
+
 def test_probe_catches_missing_gradients(monkeypatch, failing_triton):
     """A backward that silently drops a gradient is a failed probe (named inputs)."""
     failing_triton(_compile_error)
@@ -219,3 +227,25 @@ def test_smem_check_catches_an_oversized_tile():
     fat = AMPERE.replace(attn=dataclasses.replace(AMPERE.attn, fwd=Tile(128, 128, 8, 4)))
     est = preset_smem(fat, 128)
     assert est["attn.fwd"] > SMEM_LIMIT["sm_80"] and est["attn.fwd"] < SMEM_LIMIT["sm_90"] * 2
+
+
+def test_training_run_under_compile_failure_completes_and_heartbeats_count_it(failing_triton, tiny_data,
+                                                                             tmp_path):
+    """The worker loop (no Ray) with backend=triton whose kernels fail to compile: the model build
+    probes once, the run completes on torch, and every step's heartbeat carries the counters."""
+    import os
+    from conftest import TINY_PROFILE, tiny_overrides
+    from nsa.config import resolve_config
+    from nsa.telemetry import read_heartbeat
+    from nsa.train.local_env import LocalEnv
+    from nsa.train.loop import run_training
+    calls = failing_triton(_compile_error)
+    over = {"model__n_layers": 1, "model__dim": 64, "train__steps": 2, "train__save_every": 0,
+            "train__eval_every": 0, "logging__name": "probe", "nsa__backend": "triton"}
+    cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(tiny_data, tmp_path, **over))
+    run_dir = os.path.join(cfg.logging.root, cfg.logging.name)
+    summary = run_training(cfg, run_dir, LocalEnv(cfg, run_dir))
+    assert summary["status"] == "completed" and len(calls) == 1
+    ends = [r for r in read_heartbeat(os.path.join(run_dir, "heartbeat_rank0.jsonl")) if r["kind"] == "step_end"]
+    assert ends and all(r["fallbacks"].get(PROBE_COUNTER) == 1 for r in ends)
+    assert ends[-1]["fallbacks"]["triton->torch"] >= 2          # counted per op call of the fallen-back policy

@@ -2,7 +2,9 @@
 
 Backends: "reference" (nsa/ops/reference.py, fp64 loops), "torch" (nsa/ops/batched.py, tiled and
 vectorised), "triton" (nsa/ops/triton, imported lazily, GPU only). "auto" = triton on CUDA when
-the triton package exposes working kernels, else torch.
+the triton package exposes working kernels, else torch. Given the op's shapes (nsa.ops.probe.ProbeShape),
+a triton choice is first probed once on the device (nsa/ops/probe.py) and falls back to torch if the
+kernels fail to compile or launch there.
 """
 from __future__ import annotations
 
