@@ -133,7 +133,9 @@ def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeSha
         res = ProbeResult(False, "nsa.ops.triton does not import")
     else:
         try:
-            _run(mod, shape, dev, dtype, tuning)
+            # the first op call may come from eval / generate: backward is probed regardless
+            with torch.inference_mode(False), torch.enable_grad():
+                _run(mod, shape, dev, dtype, tuning)
             res = ProbeResult(True, "probed fwd+bwd at T=%d" % shape.probe_len())
         except NotImplementedError as exc:
             # the kernels do not cover this shape/dtype: not a device fault; the op already falls back
