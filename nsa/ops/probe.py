@@ -73,6 +73,17 @@ def probe_results() -> dict[tuple, ProbeResult]:
         return dict(_results)
 
 
+def _indexed(device: torch.device | str) -> torch.device:
+    """cuda -> cuda:<current>: the op sees q.device with its index, so build-time and call-time keys match."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        try:
+            return torch.device("cuda", torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - no driver: keep the name as given
+            return dev
+    return dev
+
+
 def can_probe(device: torch.device) -> bool:
     """False inside a CUDA-graph capture (a probe would allocate and sync) or a torch.compile trace."""
     # only ask dynamo when it is loaded: importing it here would import triton before a CPU test run
@@ -120,7 +131,7 @@ def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeSha
     """Run the Triton op forward + backward once for (device, dtype, shape); cached. None when
     probing is not possible now (capture / compile trace): the caller decides without a probe."""
     from .dispatch import triton_module
-    dev = torch.device(device)
+    dev = _indexed(device)
     key = (str(dev), dtype, shape)
     with _lock:
         hit = _results.get(key)
@@ -160,7 +171,7 @@ def probe_model(model: torch.nn.Module, device: torch.device | str, dtype: torch
     build, with the compute dtype (bf16 under autocast). Returns the distinct policies. Later op
     calls with the same (backend, device, dtype, shape) hit the cache: no probe in the training step."""
     from .dispatch import cached_policy
-    dev = torch.device(device)
+    dev = _indexed(device)
     seen: dict[tuple, object] = {}
     for m in model.modules():
         if not all(hasattr(m, a) for a in ("backend", "n_heads", "n_kv_groups", "d_k", "d_v", "l_sel", "n_sel")):
