@@ -139,6 +139,38 @@ def test_versions_agree_with_the_installed_ray(launcher):
     assert f"FROM rayproject/ray:{ray.__version__}-" in (ROOT / "cluster" / "Dockerfile").read_text()
 
 
+# --------------------------------------------------------------------------------------- GPU nodes
+A100_80 = "NVIDIA-A100-SXM4-80GB"     # NVIDIA GPU feature discovery's gpu.product label
+A100_40 = "NVIDIA-A100-SXM4-40GB"
+
+
+def test_gpu_nodes_are_a100_80gb_with_40gb_documented(launcher):
+    """The runbooks' 80 GB A100s in both configs; the 40 GB swap is written down where it is made."""
+    workers = {k: v for k, v in launcher["available_node_types"].items() if k != launcher["head_node_type"]}
+    assert {t["node_config"]["InstanceType"] for t in workers.values()} == {"p4de.24xlarge"}   # 8x A100-80GB
+    assert all(t["resources"]["GPU"] == 8 for t in workers.values())
+    text = LAUNCHER.read_text()
+    assert "A100-SXM4-80GB" in text and "InstanceType p4d.24xlarge" in text   # the 40 GB alternative
+    for path in (KUBE / "raycluster.yaml", KUBE / "rayjob.yaml"):
+        rc = _one(path, "RayCluster" if path.name == "raycluster.yaml" else "RayJob")["spec"]
+        rc = rc.get("rayClusterSpec", rc)
+        products = {g["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] for g in rc["workerGroupSpecs"]}
+        assert products == {A100_80}, path.name
+        assert A100_40 in path.read_text(), f"{path.name}: the 40 GB alternative is not documented"
+    readme = (ROOT / "cluster" / "README.md").read_text()
+    assert "p4de.24xlarge" in readme and "p4d.24xlarge" in readme and A100_40 in readme
+    assert "40 GB as the alternative" in readme
+
+
+def test_readme_states_what_ran_on_a100_and_where_ray_binds():
+    readme = (ROOT / "cluster" / "README.md").read_text()
+    section = readme.split("### What ran on real A100s", 1)[1].split("\n## ", 1)[0]
+    assert "nothing" in section.splitlines()[0].lower() and "H100" in section and "H200" in section
+    assert "127.0.0.1" in readme and "nsa/train/ray_local.py" in readme
+    assert (ROOT / "nsa" / "train" / "ray_local.py").exists()
+    assert "security group" in readme and "NetworkPolicy" in readme and "6379" in readme
+
+
 # ------------------------------------------------------------------------------------------ KubeRay
 def _containers(template: dict[str, Any]) -> list[dict[str, Any]]:
     return template["spec"]["containers"]

@@ -12,6 +12,7 @@ from .common import NSAParams, num_cmp_tokens, safe_scale, validate_hparams, val
 from .decode import nsa_decode
 from .dispatch import KernelPolicy, _check_requested, cached_policy, resolve_backend, triton_module
 from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
+from .probe import ProbeShape
 from .reference import causal_attention, nsa_reference
 from .tuning import KernelTuning, tuning_for
 
@@ -43,12 +44,14 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
                    v_win=v_win, gates=gates)
+    if not isinstance(backend, KernelPolicy):
+        _check_requested(backend)
+    validate_inputs(tensors, p)
     if isinstance(backend, KernelPolicy):
         policy = backend
-    else:
-        _check_requested(backend)
-        policy = cached_policy(backend, q.device, q.dtype)
-    validate_inputs(tensors, p)
+    else:  # the shape key: a triton choice is probed once per (device, dtype, shape), nsa/ops/probe.py
+        policy = cached_policy(backend, q.device, q.dtype,
+                               ProbeShape.of(q, v_win, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w))
     sc = safe_scale(scale, q.shape[-1])
     if policy.fallback is not None:
         count_fallback(policy.fallback)

@@ -2,7 +2,9 @@
 
 Backends: "reference" (nsa/ops/reference.py, fp64 loops), "torch" (nsa/ops/batched.py, tiled and
 vectorised), "triton" (nsa/ops/triton, imported lazily, GPU only). "auto" = triton on CUDA when
-the triton package exposes working kernels, else torch.
+the triton package exposes working kernels, else torch. Given the op's shapes (nsa.ops.probe.ProbeShape),
+a triton choice is first probed once on the device (nsa/ops/probe.py) and falls back to torch if the
+kernels fail to compile or launch there.
 """
 from __future__ import annotations
 
@@ -101,7 +103,9 @@ class KernelPolicy:
     @classmethod
     def resolve(cls, device: torch.device | str, dtype: torch.dtype,
                 requested: str = "auto", allow_flash: bool = True,
-                head_dim: int | None = None) -> "KernelPolicy":
+                head_dim: int | None = None, shape=None) -> "KernelPolicy":
+        """shape (nsa.ops.probe.ProbeShape): when triton is chosen, probe its kernels once with these
+        shapes on this device (nsa/ops/probe.py) and fall back to torch if they fail there."""
         _check_requested(requested)
         dev = torch.device(device)
         ok, why = _triton_status(dev) if requested in ("auto", "triton") else (False, "")
@@ -118,6 +122,14 @@ class KernelPolicy:
             if requested == "triton" or dev.type == "cuda":
                 fallback = f"{requested}->torch"
         tuning = tuning_for(dev)
+        if used == "triton" and shape is not None:
+            from .probe import probe_triton
+            res = probe_triton(dev, dtype, shape, tuning)
+            if res is not None and not res.ok:
+                used, reason = "torch", f"{requested}: triton probe failed ({res.reason}) -> torch"
+                fallback = f"{requested}->torch"
+            elif res is not None:
+                reason = f"{reason}; {res.reason}"
         backends = {b: used for b in BRANCHES}
         reasons = {b: reason for b in BRANCHES}
         if used == "triton":
@@ -168,12 +180,18 @@ class KernelPolicy:
 _cache: dict[tuple, KernelPolicy] = {}
 
 
-def cached_policy(requested: str, device: torch.device, dtype: torch.dtype) -> KernelPolicy:
-    """KernelPolicy.resolve memoised per (requested, device, dtype): no re-probing per call."""
-    key = (requested, str(device), dtype)
+def cached_policy(requested: str, device: torch.device, dtype: torch.dtype, shape=None) -> KernelPolicy:
+    """KernelPolicy.resolve memoised per (requested, device, dtype, shape): no re-probing per call.
+    With a shape (nsa.ops.probe.ProbeShape) a triton choice is probed first; where probing is not
+    possible now (CUDA-graph capture, torch.compile trace) the unprobed policy is returned uncached."""
+    key = (requested, str(device), dtype, shape)
     pol = _cache.get(key)
     if pol is None:
-        pol = KernelPolicy.resolve(device, dtype, requested)
+        if shape is not None:
+            from .probe import can_probe
+            if not can_probe(torch.device(device)):
+                return cached_policy(requested, device, dtype)
+        pol = KernelPolicy.resolve(device, dtype, requested, shape=shape)
         _cache[key] = pol
         log.info("%s", pol)
     return pol

@@ -241,7 +241,9 @@ class KernelTuning:
 HOPPER = KernelTuning("hopper")
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
-# x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB.
+# x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;
+# tests/test_kernel_probe.py checks every prefill tile up to head dim 256 against 163 KB this way, and
+# the kernel probe (nsa/ops/probe.py) falls back to torch where a launch still fails on the device.
 # sm_86 / sm_89 allow 99 KB per block: that tile may not fit there (unmeasured; no preset for them).
 AMPERE = KernelTuning("ampere")
 # CPU (Triton interpreter, torch path): the score map is the exact fp32 one (also the fastest in the
