@@ -12,7 +12,8 @@ import torch
 import nsa.ops as ops
 import nsa.ops.triton as nsa_triton
 from nsa.ops import dispatch, probe
-from nsa.ops.probe import PROBE_COUNTER, ProbeShape, can_probe, probe_model
+from nsa.ops.dispatch import probe_model
+from nsa.ops.probe import PROBE_COUNTER, ProbeShape, can_probe
 
 SHAPE = ProbeShape(HQ=4, H=2, dk=16, dv=16, l=8, d=4, l_sel=8, n_sel=2, w=16)
 MODEL = dict(vocab=61, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=16, d_v=16, l=8, d=4,

@@ -195,3 +195,20 @@ def cached_policy(requested: str, device: torch.device, dtype: torch.dtype, shap
         _cache[key] = pol
         log.info("%s", pol)
     return pol
+
+
+def probe_model(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
+    """Resolve (and probe) the kernel policy of every NSA attention layer of `model` once, at model
+    build, with the compute dtype (bf16 under autocast). Returns the distinct policies. Later op
+    calls with the same (backend, device, dtype, shape) hit the cache: no probe in the training step."""
+    from .probe import ProbeShape, _indexed
+    dev = _indexed(device)
+    seen: dict[tuple, object] = {}
+    for m in model.modules():
+        if not all(hasattr(m, a) for a in ("backend", "n_heads", "n_kv_groups", "d_k", "d_v", "l_sel", "n_sel")):
+            continue
+        shape = ProbeShape(m.n_heads, m.n_kv_groups, m.d_k, m.d_v, m.l, m.d, m.l_sel, m.n_sel, m.w)
+        key = (m.backend, shape)
+        if key not in seen:
+            seen[key] = cached_policy(m.backend, dev, dtype, shape)
+    return list(seen.values())

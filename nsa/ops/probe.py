@@ -18,7 +18,7 @@ import torch
 
 from .fallbacks import count_fallback
 
-__all__ = ["ProbeShape", "ProbeResult", "probe_triton", "probe_model", "can_probe", "clear_probe_cache",
+__all__ = ["ProbeShape", "ProbeResult", "probe_triton", "can_probe", "clear_probe_cache",
            "probe_results", "PROBE_COUNTER"]
 
 log = logging.getLogger(__name__)
@@ -126,11 +126,21 @@ def _run(mod, shape: ProbeShape, device: torch.device, dtype: torch.dtype, tunin
         torch.cuda.synchronize(device)  # asynchronous launch errors surface here, inside the probe
 
 
+def _triton_ops():
+    """nsa.ops.triton, or None where it does not import (the same test as dispatch.triton_module; kept
+    here so that this module does not import dispatch, which imports it)."""
+    import importlib
+    try:
+        mod = importlib.import_module("nsa.ops.triton")
+    except Exception:  # noqa: BLE001 - any import problem means "no triton path"
+        return None
+    return mod if hasattr(mod, "nsa_attention_triton") else None
+
+
 def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeShape,
                  tuning=None) -> ProbeResult | None:
     """Run the Triton op forward + backward once for (device, dtype, shape); cached. None when
     probing is not possible now (capture / compile trace): the caller decides without a probe."""
-    from .dispatch import triton_module
     dev = _indexed(device)
     key = (str(dev), dtype, shape)
     with _lock:
@@ -139,7 +149,7 @@ def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeSha
         return hit
     if not can_probe(dev):
         return None
-    mod = triton_module()
+    mod = _triton_ops()
     if mod is None:
         res = ProbeResult(False, "nsa.ops.triton does not import")
     else:
@@ -164,20 +174,3 @@ def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeSha
     with _lock:
         _results[key] = res
     return res
-
-
-def probe_model(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> list:
-    """Resolve (and probe) the kernel policy of every NSA attention layer of `model` once, at model
-    build, with the compute dtype (bf16 under autocast). Returns the distinct policies. Later op
-    calls with the same (backend, device, dtype, shape) hit the cache: no probe in the training step."""
-    from .dispatch import cached_policy
-    dev = _indexed(device)
-    seen: dict[tuple, object] = {}
-    for m in model.modules():
-        if not all(hasattr(m, a) for a in ("backend", "n_heads", "n_kv_groups", "d_k", "d_v", "l_sel", "n_sel")):
-            continue
-        shape = ProbeShape(m.n_heads, m.n_kv_groups, m.d_k, m.d_v, m.l, m.d, m.l_sel, m.n_sel, m.w)
-        key = (m.backend, shape)
-        if key not in seen:
-            seen[key] = cached_policy(m.backend, dev, dtype, shape)
-    return list(seen.values())

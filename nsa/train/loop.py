@@ -216,7 +216,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.prec = precision_from_config(r, self.device)
         from nsa.model import TinyLM
-        from nsa.ops.probe import probe_model
+        from nsa.ops.dispatch import probe_model
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
         probe_model(model, self.device, self.prec.dtype or torch.float32)   # kernels tried once here, nsa/ops/probe.py
         self.opt = build_optimizer(model, t)
