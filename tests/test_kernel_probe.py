@@ -251,3 +251,27 @@ def test_training_run_under_compile_failure_completes_and_heartbeats_count_it(fa
     ends = [r for r in read_heartbeat(os.path.join(run_dir, "heartbeat_rank0.jsonl")) if r["kind"] == "step_end"]
     assert ends and all(r["fallbacks"].get(PROBE_COUNTER) == 1 for r in ends)
     assert ends[-1]["fallbacks"]["triton->torch"] >= 2          # counted per op call of the fallen-back policy
+
+
+def test_first_call_inside_a_checkpointed_block_probes_without_breaking_recompute(monkeypatch, failing_triton):
+    """The op's first call may come from the forward of a gradient-checkpointed block: the probe's own
+    saved tensors must not count as the block's, or the recomputation (cache hit, no probe) saves fewer
+    tensors and backward fails (seen on an H100 with the 125M model before the fix)."""
+    from torch.utils.checkpoint import checkpoint
+    failing_triton(_compile_error)
+
+    def fine(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw):
+        rest = sum(t.sum() for t in (k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
+        return q * gates[..., :1] + rest * 0, None
+    monkeypatch.setattr(nsa_triton, "nsa_attention_triton", fine)
+    x = {k: v.requires_grad_() for k, v in probe._inputs(SHAPE, torch.device("cpu"), torch.float32).items()}
+
+    def block(*args):
+        o, _ = ops.nsa_attention(*args, l=SHAPE.l, d=SHAPE.d, l_sel=SHAPE.l_sel, n_sel=SHAPE.n_sel, w=SHAPE.w,
+                                 backend="auto")
+        return o.square().sum()
+    names = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+    loss = checkpoint(block, *(x[n] for n in names), use_reentrant=False)
+    loss.backward()
+    assert x["q"].grad is not None and torch.isfinite(x["q"].grad).all()
+    assert probe.probe_results() and all(r.ok for r in probe.probe_results().values())

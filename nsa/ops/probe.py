@@ -154,8 +154,12 @@ def probe_triton(device: torch.device | str, dtype: torch.dtype, shape: ProbeSha
         res = ProbeResult(False, "nsa.ops.triton does not import")
     else:
         try:
-            # the first op call may come from eval / generate: backward is probed regardless
-            with torch.inference_mode(False), torch.enable_grad():
+            # the first op call may come from eval / generate: backward is probed regardless. It may
+            # also come from inside a checkpointed block's forward: identity saved-tensor hooks shadow
+            # the checkpoint's, so the probe's own saved tensors are not counted as the block's (the
+            # recomputation, which finds the cached result, would save fewer and fail)
+            with torch.inference_mode(False), torch.enable_grad(), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 _run(mod, shape, dev, dtype, tuning)
             res = ProbeResult(True, "probed fwd+bwd at T=%d" % shape.probe_len())
         except NotImplementedError as exc:
