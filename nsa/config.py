@@ -164,6 +164,7 @@ class TrainConfig:
     resume_from: Optional[str] = None  # explicit checkpoint directory to start from
     on_nonfinite: str = "halt"       # halt | skip
     stall_seconds: float = 600.0     # watchdog: no step_end for this long -> stack dump + stall record
+    on_stall: str = "record"         # after the record: record (wait) | halt (.HALT, then exit) | restart (exit)
 
     def __post_init__(self) -> None:
         _positive("train", self, ("steps", "batch_size", "accumulate", "lr", "keep_checkpoints", "eval_batches",
@@ -174,6 +175,7 @@ class TrainConfig:
         _require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         _one_of("train.resume", self.resume, ("auto", "never"))
         _one_of("train.on_nonfinite", self.on_nonfinite, ("halt", "skip"))
+        _one_of("train.on_stall", self.on_stall, ("record", "halt", "restart"))
 
 
 @dataclass

@@ -371,8 +371,10 @@ class Trainer:
             print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
                   + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
-        wd = self.wd = Watchdog(t.stall_seconds,
-                                make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()
+        # on_stall=restart/halt end a stuck worker after the record (see make_stall_handler)
+        wd = self.wd = Watchdog(t.stall_seconds, make_stall_handler(
+            self.run_dir, self.rep.hb, lambda: self.step, action=t.on_stall,
+            is_stalled=lambda: self.wd.stalled, grace_seconds=t.stall_seconds)).start()
         status, reason = "completed", ""
         try:
             status, reason = self._steps(val)
