@@ -208,6 +208,11 @@ class LoggingConfig:
     mlflow: bool = True
     mlflow_uri: Optional[str] = None  # None: sqlite file root/mlflow.db
     experiment: str = "nsa"
+    # gate health warnings (nsa/telemetry/health.py; a warning line, never a stop); null disables a rule
+    health_min_entropy: Optional[float] = 0.5   # per-layer gate entropy mean (nats; uniform = 1.0986)
+    health_max_gate: Optional[float] = 0.9      # per-layer mean of the largest gate
+    health_max_collapse: Optional[float] = 0.05  # per-layer share of (token, head) with max gate > 0.9
+    verbose: bool = False            # show Ray's routine start-up/shutdown noise on the terminal
 
     def __post_init__(self) -> None:
         _positive("logging", self, ("log_every", "heartbeat_every"))
