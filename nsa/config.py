@@ -166,6 +166,7 @@ class TrainConfig:
     resume_from: Optional[str] = None  # explicit checkpoint directory to start from
     on_nonfinite: str = "halt"       # halt | skip
     stall_seconds: float = 600.0     # watchdog: no step_end for this long -> stack dump + stall record
+    on_stall: str = "record"         # after the record: record (wait) | halt (.HALT, then exit) | restart (exit)
 
     def __post_init__(self) -> None:
         _positive("train", self, ("steps", "batch_size", "accumulate", "lr", "keep_checkpoints", "eval_batches",
@@ -176,6 +177,7 @@ class TrainConfig:
         _require(0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         _one_of("train.resume", self.resume, ("auto", "never"))
         _one_of("train.on_nonfinite", self.on_nonfinite, ("halt", "skip"))
+        _one_of("train.on_stall", self.on_stall, ("record", "halt", "restart"))
 
 
 @dataclass
@@ -208,6 +210,11 @@ class LoggingConfig:
     mlflow: bool = True
     mlflow_uri: Optional[str] = None  # None: sqlite file root/mlflow.db
     experiment: str = "nsa"
+    # gate health warnings (nsa/telemetry/health.py; a warning line, never a stop); null disables a rule
+    health_min_entropy: Optional[float] = 0.5   # per-layer gate entropy mean (nats; uniform = 1.0986)
+    health_max_gate: Optional[float] = 0.9      # per-layer mean of the largest gate
+    health_max_collapse: Optional[float] = 0.05  # per-layer share of (token, head) with max gate > 0.9
+    verbose: bool = False            # show Ray's routine start-up/shutdown noise on the terminal
 
     def __post_init__(self) -> None:
         _positive("logging", self, ("log_every", "heartbeat_every"))

@@ -26,10 +26,10 @@ def _make_run(run_dir: Path, *, losses=None, stall_at=None, end=True, entropy=1.
         row = {"loss": loss, "lr": 1e-3, "toks_per_s": 1000.0 + i, "step_ms": 50.0, "fetch_ms_p50": 1.0,
                "fetch_ms_p95": fetch_p95, "grad_norm": 1.0, "mem_mib": 300.0}
         if i % 10 == 0:  # gate stats every N steps
-            row.update({"gate/L0/entropy": entropy, "gate/L0/collapse_frac": collapse,
-                        "gate/L1/entropy": 1.05, "gate/L1/collapse_frac": 0.0})
+            row.update({"gate/L0/entropy": entropy, "gate/L0/collapse_frac": collapse, "gate/L0/max_gate": 0.5,
+                        "gate/L1/entropy": 1.05, "gate/L1/collapse_frac": 0.0, "gate/L1/max_gate": 0.4})
         lg.log(row, i)
-        hb.write("step_end", i, loss=loss)
+        hb.write("step_end", i, loss=loss, fallbacks={})
         if stall_at == i:
             hb.write("stall", i, seconds_since_kick=300.0)
     if end:
@@ -65,10 +65,13 @@ def test_bad_runs_fail(tmp_path):
     rising = _make_run(tmp_path / "rising", losses=[2.0 + 0.1 * i for i in range(30)])
     assert _status(run_checks(rising))["loss_improving"] == "FAIL"
 
+    # gate health is a warning (a healthy model may favour one branch in some layers): exit 0
     gates = _make_run(tmp_path / "gates", entropy=0.1, collapse=0.6)
     st = _status(run_checks(gates))
-    assert st["gate_entropy"] == "FAIL" and st["gate_collapse"] == "FAIL"
+    assert st["gate_entropy"] == "WARN" and st["gate_collapse"] == "WARN" and st["gate_max"] == "PASS"
     assert st["loss_improving"] == "PASS" and st["loss_finite"] == "PASS"
+    assert main([str(gates)]) == 0
+    assert _status(run_checks(gates, min_entropy=0.05, max_collapse=0.7))["gate_entropy"] == "PASS"
 
     slow = _make_run(tmp_path / "slow", fetch_p95=2500.0)
     st = _status(run_checks(slow, min_toks_per_s=5000))

@@ -171,7 +171,9 @@ def connect_ray(cfg: RunConfig) -> str:
     """Connect to ``runtime.ray_address`` (set from RAY_ADDRESS under ``ray job submit``), else start a
     local instance with ``runtime.ray_num_cpus`` logical CPUs (None: all cores). Idempotent."""
     import ray
+    from nsa.telemetry.quiet import quiet_ray
     _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    quiet_ray(cfg.logging.verbose, local=not cfg.runtime.ray_address)   # routine Ray noise off the terminal
     if ray.is_initialized():
         return "ray: using the already initialized instance"
     if cfg.runtime.ray_address:

@@ -12,7 +12,7 @@ from .heartbeat import KINDS, Heartbeat, heartbeat_path, iter_heartbeat, read_he
 from .loggers import (CSVLogger, MetricLogger, MLflowLogger, MultiLogger, TensorBoardLogger, build_loggers,
                       flatten_params, plot_training)
 from .signals import ControlFiles, ControlFlags, install_signal_handlers, restore_signal_handlers
-from .watchdog import Watchdog, dump_stacks, make_stall_handler
+from .watchdog import STALL_EXIT_CODE, Watchdog, dump_stacks, make_stall_handler
 
 _CHECK_NAMES = ("CheckResult", "run_checks")
 _STATS_NAMES = ("gate_stats", "selection_stats", "layer_stats", "to_host", "RollingPercentiles",
@@ -20,7 +20,7 @@ _STATS_NAMES = ("gate_stats", "selection_stats", "layer_stats", "to_host", "Roll
 
 __all__ = [
     "Heartbeat", "KINDS", "heartbeat_path", "iter_heartbeat", "read_heartbeat",
-    "Watchdog", "dump_stacks", "make_stall_handler",
+    "STALL_EXIT_CODE", "Watchdog", "dump_stacks", "make_stall_handler",
     "ControlFiles", "ControlFlags", "install_signal_handlers", "restore_signal_handlers",
     "MetricLogger", "CSVLogger", "TensorBoardLogger", "MLflowLogger", "MultiLogger", "build_loggers",
     "flatten_params", "plot_training",

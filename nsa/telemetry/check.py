@@ -1,12 +1,16 @@
 """Health checks of a run directory (the old ``run_smoke_tests.py`` + ``health_check.sh``).
 
     python -m nsa.telemetry.check <run_dir> [--min-toks-per-s X] [--max-fetch-p95-ms Y]
-        [--max-heartbeat-age-s Z] [--max-collapse F] [--min-entropy E] [--min-steps N] [--json]
+        [--max-heartbeat-age-s Z] [--max-collapse F] [--min-entropy E] [--max-gate G]
+        [--max-mem-growth M] [--min-steps N] [--json]
 
 Reads ``training.csv`` (step, loss, lr, toks_per_s, step_ms, fetch_ms_p50, fetch_ms_p95, grad_norm,
 mem_mib, gate/L<i>/<stat>...) — or, when CSV logging was off, the ``loss``/``toks_per_s`` fields of
-rank 0's ``step_end`` heartbeats — and every ``heartbeat_rank*.jsonl``. Prints PASS/FAIL/SKIP per
-check; exit 0 if nothing failed, 1 on any FAIL, 2 when the input is unusable.
+rank 0's ``step_end`` heartbeats — and every ``heartbeat_rank*.jsonl``. Prints PASS/FAIL/WARN/SKIP per
+check; exit 0 if nothing failed (WARN does not fail), 1 on any FAIL, 2 when the input is unusable.
+Gate health (entropy, max gate, collapse), kernel fallbacks and memory growth are WARN at worst: a
+healthy model may favour one branch in some layers. Without training.csv, gate stats come from the
+``stats`` of ``progress`` heartbeats and memory from ``step_end`` heartbeats.
 
 "Recent" values (throughput, fetch time) are the median over the last 10% of rows (at least one),
 so one slow warm-up step or one hiccup does not decide the verdict.
@@ -25,15 +29,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .heartbeat import KIND_ANOMALY, KIND_END, KIND_STALL, read_heartbeat
+from .health import DEFAULT_THRESHOLDS
+from .heartbeat import KIND_ANOMALY, KIND_END, KIND_PROGRESS, KIND_STALL, read_heartbeat
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-DEFAULTS = {  # thresholds from the runbooks (seed 004): stale > 3 min, entropy > 0.3, collapse < 0.2
+PASS, FAIL, WARN, SKIP = "PASS", "FAIL", "WARN", "SKIP"
+DEFAULTS = {  # thresholds from the runbooks: stale > 3 min; gate health (warnings) as nsa/telemetry/health.py
     "min_toks_per_s": None,
     "max_fetch_p95_ms": 2000.0,
     "max_heartbeat_age_s": 180.0,
-    "max_collapse": 0.2,
-    "min_entropy": 0.3,
+    "max_collapse": DEFAULT_THRESHOLDS["max_collapse"],
+    "min_entropy": DEFAULT_THRESHOLDS["min_entropy"],
+    "max_gate": DEFAULT_THRESHOLDS["max_gate"],
+    "max_mem_growth": 0.25,   # recent memory vs early memory (fraction); warning only
     "min_steps": None,
 }
 
@@ -160,29 +167,74 @@ def _check_recent(data: _RunData, name: str, col: str, limit: float | None, floo
 
 
 def _latest_gate_values(data: _RunData, stat: str) -> dict[str, float]:
-    """Last finite value of every ``gate/<layer>/<stat>`` column."""
+    """Last finite value of every ``gate/<layer>/<stat>`` column, else of rank 0's progress heartbeats."""
     out = {}
     for col in data.columns:
         if col.startswith("gate/") and col.endswith("/" + stat):
             vals = [v for _, v in _column(data.rows, col) if math.isfinite(v)]
             if vals:
                 out[col] = vals[-1]
+    if not out:
+        for r in data.heartbeats.get("heartbeat_rank0.jsonl", []):
+            if r.get("kind") == KIND_PROGRESS and isinstance(r.get("stats"), dict):
+                out.update({k: v for k, v in r["stats"].items() if k.startswith("gate/") and k.endswith("/" + stat)
+                            and isinstance(v, (int, float)) and math.isfinite(v)})
     return out
 
 
-def _check_gates(data: _RunData, min_entropy: float | None, max_collapse: float | None) -> list[CheckResult]:
+def _check_gates(data: _RunData, min_entropy: float | None, max_collapse: float | None,
+                 max_gate: float | None = None) -> list[CheckResult]:
     results = []
     for name, stat, limit, floor in (("gate_entropy", "entropy", min_entropy, True),
+                                     ("gate_max", "max_gate", max_gate, False),
                                      ("gate_collapse", "collapse_frac", max_collapse, False)):
         vals = _latest_gate_values(data, stat)
         if limit is None or not vals:
             results.append(CheckResult(name, SKIP, "no threshold" if limit is None else f"no gate/*/{stat} columns"))
             continue
         col, worst = (min if floor else max)(vals.items(), key=lambda kv: kv[1])
-        ok = worst >= limit if floor else worst <= limit
-        results.append(CheckResult(name, PASS if ok else FAIL, f"worst latest {col} = {worst:.4g} (need "
-                                   f"{'>=' if floor else '<='} {limit:g}; {len(vals)} layer(s))", worst))
+        bad = sorted(k.split("/")[1] for k, v in vals.items() if (v < limit if floor else v > limit))
+        results.append(CheckResult(name, WARN if bad else PASS, f"worst latest {col} = {worst:.4g} (want "
+                                   f"{'>=' if floor else '<='} {limit:g}; {len(bad)} of {len(vals)} layer(s) "
+                                   f"outside{': ' + ', '.join(bad) if bad else ''})", worst))
     return results
+
+
+def _check_fallbacks(data: _RunData) -> CheckResult:
+    """Kernel fallback counters (``fallbacks`` of step_end heartbeats, cumulative per process)."""
+    totals: dict[str, int] = {}
+    for name, recs in data.heartbeats.items():
+        last = next((r["fallbacks"] for r in reversed(recs) if isinstance(r.get("fallbacks"), dict)), None)
+        for k, v in (last or {}).items():
+            if isinstance(v, (int, float)) and v > 0:
+                totals[k] = totals.get(k, 0) + int(v)
+    seen = any(isinstance(r.get("fallbacks"), dict) for recs in data.heartbeats.values() for r in recs)
+    if not seen:
+        return CheckResult("kernel_fallbacks", SKIP, "no fallback counters in the heartbeats")
+    if totals:
+        return CheckResult("kernel_fallbacks", WARN, "kernels fell back: " + ", ".join(
+            f"{k}={v}" for k, v in sorted(totals.items())), float(sum(totals.values())))
+    return CheckResult("kernel_fallbacks", PASS, "no kernel fell back", 0.0)
+
+
+def _check_memory_growth(data: _RunData, max_growth: float | None) -> CheckResult:
+    """Recent vs early memory (median of the last / first 10% after the first row, which is warm-up)."""
+    if max_growth is None:
+        return CheckResult("memory_growth", SKIP, "no threshold given")
+    vals = [v for _, v in _column(data.rows, "mem_mib") if math.isfinite(v)]
+    source = "mem_mib"
+    if len(vals) < 3:
+        vals = [float(r["mem_mib"]) for r in data.heartbeats.get("heartbeat_rank0.jsonl", [])
+                if r.get("kind") == "step_end" and isinstance(r.get("mem_mib"), (int, float))]
+        source = "step_end mem_mib"
+    vals = vals[1:]
+    if len(vals) < 2:
+        return CheckResult("memory_growth", SKIP, "need >= 3 memory samples")
+    k = max(1, len(vals) // 10)
+    early, late = statistics.median(vals[:k]), statistics.median(vals[-k:])
+    growth = (late - early) / max(early, 1e-9)
+    return CheckResult("memory_growth", WARN if growth > max_growth else PASS,
+                       f"{source} {early:.0f} -> {late:.0f} MiB ({growth:+.1%}; want <= {max_growth:+.0%})", growth)
 
 
 def _check_heartbeat_fresh(data: _RunData, max_age_s: float | None, now: float) -> CheckResult:
@@ -225,6 +277,8 @@ def run_checks(run_dir: str | os.PathLike, *, min_toks_per_s: float | None = DEF
                max_heartbeat_age_s: float | None = DEFAULTS["max_heartbeat_age_s"],
                max_collapse: float | None = DEFAULTS["max_collapse"],
                min_entropy: float | None = DEFAULTS["min_entropy"],
+               max_gate: float | None = DEFAULTS["max_gate"],
+               max_mem_growth: float | None = DEFAULTS["max_mem_growth"],
                min_steps: int | None = DEFAULTS["min_steps"], now: float | None = None) -> list[CheckResult]:
     """All checks of one run directory; raises :class:`UnusableRunDir` for unusable input."""
     data = load_run(run_dir)
@@ -232,7 +286,8 @@ def run_checks(run_dir: str | os.PathLike, *, min_toks_per_s: float | None = DEF
     results = [_check_loss_finite(data), _check_loss_improving(data), _check_min_steps(data, min_steps),
                _check_recent(data, "throughput", "toks_per_s", min_toks_per_s, True, "tok/s"),
                _check_recent(data, "fetch_p95", "fetch_ms_p95", max_fetch_p95_ms, False, "ms")]
-    results += _check_gates(data, min_entropy, max_collapse)
+    results += _check_gates(data, min_entropy, max_collapse, max_gate)
+    results += [_check_fallbacks(data), _check_memory_growth(data, max_mem_growth)]
     results += [_check_heartbeat_fresh(data, max_heartbeat_age_s, now), _check_no_bad_records(data)]
     if data.rows_source is None:
         for r in results:
@@ -256,6 +311,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-heartbeat-age-s", type=float, default=DEFAULTS["max_heartbeat_age_s"])
     p.add_argument("--max-collapse", type=float, default=DEFAULTS["max_collapse"])
     p.add_argument("--min-entropy", type=float, default=DEFAULTS["min_entropy"])
+    p.add_argument("--max-gate", type=float, default=DEFAULTS["max_gate"])
+    p.add_argument("--max-mem-growth", type=float, default=DEFAULTS["max_mem_growth"])
     p.add_argument("--min-steps", type=int, default=DEFAULTS["min_steps"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -279,7 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"run_dir: {args.run_dir}")
         print(format_table(results))
-        print(f"overall: {FAIL if failed else PASS}")
+        warned = any(r.status == WARN for r in results)
+        print(f"overall: {FAIL if failed else PASS}" + (" (with warnings)" if warned and not failed else ""))
     return 1 if failed else 0
 
 

@@ -148,6 +148,11 @@ class Watchdog:
         self._thread = None
 
     @property
+    def stalled(self) -> bool:
+        """True between a stall firing and the next kick."""
+        return self._fired
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -158,16 +163,42 @@ class Watchdog:
         self.stop()
 
 
+STALL_EXIT_CODE = 75   # os._exit code of a worker that the watchdog ended (EX_TEMPFAIL: retry may heal it)
+STALL_ACTIONS = ("record", "halt", "restart")
+
+
 def make_stall_handler(run_dir: str | os.PathLike, heartbeat: Heartbeat | None = None,
                        get_step: Callable[[], int] = lambda: -1, *,
-                       exit_code: int | None = None) -> Callable[[float], None]:
-    """The trainer's ``on_stall``: stack dump into ``run_dir`` + a ``stall`` heartbeat.
+                       exit_code: int | None = None, action: str = "record",
+                       is_stalled: Callable[[], bool] = lambda: True, grace_seconds: float = 0.0,
+                       exit_fn: Callable[[int], None] = os._exit) -> Callable[[float], None]:
+    """The trainer's ``on_stall``: stack dump into ``run_dir`` + a ``stall`` heartbeat, then ``action``.
 
     ``get_step`` reads the loop's current step (a plain attribute read; no locking needed).
-    With ``exit_code`` set, the process then ends with ``os._exit(exit_code)`` — the only way to stop
-    a main thread that is stuck — so a hung lane fails visibly instead of holding its resources.
+    ``action`` (``train.on_stall``):
+      record   nothing more: the run waits (it goes on if the hang ends).
+      restart  ``exit_fn(STALL_EXIT_CODE)`` (``os._exit``, the only way to stop a stuck main thread): under
+               Ray Train the worker group fails and FailureConfig restarts it from the last checkpoint,
+               counted against ``runtime.max_failures``.
+      halt     writes ``run_dir/.HALT`` (the loop checkpoints and stops on every rank if the step ever
+               finishes); if ``is_stalled()`` still holds ``grace_seconds`` later, exits as ``restart``
+               does, and the restarted group reads .HALT and stops at its first step boundary.
+    ``exit_code`` (the lanes' hard timeout) exits at once with that code, whatever ``action`` says.
     """
+    if action not in STALL_ACTIONS:
+        raise ValueError(f"train.on_stall={action!r}: use one of {', '.join(STALL_ACTIONS)}")
     run_dir = Path(run_dir)
+    if exit_code is None and action == "restart":
+        exit_code = STALL_EXIT_CODE
+
+    def _leave(code: int) -> None:
+        # No logging.shutdown(): the stuck thread may hold a handler lock. Flush and leave.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        exit_fn(int(code))
 
     def on_stall(seconds_since_kick: float) -> None:
         dump = None
@@ -179,17 +210,25 @@ def make_stall_handler(run_dir: str | os.PathLike, heartbeat: Heartbeat | None =
             step = int(get_step())
         except Exception:
             step = -1
-        log.warning("no progress for %.1f s at step %d; stacks in %s", seconds_since_kick, step, dump)
+        log.warning("no progress for %.1f s at step %d; stacks in %s; on_stall=%s", seconds_since_kick, step,
+                    dump, action)
         if heartbeat is not None:
             heartbeat.write(KIND_STALL, step, seconds_since_kick=round(seconds_since_kick, 3),
-                            stack_dump=str(dump) if dump else None, exiting=exit_code is not None)
+                            stack_dump=str(dump) if dump else None, exiting=exit_code is not None,
+                            action=action)
         if exit_code is not None:
-            # No logging.shutdown(): the stuck thread may hold a handler lock. Flush and leave.
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            os._exit(int(exit_code))
+            _leave(exit_code)
+            return
+        if action == "halt":
+            (run_dir / ".HALT").write_text(f"stall at step {step}: no progress for {seconds_since_kick:.0f} s "
+                                           f"(train.on_stall=halt)\n")
+
+            def _escalate() -> None:
+                if is_stalled():
+                    log.warning("still stalled %.0f s after .HALT; ending the worker", grace_seconds)
+                    _leave(STALL_EXIT_CODE)
+            timer = threading.Timer(max(0.0, grace_seconds), _escalate)
+            timer.daemon = True
+            timer.start()
 
     return on_stall

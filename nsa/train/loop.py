@@ -39,6 +39,7 @@ from torch import nn
 
 from nsa.config import RunConfig
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
+from nsa.telemetry.health import gate_violations, thresholds_from_logging
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
                                   load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
 from nsa.train.control import Control, Decision, Faults
@@ -265,6 +266,7 @@ class Trainer:
         self.steady_from = self.step + 2 + (r.cuda_graph_warmup + 1 if self.graphed is not None else 0)
         self.last: dict[str, float] = {"loss": math.nan, "grad_norm": math.nan, "val_loss": math.nan}
         self.first_loss = math.nan
+        self.health_seen: list[str] = []     # gate health warnings last printed (print on change only)
         self.nonfinite_seen = 0.0
         self.first_nonfinite_step: Optional[int] = None
         self.tokens = 0
@@ -373,8 +375,10 @@ class Trainer:
             print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
                   + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
-        wd = self.wd = Watchdog(t.stall_seconds,
-                                make_stall_handler(self.run_dir, self.rep.hb, lambda: self.step)).start()
+        # on_stall=restart/halt end a stuck worker after the record (see make_stall_handler)
+        wd = self.wd = Watchdog(t.stall_seconds, make_stall_handler(
+            self.run_dir, self.rep.hb, lambda: self.step, action=t.on_stall,
+            is_stalled=lambda: self.wd.stalled, grace_seconds=t.stall_seconds)).start()
         status, reason = "completed", ""
         try:
             status, reason = self._steps(val)
@@ -468,7 +472,12 @@ class Trainer:
         if stats_due:
             stats = self._stats()
             extra.update(stats)
-            self.rep.heartbeat("progress", step, stats=stats)
+            warn = gate_violations(stats, thresholds_from_logging(lg))
+            self.rep.heartbeat("progress", step, stats=stats, **({"health_warnings": warn} if warn else {}))
+            keys = [w.split("=")[0] for w in warn]    # which (layer, stat) rules, not their values
+            if warn and self.rank == 0 and keys != self.health_seen:   # a line when that set changes
+                print(f"gate health warning at step {step}: {'; '.join(warn)}", flush=True)
+            self.health_seen = keys
         if eval_due:
             self.last["val_loss"] = self._eval(val)
             extra["val_loss"] = self.last["val_loss"]
