@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -109,3 +110,23 @@ def poison_allocations(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_like(*a, **k)))
+
+
+@pytest.fixture()
+def run_train(monkeypatch, capsys):
+    """pipelines/train.py run in-process as __main__ -> (exit code, stderr, stdout). Reaching Ray would mean the
+    launch was not refused (or validated) before Ray starts: ``connect_ray`` fails the test if called."""
+    from nsa.launch import builder
+
+    def no_ray(cfg):
+        raise AssertionError("connect_ray reached: the launch should have been refused before Ray starts")
+
+    monkeypatch.setattr(builder, "connect_ray", no_ray)
+
+    def go(*args):
+        monkeypatch.setattr(sys, "argv", ["train.py", *args])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(str(PIPELINES / "train.py"), run_name="__main__")
+        out = capsys.readouterr()
+        return e.value.code, out.err, out.out
+    return go

@@ -3,7 +3,6 @@ line naming the field or file; --help lists the keys; generate.py decodes from a
 from __future__ import annotations
 
 import os
-import runpy
 import shutil
 import subprocess
 import sys
@@ -35,24 +34,6 @@ def test_help_lists_every_config_key():
         assert key in r.stdout
 
 
-@pytest.fixture()
-def run_train(monkeypatch, capsys):
-    """pipelines/train.py run in-process as __main__; connecting to Ray would mean validation came too late."""
-    from nsa.launch import builder
-
-    def no_ray(cfg):
-        raise AssertionError("connect_ray reached: input validation must happen before Ray starts")
-
-    monkeypatch.setattr(builder, "connect_ray", no_ray)
-
-    def go(*args):
-        monkeypatch.setattr(sys, "argv", ["train.py", *args])
-        with pytest.raises(SystemExit) as e:
-            runpy.run_path(str(PIPELINES / "train.py"), run_name="__main__")
-        return e.value.code, capsys.readouterr().err
-    return go
-
-
 def _ckpt(tmp_path, name="ck", step=3):
     from nsa.config import RunConfig
     from nsa.model import TinyLM
@@ -77,14 +58,14 @@ def _ckpt(tmp_path, name="ck", step=3):
     (["data.path=/nonexistent/shards"], "'/nonexistent/shards' does not exist"),
 ])
 def test_bad_config_or_data_path(run_train, tiny_data, tmp_path, bad, message):
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path), *bad)
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path), *bad)
     assert code == 2 and message in err, err
 
 
 def test_empty_data_dir(run_train, tiny_data, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path), f"data.path={empty}")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path), f"data.path={empty}")
     assert code == 2 and "no train parquet files" in err
 
 
@@ -93,19 +74,19 @@ def test_corrupt_parquet_shard_is_named(run_train, tiny_data, tmp_path):
     shutil.copytree(tiny_data, data)
     shard = sorted(data.glob("train-*.parquet"))[0]
     shard.write_bytes(b"PAR1 this is not parquet" * 10)
-    code, err = run_train(*tiny_overrides(data, tmp_path))
+    code, err, _ = run_train(*tiny_overrides(data, tmp_path))
     assert code == 2 and shard.name in err, err
 
 
 def test_corrupt_resume_from_checkpoint_is_named(run_train, tiny_data, tmp_path):
     f = _ckpt(tmp_path)
     f.write_bytes(f.read_bytes()[:1000])
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={f.parent}")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={f.parent}")
     assert code == 2 and str(f) in err and "corrupt" in err
 
 
 def test_missing_resume_from(run_train, tiny_data, tmp_path):
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={tmp_path / 'nope'}")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={tmp_path / 'nope'}")
     assert code == 2 and "does not exist" in err
 
 
@@ -114,20 +95,20 @@ def test_corrupt_latest_checkpoint_of_a_named_run_is_never_overwritten(run_train
     f = _ckpt(run, "checkpoint_00000003")
     garbage = b"g" * f.stat().st_size     # complete (the size meta.json records) but unreadable: corrupt,
     f.write_bytes(garbage)                # not a partial write (those are skipped: tests/test_reliability.py)
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path / "runs"), "logging.name=r")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path / "runs"), "logging.name=r")
     assert code == 2 and str(f) in err
     assert f.read_bytes() == garbage
 
 
 def test_resume_never_refuses_existing_run(run_train, tiny_data, tmp_path):
     _ckpt(tmp_path / "runs" / "r", "checkpoint_00000003")
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path / "runs"), "logging.name=r", "train.resume=never")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path / "runs"), "logging.name=r", "train.resume=never")
     assert code == 2 and "train.resume=never" in err
 
 
 def test_model_shape_mismatch_on_resume(run_train, tiny_data, tmp_path):
     f = _ckpt(tmp_path)
-    code, err = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={f.parent}")
+    code, err, _ = run_train(*tiny_overrides(tiny_data, tmp_path), f"train.resume_from={f.parent}")
     assert code == 2 and "model.dim: checkpoint 32, config 128" in err
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import errno
 import os
-import runpy
 import shutil
 import socket
 import subprocess
@@ -36,25 +35,6 @@ def _one_error_line(stderr: str) -> str:
     errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, stderr
     return errors[0]
-
-
-@pytest.fixture()
-def run_train(monkeypatch, capsys):
-    """pipelines/train.py run in-process as __main__; Ray is never reached (``connect_ray`` fails the test if called)."""
-    from nsa.launch import builder
-
-    def no_ray(cfg):
-        raise AssertionError("connect_ray reached: the launch should have been refused before Ray starts")
-
-    monkeypatch.setattr(builder, "connect_ray", no_ray)
-
-    def go(*args):
-        monkeypatch.setattr(sys, "argv", ["train.py", *args])
-        with pytest.raises(SystemExit) as e:
-            runpy.run_path(str(PIPELINES / "train.py"), run_name="__main__")
-        out = capsys.readouterr()
-        return e.value.code, out.err, out.out
-    return go
 
 
 # ---------------------------------------------------------------------------------------------- 1: lock
