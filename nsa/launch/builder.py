@@ -180,11 +180,12 @@ def connect_ray(cfg: RunConfig) -> str:
         ray.init(address=cfg.runtime.ray_address, logging_level="WARNING", log_to_driver=True)
         return f"ray: connected to {cfg.runtime.ray_address}"
     _setenv_default("RAY_AUTH_MODE", "disabled")
-    start_local_ray(cfg.runtime.ray_num_cpus)
+    start_local_ray(cfg.runtime.ray_num_cpus, quiet=not cfg.logging.verbose)
     return f"ray: started a local instance ({ray.cluster_resources().get('CPU', 0):g} CPUs)"
 
 
-def start_local_ray(num_cpus: Optional[int] = None) -> None:
+def start_local_ray(num_cpus: Optional[int] = None, *, quiet: bool = True) -> None:
+    """quiet: Ray's processes filter routine background-thread errors too (nsa/telemetry/quiet.py)."""
     import ray
     import nsa
     _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
@@ -199,7 +200,9 @@ def start_local_ray(num_cpus: Optional[int] = None) -> None:
     with loopback_only() as bind:     # this machine only: nothing listens on other interfaces
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
-                 runtime_env={"py_modules": [str(Path(nsa.__file__).parent)]}, **bind)
+                 runtime_env={"py_modules": [str(Path(nsa.__file__).parent)],
+                              **({"worker_process_setup_hook": "nsa.telemetry.quiet.install_thread_filter"}
+                                 if quiet else {})}, **bind)
     root.setLevel(saved[0])
     root.handlers[:] = saved[1]
     ray_log.setLevel(saved[2])

@@ -41,13 +41,20 @@ def _hook(args: threading.ExceptHookArgs) -> None:
     (_previous_hook or threading.__excepthook__)(args)
 
 
+def install_thread_filter() -> None:
+    """Route routine background-thread errors (ROUTINE_THREAD_ERRORS) to DEBUG in this process
+    (idempotent). Also Ray's ``worker_process_setup_hook`` of a quiet local instance: Train v2's
+    controller, where the PlacementGroupCleanerMonitor thread runs, is an actor process, not the driver."""
+    global _previous_hook
+    if threading.excepthook is not _hook:
+        _previous_hook = threading.excepthook
+        threading.excepthook = _hook
+
+
 def quiet_ray(verbose: bool, *, local: bool) -> None:
     """Install the filters (idempotent). Call before ``ray.init`` so the env settings reach Ray's processes."""
-    global _previous_hook
     if verbose:
         return
     if local:
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-    if threading.excepthook is not _hook:
-        _previous_hook = threading.excepthook
-        threading.excepthook = _hook
+    install_thread_filter()
