@@ -488,6 +488,28 @@ def extra_output_dir(env: Mapping[str, str] | None = None) -> str | None:
     return env.get("OUT") or None
 
 
+def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:
+    """Triton's own ``TRITON_INTERPRET=1``: kernels run on CPU tensors through its interpreter (the tests
+    set it before triton is imported). The one place nsa reads it."""
+    env = os.environ if env is None else env
+    return env.get("TRITON_INTERPRET") == "1"
+
+
+# Process environment that other libraries read (Ray, cuBLAS), each set only where the user has not set it.
+# Ray's driver-side switches: no print patching of workers' stdout, no token auth on a local instance.
+RAY_DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AUTH_MODE": "disabled"}
+# A local instance has no preemption to watch; the watcher's actor start logs an error line (telemetry/quiet.py).
+RAY_LOCAL_QUIET_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# torch.use_deterministic_algorithms(True) needs a fixed cuBLAS workspace, read at cuBLAS's first use.
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def apply_process_env(values: Mapping[str, str]) -> None:
+    """Set these variables in this process where unset (a user's own setting wins)."""
+    for name, value in values.items():
+        os.environ.setdefault(name, value)
+
+
 def config_from_dict(d: Mapping[str, Any]) -> RunConfig:
     """Rebuild a RunConfig from `to_dict()` output (checkpoints, Ray loop config)."""
     secs = {}

@@ -36,16 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from nsa.config import DataConfig, RunConfig, dump_yaml
+from nsa.config import RAY_DRIVER_ENV, DataConfig, RunConfig, apply_process_env, dump_yaml
 from nsa.launch.cli import UserError
 from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
 DEFAULT_DATA_PATH = DataConfig.path
 MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the train workers (RAY_NOTES)
-
-
-def _setenv_default(name: str, value: str) -> None:
-    os.environ.setdefault(name, value)
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -172,14 +168,13 @@ def connect_ray(cfg: RunConfig) -> str:
     local instance with ``runtime.ray_num_cpus`` logical CPUs (None: all cores). Idempotent."""
     import ray
     from nsa.telemetry.quiet import quiet_ray
-    _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    apply_process_env(RAY_DRIVER_ENV)
     quiet_ray(cfg.logging.verbose, local=not cfg.runtime.ray_address)   # routine Ray noise off the terminal
     if ray.is_initialized():
         return "ray: using the already initialized instance"
     if cfg.runtime.ray_address:
         ray.init(address=cfg.runtime.ray_address, logging_level="WARNING", log_to_driver=True)
         return f"ray: connected to {cfg.runtime.ray_address}"
-    _setenv_default("RAY_AUTH_MODE", "disabled")
     start_local_ray(cfg.runtime.ray_num_cpus, quiet=not cfg.logging.verbose)
     return f"ray: started a local instance ({ray.cluster_resources().get('CPU', 0):g} CPUs)"
 
@@ -188,8 +183,7 @@ def start_local_ray(num_cpus: Optional[int] = None, *, quiet: bool = True) -> No
     """quiet: Ray's processes filter routine background-thread errors too (nsa/telemetry/quiet.py)."""
     import ray
     import nsa
-    _setenv_default("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    _setenv_default("RAY_AUTH_MODE", "disabled")
+    apply_process_env(RAY_DRIVER_ENV)
     # logging_config applies to every Ray worker/actor of this job: ERROR silences the PlacementGroupCleaner
     # actor's warning loop (it polls the state API, which needs the dashboard we do not start) and Ray's
     # per-task INFO chatter. The train workers lower it back to WARNING for their own records

@@ -11,11 +11,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+
+from nsa.config import triton_interpreter
 
 from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
 from .tuning import CmpDenseTuning, KernelTuning, tuning_for
@@ -150,7 +151,7 @@ class KernelPolicy:
         which nsa_decode refuses for device positions with an error naming the fix. Memoised per
         (device, dtype, TRITON_INTERPRET)."""
         dev = torch.device(device)
-        key = ("device_positions", str(dev), dtype, os.environ.get("TRITON_INTERPRET"))
+        key = ("device_positions", str(dev), dtype, triton_interpreter())
         pol = _cache.get(key)
         if pol is None:
             pol = _cache[key] = cls._for_device_positions(dev, dtype)
@@ -158,7 +159,7 @@ class KernelPolicy:
 
     @classmethod
     def _for_device_positions(cls, dev: torch.device, dtype: torch.dtype) -> "KernelPolicy":
-        if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") != "1" or triton_module() is None \
+        if dev.type == "cuda" or not triton_interpreter() or triton_module() is None \
                 or importlib.util.find_spec("triton") is None:
             return cls.resolve(dev, dtype, "triton")
         why = "triton decode kernel through the interpreter (TRITON_INTERPRET=1)"

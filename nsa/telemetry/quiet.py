@@ -13,9 +13,10 @@ stderr through the previous hook, unchanged.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
+
+from nsa.config import RAY_LOCAL_QUIET_ENV, apply_process_env
 
 log = logging.getLogger("nsa.ray_noise")
 
@@ -56,5 +57,5 @@ def quiet_ray(verbose: bool, *, local: bool) -> None:
     if verbose:
         return
     if local:
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        apply_process_env(RAY_LOCAL_QUIET_ENV)
     install_thread_filter()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from nsa.config import RunConfig
+from nsa.config import DETERMINISTIC_ENV, RunConfig, apply_process_env
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.telemetry.health import gate_violations, thresholds_from_logging
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
@@ -213,7 +212,7 @@ class Trainer:
         if r.detect_anomaly:
             torch.autograd.set_detect_anomaly(True)
         if r.deterministic:   # cuBLAS reads its workspace setting at first use, which comes after this
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            apply_process_env(DETERMINISTIC_ENV)
             torch.use_deterministic_algorithms(True)
         self.prec = precision_from_config(r, self.device)
         from nsa.model import TinyLM
