@@ -148,11 +148,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision) -> str:
+def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision, probed: list) -> str:
+    """The policy line for env.json: an NSA model's policies as probed at model build (so a probe's
+    fallback shows), a dense model's dense-kernel choice (flash-attn probes run only for dense models)."""
     try:
+        if probed:
+            return "; ".join(sorted({str(p) for p in probed}))
         from nsa.ops import KernelPolicy
+        dense = cfg.model.attention == "dense"
         return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend,
-                                        allow_flash=cfg.nsa.allow_flash_attn, head_dim=cfg.model.d_k))
+                                        allow_flash=cfg.nsa.allow_flash_attn,
+                                        head_dim=cfg.model.d_k if dense else None))
     except Exception as exc:  # describing the policy must never stop training
         return f"unavailable: {exc}"
 
@@ -218,7 +224,7 @@ class Trainer:
         from nsa.model import TinyLM
         from nsa.ops.dispatch import probe_model
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
-        probe_model(model, self.device, self.prec.dtype or torch.float32)   # kernels tried once here, nsa/ops/probe.py
+        self.policies = probe_model(model, self.device, self.prec.dtype or torch.float32)  # kernels tried once (nsa/ops/probe.py)
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
         state, self.resumed_from, self.skipped_checkpoints = _resume_state(env, self.run_dir, resume_from)
@@ -363,7 +369,7 @@ class Trainer:
     # ------------------------------------------------------------------ run
     def run(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        self.rep.write_env(_kernel_policy(cfg, self.device, self.prec))
+        self.rep.write_env(_kernel_policy(cfg, self.device, self.prec, self.policies))
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
                            resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
                            precision=self.prec.name,
