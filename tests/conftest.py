@@ -130,3 +130,22 @@ def run_train(monkeypatch, capsys):
         out = capsys.readouterr()
         return e.value.code, out.err, out.out
     return go
+
+
+def local_cfg(data: Path, root: Path, **kw: object):
+    """A one-layer tiny run of 8 steps without Ray (logging.name "r"); kw: field__name=value overrides."""
+    from nsa.config import resolve_config
+    kw = {"model__n_layers": 1, "model__dim": 64, "train__steps": 8, "train__save_every": 0,
+          "train__eval_every": 0, "logging__name": "r", **kw}
+    cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(data, root, **kw))
+    return cfg
+
+
+def run_local(cfg):
+    """run_training on nsa.train.local_env.LocalEnv -> (result, run dir)."""
+    import torch
+    from nsa.train.local_env import LocalEnv
+    from nsa.train.loop import run_training
+    torch.set_num_threads(2)
+    run_dir = os.path.join(cfg.logging.root, cfg.logging.name)
+    return run_training(cfg, run_dir, LocalEnv(cfg, run_dir)), run_dir

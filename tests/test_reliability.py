@@ -12,14 +12,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from conftest import PIPELINES, REPO, TINY_PROFILE, tiny_overrides
+from conftest import PIPELINES, REPO, local_cfg, run_local, tiny_overrides
 from nsa.config import ConfigError, resolve_config
 from nsa.telemetry import read_heartbeat
 from nsa.train.checkpoint import CKPT_FILE, list_checkpoints, scan_checkpoints
-from nsa.train.local_env import LocalEnv
-from nsa.train.loop import run_training
 from nsa.train.rundir import RunLock, RunLocked, claim_run, failure_line, release_run, run_dir_under
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
@@ -85,16 +82,10 @@ def test_lock_of_a_live_process_refuses_and_of_a_dead_one_is_taken_over(tmp_path
 
 # ---------------------------------------------------------------------------------------------- 2: disk
 def _cfg(data, root, **kw):
-    kw = {"model__n_layers": 1, "model__dim": 64, "train__steps": 8, "train__save_every": 2,
-          "train__eval_every": 0, "logging__name": "r", **kw}
-    cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(data, root, **kw))
-    return cfg
+    return local_cfg(data, root, **{"train__save_every": 2, **kw})
 
 
-def _run(cfg):
-    torch.set_num_threads(2)
-    run_dir = os.path.join(cfg.logging.root, cfg.logging.name)
-    return run_training(cfg, run_dir, LocalEnv(cfg, run_dir)), run_dir
+_run = run_local
 
 
 def _losses(run_dir):

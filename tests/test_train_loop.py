@@ -11,27 +11,13 @@ import signal
 import threading
 
 import pytest
-import torch
 
-from conftest import TINY_PROFILE, tiny_overrides
-from nsa.config import resolve_config
+from conftest import local_cfg, run_local
 from nsa.telemetry import read_heartbeat
 from nsa.train.checkpoint import list_checkpoints
-from nsa.train.local_env import LocalEnv
-from nsa.train.loop import run_training
 
 
-def _cfg(data, root, **kw):
-    kw = {"model__n_layers": 1, "model__dim": 64, "train__steps": 8, "train__save_every": 0,
-          "train__eval_every": 0, "logging__name": "r", **kw}
-    cfg, _ = resolve_config(TINY_PROFILE, tiny_overrides(data, root, **kw))
-    return cfg
-
-
-def _run(cfg):
-    torch.set_num_threads(2)
-    run_dir = os.path.join(cfg.logging.root, cfg.logging.name)
-    return run_training(cfg, run_dir, LocalEnv(cfg, run_dir)), run_dir
+_cfg, _run = local_cfg, run_local
 
 
 def _hb(run_dir):
