@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -154,41 +153,18 @@ def dense_candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
                      only: list[str] | None = None) -> dict[str, Callable[[], torch.Tensor]]:
     """{name: fn() -> o [B, T, HQ, dv]} for every available dense implementation (restricted to the
     names in `only`, matched by prefix). q [B, T, HQ, dk], k/v [B, S, H, d], grouped-query (HQ = G*H).
-    SDPA runs on q/k/v.transpose(1, 2) views: pass transposed contiguous [B, H, T, d] tensors to give
-    it its preferred layout. The cuDNN backend is also tried with K/V expanded to HQ heads
+    Each runs through the library's own dense op (nsa.ops.flash.dense_attention, the dense twin's), so the
+    bar is what the model would run. The cuDNN backend is also tried with K/V expanded to HQ heads
     ("sdpa-cudnn/expand"), which it ran faster than its own GQA path on some shapes."""
+    from nsa.ops.flash import dense_attention
     avail = dense_available()
     G = q.shape[2] // k.shape[2]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     out: dict[str, Callable[[], torch.Tensor]] = {}
-
-    def sdpa(backend, expand=False):
-        from torch.nn.attention import sdpa_kernel
-
-        def call():
-            with sdpa_kernel(backend):
-                if expand:
-                    o = F.scaled_dot_product_attention(qt, kt.repeat_interleave(G, 1), vt.repeat_interleave(G, 1),
-                                                       is_causal=causal)
-                else:
-                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
-            return o.transpose(1, 2)
-        return call
-
-    if any(n.startswith("sdpa-") for n in avail):
-        from torch.nn.attention import SDPBackend
-        for name in [n for n in avail if n.startswith("sdpa-")]:
-            be = getattr(SDPBackend, {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION",
-                                      "sdpa-efficient": "EFFICIENT_ATTENTION", "sdpa-math": "MATH"}[name])
-            out[name] = sdpa(be)
-            if name == "sdpa-cudnn" and causal:
-                out["sdpa-cudnn/expand"] = sdpa(be, expand=True)
-    if "fa4" in avail:
-        from flash_attn.cute import flash_attn_func as fa4
-        out["fa4"] = lambda: _first(fa4(q, k, v, causal=causal))
-    if "fa2" in avail:
-        from flash_attn import flash_attn_func as fa2
-        out["fa2"] = lambda: _first(fa2(q, k, v, causal=causal))
+    for name in avail:   # bench names: sdpa-cudnn, ..., fa4, fa2 -> the op's sdpa_cudnn, ..., fa4, fa2
+        out[name] = (lambda be=name.replace("-", "_"): dense_attention(q, k, v, causal=causal, backend=be))
+        if name == "sdpa-cudnn" and causal:
+            out["sdpa-cudnn/expand"] = lambda: dense_attention(q, k.repeat_interleave(G, 2), v.repeat_interleave(G, 2),
+                                                               causal=causal, backend="sdpa_cudnn")
     if only:
         out = {n: f for n, f in out.items() if any(n.startswith(p) for p in only)}
     return out

@@ -50,6 +50,9 @@ log = logging.getLogger("nsa.ops.flash")
 FLASH_BACKENDS = ("fa4", "fa2")
 SDPA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 CUDA_ORDER = FLASH_BACKENDS + SDPA_BACKENDS
+# SDPA kernels without grouped-query support (torch 2.11, H100: efficient answered "No available kernel"
+# to enable_gqa=True while cuDNN and flash ran it; bench/results/attention_prod.json)
+SDPA_NO_GQA = ("sdpa_efficient",)
 BACKENDS = CUDA_ORDER + ("sdpa", "reference", "auto")
 ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa_math (FLASH_NOTES.md, H200: "
               "FA4 9-15% faster than cuDNN SDPA fwd+bwd at 8k-64k)")
@@ -173,9 +176,9 @@ def _sdpa(q, k, v, causal: bool, window: int | None, scale: float, kernel: str |
     HQ, H = q.shape[2], k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = HQ != H
-    if gqa and kernel is not None and kernel != "sdpa_math":
-        # torch's fused kernels do not all take enable_gqa (and which do varies by version): expand k/v
-        # to HQ heads for them (k/v are the small tensors); the dispatcher and math take it natively
+    if gqa and kernel in SDPA_NO_GQA:
+        # this fused kernel refuses enable_gqa ("No available kernel"): expand k/v to HQ heads for it
+        # (a copy of the small tensors per call); cuDNN, flash and math take grouped heads natively
         kt, vt = kt.repeat_interleave(HQ // H, 1), vt.repeat_interleave(HQ // H, 1)
         gqa = False
     plain_causal = causal and window is None and Tq == Tk
