@@ -32,7 +32,9 @@ import torch
 import common
 from common import HP
 
-BRANCH_DEFAULTS = {"op": (2, 5), "window": (3, 10), "cmp": (2, 5), "select": (1, 5)}   # (warmup, iters)
+BRANCH_DEFAULTS = {"op": (2, 5), "window": (3, 10), "cmp": (2, 5), "select": (1, 5),
+                   "flash": (2, 5)}   # (warmup, iters)
+FLASH_VARIANTS = ("off", "win", "cmp", "win+cmp")
 
 
 # ----------------------------------------------------------------------------------------- whole op
@@ -76,8 +78,8 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     t("win_fwd", lambda: attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc))
     t("combine", lambda: function.combine(oc, os_, ow, g))
     do = torch.randn_like(oc)
-    dg, _ = function.gate_grads(do, oc, os_, ow)
-    t("gate_bwd", lambda: function.gate_grads(do, oc, os_, ow))
+    dg = function.gate_grads(do, oc, os_, ow, g)[0]
+    t("gate_bwd", lambda: function.gate_grads(do, oc, os_, ow, g))
     delta = dg[..., 0].contiguous()
     t("cmp_bwd", lambda: attn.attn_bwd(q, kc, vc, do, lc, delta, g[..., 0], stride=d, offset=l - 1,
                                        window=0, scale=sc))
@@ -227,10 +229,60 @@ def run_window(a, dims) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
             row["flex_error"] = common.error_text(exc, 200)
             rows.append([T, row["ours_fwd_ms"], "-", "-", row["ours_fwd_bwd_ms"], "-", "-", row["flex_error"]])
+        for fb in common.flash_installed_names():   # the same window on flash-attn (FA4 / FA2)
+            from nsa.ops.flash import dense_attention
+            xg = [t.detach().requires_grad_() for t in (q, k, v)]
+
+            def fa_fwd(fb=fb):
+                with torch.no_grad():
+                    return dense_attention(q, k, v, causal=True, window=w, scale=sc, backend=fb)
+
+            def fa_fwd_bwd(fb=fb, xg=xg):
+                return torch.autograd.grad(dense_attention(*xg, causal=True, window=w, scale=sc, backend=fb), xg, do)
+
+            try:
+                row[f"{fb}_rel_err"] = _rel(fa_fwd(), ours_fwd()[0])
+                row[f"{fb}_fwd_ms"] = common.gpu_time(fa_fwd, a.warmup, a.iters)
+                row[f"{fb}_fwd_bwd_ms"] = common.gpu_time(fa_fwd_bwd, a.warmup, a.iters)
+                rows.append([T, row["ours_fwd_ms"], f"{fb}: {row[f'{fb}_fwd_ms']:.3f}",
+                             row[f"{fb}_fwd_ms"] / row["ours_fwd_ms"], row["ours_fwd_bwd_ms"],
+                             row[f"{fb}_fwd_bwd_ms"], row[f"{fb}_fwd_bwd_ms"] / row["ours_fwd_bwd_ms"],
+                             f"{row[f'{fb}_rel_err']:.2e}"])
+            except Exception as exc:  # noqa: BLE001 - reported in the JSON
+                row[f"{fb}_error"] = common.error_text(exc, 200)
         res["rows"].append(row)
         print(f"T={T}: {row}", flush=True)
-    print(f"\nwindow branch, w={w}, HQ={HQ} H={H} d={dk} bf16; ms; x = flex / ours")
+    print(f"\nwindow branch, w={w}, HQ={HQ} H={H} d={dk} bf16; ms; x = flex (or fa4/fa2) / ours")
     common.print_table(["T", "ours fwd", "flex fwd", "x", "ours f+b", "flex f+b", "x", "flex rel err"], rows, ".3f")
+    return res
+
+
+def run_flash(a, dims) -> dict:
+    """The whole op with its window / compressed branch on flash-attn (tuning.flash, mode auto from
+    T = 0) against the own kernels (off) and the best dense kernel: which branches to move, and from
+    which T (the preset's tuning.flash)."""
+    res = {"dense_available": common.print_dense_available(), "variants": list(a.flash), "T": {}}
+    base, rows = common.base_tuning(), []
+    for T in a.T:
+        dense = common.time_dense(dims[0], T, *dims[1:], a.warmup, a.iters, only=a.dense)
+        torch.cuda.empty_cache()
+        res["T"][T] = out = {"dense": dense}
+        for v in a.flash:
+            try:
+                out[v] = bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, common.flash_variant(base, v),
+                                   mem=False)
+            except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+                out[v] = {"error": common.error_text(exc, 200)}
+            torch.cuda.empty_cache()
+            r = out[v]
+            if "fwd_ms" in r:
+                off = out.get("off", r)
+                rows.append([T, v, r["fwd_ms"], r["fwd_bwd_ms"], off["fwd_bwd_ms"] / r["fwd_bwd_ms"],
+                             dense.get("fwd_bwd_ms", float("nan")) / r["fwd_bwd_ms"]])
+            print(f"T={T} {v}: {r}", flush=True)
+    print(f"\nwhole op, branches on flash-attn ({', '.join(common.flash_installed_names()) or 'none installed'}); "
+          f"B,HQ,H,dk,dv={dims}; ms; x off = off / variant (f+b), x dense = best dense / variant (f+b)")
+    common.print_table(["T", "variant", "fwd ms", "f+b ms", "x off", "x dense"], rows)
     return res
 
 
@@ -262,7 +314,7 @@ def run_cmp(a, dims) -> dict:
 
         out = {"triton": {"fwd_ms": common.gpu_time(lambda: attn.attn_fwd(q, kc, vc, **kw), a.warmup, a.iters),
                           "fwd_bwd_ms": common.gpu_time(tri_fwd_bwd, a.warmup, a.iters)}}
-        for be in cmp_dense.BACKENDS:
+        for be in cmp_dense.BACKENDS + tuple(common.flash_installed_names()):
             try:
                 x = [t.clone().requires_grad_() for t in (q, kc, vc)]
 
@@ -354,6 +406,8 @@ def main() -> None:
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
     ap.add_argument("--sweep-only", default="", help="sweep only the groups with this prefix (e.g. select.)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
+    ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
+                    help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")
     ap.add_argument("--tile-m", type=int, default=1,
                     help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token)")
     ap.set_defaults(warmup=None, iters=None)
@@ -365,7 +419,7 @@ def main() -> None:
         raise SystemExit("bench_attention.py needs a CUDA device (the Triton kernels run natively)")
     torch.manual_seed(0)
     dims = (a.B, a.HQ, a.H, a.dk, a.dv)
-    run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select}[a.branch]
+    run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select, "flash": run_flash}[a.branch]
     result = run(a, dims)
     common.write_result(result, "attention" if a.branch == "op" else f"attention_{a.branch}", a)
 

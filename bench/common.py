@@ -312,6 +312,21 @@ def tile_m_variant(base, m: int):
     return tuning_variant(base, {"tile.m": m})
 
 
+def flash_variant(base, spec: str):
+    """base with NSA branches on flash-attn: spec "off" or "+"-joined branches ("win", "cmp", "win+cmp"),
+    each in mode "auto" from T = 0 (nsa.ops.tuning.FlashBranchTuning)."""
+    from nsa.ops.tuning import FlashBranchTuning
+    parts = [] if spec == "off" else spec.split("+")
+    return tuning_variant(base, {"flash": FlashBranchTuning(**{b: "auto" for b in parts}, min_t=0)})
+
+
+def flash_installed_names() -> list[str]:
+    """The flash-attn backends (fa4, fa2) that import and may run on this GPU (nsa.ops.flash's rules)."""
+    from nsa.ops import flash
+    dev = torch.device("cuda")
+    return [n for n in flash.FLASH_BACKENDS if flash._eligible(n, dev, torch.bfloat16, 64, True) is None]
+
+
 def tuning_dict(tuning) -> dict[str, Any]:
     return dataclasses.asdict(tuning)
 

@@ -5,6 +5,9 @@
 #   bash bench/gpu.sh attention [T ...]          op speed table + 64k breakdown (fla-core if .whl is carried)
 #   bash bench/gpu.sh sweep [GROUP_PREFIX]       kernel-tuning sweep of the op at 64k (e.g. select.)
 #   bash bench/gpu.sh branch window|cmp|select [T ...]   one branch against its alternative
+#   bash bench/gpu.sh flash [T ...]              at the production shape (HQ=12, H=2, d=64): the window and
+#                                                compressed branches on flash-attn vs the own kernels, alone
+#                                                and inside the whole op (what sets tuning.flash)
 #   bash bench/gpu.sh decode [S ...]             decode tests while the sweep variants compile, then the
 #                                                decode table (sweep at the largest S, breakdown)
 #   bash bench/gpu.sh train [SEQ ...]            bare vs Ray Train throughput (needs .gpu_bundle), 2 GPUs too
@@ -101,6 +104,14 @@ run_attention() {
     | tee "$OUT/attention.log" | tail -25
 }
 
+run_flash() {
+  local T=${*:-8192 16384 32768 65536} b
+  for b in window cmp flash; do
+    timeout "$T_BENCH" python3 bench/bench_attention.py --branch "$b" --T $T --HQ 12 --H 2 --dk 64 --dv 64 \
+      --iters 5 2>&1 | tee "$OUT/attention_$b.log" | grep -vE "^T=|Warning|warn" | tail -22
+  done
+}
+
 run_decode() {
   local S=${*:-8192 65536} t0
   t0=$(date +%s)
@@ -150,6 +161,7 @@ case "$cmd" in
           timeout "$T_BENCH" python3 bench/bench_attention.py --branch "$b" ${*:+--T $*} 2>&1 \
             | tee "$OUT/attention_$b.log" | tail -20 ;;
   decode) gpu_info; run_decode "$@" ;;
+  flash) gpu_info; run_flash "$@" ;;
   train) nvidia-smi -L; run_train "$@" ;;
   profile) gpu_info; m=${1:?profile mode: kernels, step, ncu-attention or ncu-decode}; shift
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \

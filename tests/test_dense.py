@@ -5,6 +5,7 @@ flash-attn's call signature) is injected into sys.modules and a GPU's compute ca
 exercises the detection, probe, choice, allow_flash switch and the branch hooks end to end."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -16,6 +17,7 @@ from nsa.layers.dense import DenseAttention, DenseKVCache
 from nsa.model import TinyLM
 from nsa.train.checkpoint import AttentionKindError
 from nsa.ops import flash
+from nsa.ops.tuning import CPU, FlashBranchTuning
 from nsa.ops.reference import causal_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -234,7 +236,6 @@ def fake_flash(monkeypatch):
         _Calls.n = 0
     yield install
     flash.reset_choices()
-    flash.select_flash_branches(())
 
 
 def test_policy_chooses_fa4_when_present_and_allowed(fake_flash):
@@ -244,7 +245,7 @@ def test_policy_chooses_fa4_when_present_and_allowed(fake_flash):
     assert name == "fa4" and "probe rel err" in why and _Calls.n > 0
     pol = KernelPolicy.resolve("cpu", torch.bfloat16, "torch", allow_flash=True, head_dim=16)
     assert pol.backends["dense"] == "fa4" and "dense=fa4" in str(pol)
-    assert "fa4 available, not selected for the win branch" in pol.reasons["win"]
+    assert "fa4 available, not used for the win branch (tuning.flash.win=off)" in pol.reasons["win"]
     # the dense twin uses it: its layer output equals the layer on the math backend
     layer = DenseAttention(32, 4, 2, 16, 16).to(torch.bfloat16)
     x = _rand(1, 12, 32, dtype=torch.bfloat16)
@@ -268,8 +269,12 @@ def test_allow_flash_false_never_uses_flash(fake_flash):
     layer = TinyLM.from_config(cfg.model, cfg.nsa).blocks[0].attn.to(torch.bfloat16)
     layer(_rand(1, 12, cfg.model.dim, dtype=torch.bfloat16))
     assert _Calls.n == 0
-    flash.select_flash_branches(["win"])
-    assert flash.branch_flash_backend("win", "cpu", torch.bfloat16, 16, allow_flash=False) is None
+    on = FlashBranchTuning(win="fa4", cmp="fa4")
+    pol = KernelPolicy.resolve("cpu", torch.bfloat16, "torch", allow_flash=False, head_dim=16)
+    assert "nsa.allow_flash_attn=false" in pol.reasons["win"]
+    pol = KernelPolicy.resolve("cpu", torch.bfloat16, "torch", allow_flash=True, head_dim=16,
+                               tuning=CPU.replace(flash=on))
+    assert "win branch on fa4" in pol.reasons["win"] and "cmp branch on fa4" in pol.reasons["cmp"]
 
 
 def test_fa2_on_ampere_and_a_wrong_kernel_is_refused(fake_flash):
@@ -282,19 +287,30 @@ def test_fa2_on_ampere_and_a_wrong_kernel_is_refused(fake_flash):
     assert name in flash.SDPA_BACKENDS                   # the next kernel that works here
 
 
-def test_flash_branch_hooks_match_their_contracts(fake_flash):
-    """flash_window = the NSA window branch; flash_sdpa_lse = cmp_dense._sdpa_lse (math)."""
+def test_flash_branch_choice_follows_the_tuning(fake_flash):
+    """branch_flash_backend: off / auto (the dense choice when it is flash-attn) / forced, and the
+    cases that keep a branch on the own kernels (short T, d_k != d_v, deterministic algorithms);
+    flash_sdpa_lse = cmp_dense._sdpa_lse (math)."""
     from nsa.ops.triton.cmp_dense import _sdpa_lse
     fake_flash(fa4=_fake_fa4())
-    assert flash.branch_flash_backend("win", "cpu", torch.bfloat16, 16, allow_flash=True) is None
-    flash.select_flash_branches(["win", "cmp"])
-    assert flash.branch_flash_backend("win", "cpu", torch.bfloat16, 16, allow_flash=True) == "fa4"
+    q = _rand(1, 20, 4, 16, dtype=torch.bfloat16)
+    assert flash.branch_flash_backend("win", FlashBranchTuning(), q, 16) == (None, "tuning.flash.win=off")
+    auto = FlashBranchTuning(win="auto", cmp="auto", min_t=16)
+    assert flash.branch_flash_backend("win", auto, q, 16)[0] == "fa4"
+    assert flash.branch_flash_backend("cmp", auto, q, 16)[0] == "fa4"
+    assert "min_t" in flash.branch_flash_backend("win", dataclasses.replace(auto, min_t=21), q, 16)[1]
+    assert "d_k=16 != d_v=32" in flash.branch_flash_backend("win", auto, q, 32)[1]
+    assert flash.branch_flash_backend("win", FlashBranchTuning(win="fa2"), q, 16)[0] is None   # not installed
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "deterministic" in flash.branch_flash_backend("win", auto, q, 16)[1]
+    finally:
+        torch.use_deterministic_algorithms(False)
     with pytest.raises(ValueError, match="unknown branch"):
-        flash.select_flash_branches(["slc"])
+        flash.branch_flash_backend("slc", auto, q, 16)
+    with pytest.raises(ValueError, match="FlashBranchTuning.win"):
+        FlashBranchTuning(win="fast")
     q, k, v = _rand(1, 20, 4, 16, seed=9), _rand(1, 20, 2, 16, seed=10), _rand(1, 20, 2, 16, seed=11)
-    o, lse = flash.flash_window(q, k, v, 5, 0.25, "fa4")
-    torch.testing.assert_close(o, _rows_reference(q, k, v, True, 5, 0.25), rtol=1e-10, atol=1e-10)
-    assert lse.shape == (1, 20, 4)
     # _sdpa_lse's math path computes in fp32: compare fp32 inputs at fp32 rounding
     qh, kh, vh = (t.float().transpose(1, 2) for t in (q, k, v))
     o1, l1 = flash.flash_sdpa_lse(qh, kh, vh, 0.25, "fa4")

@@ -16,7 +16,7 @@ from nsa.ops import nsa_attention  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
 from nsa.ops.testing import INPUT_NAMES as NAMES, rel_rms  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
-from nsa.ops.tuning import CmpDenseTuning, tuning_for  # noqa: E402
+from nsa.ops.tuning import CmpDenseTuning, FlashBranchTuning, tuning_for  # noqa: E402
 
 HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
 
@@ -64,6 +64,24 @@ def test_dense_cmp_branch_matches_fp32_torch(backend):
     if be is None:   # e.g. flash refuses d_k != d_v
         pytest.skip(f"{backend} not usable here: {why}")
     _check_vs_fp32_torch(8192, 16, 2, 128, 64, tuning=with_cmp_dense(backend))
+
+
+@pytest.mark.parametrize("modes", [dict(win="fa4"), dict(cmp="fa4"), dict(win="fa4", cmp="fa4")],
+                         ids=["win", "cmp", "win+cmp"])
+@pytest.mark.parametrize("T,HQ,H,d", [(8192, 12, 2, 64), (65536, 12, 2, 64), (8192, 16, 2, 128)])
+def test_flash_branches_match_fp32_torch(modes, T, HQ, H, d):
+    """The window / compressed branch on FlashAttention-4 inside the full op: output and every
+    gradient within the bf16 bound of the fp32 torch op, blocks identical (up to near-ties)."""
+    from nsa.ops import flash
+    from nsa.ops.triton import function as tfn
+    x = torch.zeros(1, T, HQ, d, device="cuda", dtype=torch.bfloat16)
+    tuning = tuning_for("cuda").replace(flash=FlashBranchTuning(**modes))
+    for b in modes:
+        be, why = flash.branch_flash_backend(b, tuning.flash, x, d)
+        if be is None:
+            pytest.skip(f"fa4 not usable for the {b} branch here: {why}")
+    _check_vs_fp32_torch(T, HQ, H, d, d, tuning=tuning)
+    assert tfn.window_flash_backend(x, x[:, :, :H], tuning) == ("fa4" if "win" in modes else None)
 
 
 def test_dense_cmp_policy():

@@ -25,7 +25,7 @@ from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
 from nsa.ops.testing import INPUT_NAMES, make_inputs as _make_inputs, rel_rms as rel_err  # noqa: E402
-from nsa.ops.tuning import CmpDenseTuning, tuning_for  # noqa: E402
+from nsa.ops.tuning import CmpDenseTuning, FlashBranchTuning, tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = INPUT_NAMES
@@ -175,6 +175,64 @@ def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
     o2, bi2 = nsa_triton_apply(*args, **kw, tuning=with_cmp_dense("off"))
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
     assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
+
+
+def with_flash(**modes):
+    """The device's preset with NSA branches on flash-attn modes (tuning.FlashBranchTuning)."""
+    return tuning_for(DEV).replace(flash=FlashBranchTuning(**modes))
+
+
+@pytest.mark.parametrize("case", ["g16_nsel1", "t_below_l", "fp16_g2"])
+@pytest.mark.parametrize("modes", [dict(win="reference"), dict(win="reference", cmp="reference")],
+                         ids=["win", "win+cmp"])
+def test_flash_branches_match_reference(case, modes):
+    """The window branch (and the compressed one) computed outside the Function on a dense kernel
+    ("reference" stands in for flash-attn on the CPU; FA4 in tests/test_triton_gpu.py): the op's
+    output, blocks and every gradient still match the fp64 reference."""
+    check_case(case, with_flash(**modes))
+
+
+def test_allow_flash_false_keeps_branches_on_triton(monkeypatch):
+    """nsa_attention(allow_flash=False) (nsa.allow_flash_attn=false) ignores tuning.flash; with it the
+    window branch calls the dense kernel once per op call."""
+    from nsa.ops import KernelPolicy, nsa_attention
+    from nsa.ops.dispatch import BRANCHES
+    from nsa.ops.triton import function as tfn
+    calls = []
+    real = tfn.dense_attention
+    monkeypatch.setattr(tfn, "dense_attention", lambda *a, **k: calls.append(k["backend"]) or real(*a, **k))
+    x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=4)
+    pol = KernelPolicy("triton", DEV, "float32", {b: "triton" for b in BRANCHES}, {b: "test" for b in BRANCHES},
+                       None, with_flash(win="reference"))
+    kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, backend=pol)
+    o_off, _ = nsa_attention(*[x[n].detach() for n in NAMES], **kw, allow_flash=False)
+    assert calls == []
+    o_on, _ = nsa_attention(*[x[n].detach() for n in NAMES], **kw)
+    assert calls == ["reference"]
+    assert rel_err(o_on, o_off) <= tol(torch.float32)
+
+
+def test_flash_window_failure_falls_back_to_triton(monkeypatch):
+    """A flash-attn refusal of the window branch at run time: the Triton window kernel gives the
+    result, counted and warned, and is used from then on."""
+    from nsa.ops import dispatch
+    from nsa.ops.triton import function as tfn
+
+    def refuse(*a, **k):
+        raise RuntimeError("simulated refusal")
+
+    monkeypatch.setattr(tfn, "dense_attention", refuse)
+    monkeypatch.setattr(tfn, "_WIN_OFF", {})
+    dispatch.reset_fallback_counts()
+    x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=3)
+    args = [x[n].detach() for n in NAMES]
+    kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
+    with pytest.warns(RuntimeWarning, match="simulated refusal"):
+        o, bi = nsa_triton_apply(*args, **kw, tuning=with_flash(win="reference"))
+    o2, bi2 = nsa_triton_apply(*args, **kw, tuning=with_flash())
+    assert torch.equal(o, o2) and torch.equal(bi, bi2)
+    assert dispatch.fallback_counts() == {"win_flash:reference->triton": 1}
+    assert tfn.window_flash_backend(args[0], args[6], with_flash(win="reference")) is None
 
 
 def test_block_idx_long_sequence():

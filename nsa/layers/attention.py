@@ -84,7 +84,8 @@ class NSAAttention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
                  d: int, l_sel: int, n_sel: int, w: int, compression: str = "mlp",
                  rope_base: float = 10000.0, backend: str = "auto",
-                 gate_hidden: int | None = None, compression_hidden: int | None = None) -> None:
+                 gate_hidden: int | None = None, compression_hidden: int | None = None,
+                 allow_flash: bool = True) -> None:
         super().__init__()
         validate_nsa_args(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w, compression)
         if rope_base <= 0:
@@ -93,6 +94,7 @@ class NSAAttention(nn.Module):
         self.d_k, self.d_v = d_k, d_v
         self.l, self.d, self.l_sel, self.n_sel, self.w = l, d, l_sel, n_sel, w
         self.rope_base, self.backend, self.compression = float(rope_base), backend, compression
+        self.allow_flash = bool(allow_flash)   # false: no branch on flash-attn (nsa.allow_flash_attn)
         HQ, H = n_heads, n_kv_groups
         self._split = (HQ * d_k, 3 * H * d_k, 3 * H * d_v)
         self.qkv_proj = nn.Linear(dim, sum(self._split), bias=False)
@@ -148,9 +150,11 @@ class NSAAttention(nn.Module):
         B, T, _ = x.shape
         return torch.sigmoid(self.gate_mlp(x)).view(B, T, self.n_heads, 3)
 
-    def _op_kwargs(self) -> dict:
-        return dict(l=self.l, d=self.d, l_sel=self.l_sel, n_sel=self.n_sel, w=self.w,
-                    backend=self.backend)
+    def _op_kwargs(self, decode: bool = False) -> dict:
+        kw = dict(l=self.l, d=self.d, l_sel=self.l_sel, n_sel=self.n_sel, w=self.w, backend=self.backend)
+        if not decode:   # decode runs the own kernels only (no flash-attn branch)
+            kw["allow_flash"] = self.allow_flash
+        return kw
 
     def _output(self, o: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
         """o [B, T, HQ, d_v] -> y [B, T, dim]; records stats when asked (detached, on device)."""
@@ -221,7 +225,7 @@ class NSAAttention(nn.Module):
         kv = cache.views()
         o, block_idx = nsa_ops.nsa_decode(p.q, kv["k_cmp"], kv["v_cmp"], kv["k_slc"], kv["v_slc"],
                                           kv["k_win"], kv["v_win"], gates, pos0=pos0,
-                                          win_pos0=cache.win_pos0, **self._op_kwargs())
+                                          win_pos0=cache.win_pos0, **self._op_kwargs(decode=True))
         return self._output(o, gates, block_idx)
 
     def new_static_cache(self, capacity: int) -> StaticNSACache:

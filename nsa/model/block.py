@@ -61,7 +61,8 @@ class LlamaBlockNSA(nn.Module):
                                        allow_flash=allow_flash_attn)
         else:
             self.attn = NSAAttention(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
-                                     compression=compression, rope_base=rope_base, backend=backend)
+                                     compression=compression, rope_base=rope_base, backend=backend,
+                                     allow_flash=allow_flash_attn)
         self.mlp_norm = RMSNorm(dim, norm_eps)
         self.mlp = SwiGLU(dim, swiglu_hidden(dim, ffn_mult))
 

@@ -14,7 +14,7 @@ from .dispatch import KernelPolicy, _check_requested, cached_policy, resolve_bac
 from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
 from .probe import ProbeShape
 from .reference import causal_attention, nsa_reference
-from .tuning import KernelTuning, tuning_for
+from .tuning import FlashBranchTuning, KernelTuning, tuning_for
 
 __all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "KernelPolicy",
            "resolve_backend", "fallback_counts", "count_fallback", "reset_fallback_counts",
@@ -26,7 +26,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
                   l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 16, w: int = 512,
                   scale: float | None = None, backend: str | KernelPolicy = "auto",
                   tile: int | None = None, recompute: bool | None = None,
-                  tuning: KernelTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  tuning: KernelTuning | None = None,
+                  allow_flash: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Native Sparse Attention over a full sequence (NSA_SPEC.md).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
@@ -39,7 +40,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     its intermediates (default: whenever there is more than one tile, so backward memory is linear
     in T). recompute=False keeps every tile's logits (quadratic in T) for ~1.5-2x less op time;
     use it when the caller already checkpoints the layer. `tuning`: the kernels' launch parameters
-    (nsa/ops/tuning.py; None: the policy's, i.e. the preset of this device).
+    (nsa/ops/tuning.py; None: the policy's, i.e. the preset of this device). allow_flash=False
+    (nsa.allow_flash_attn=false) keeps every branch off flash-attn whatever tuning.flash says.
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
@@ -57,6 +59,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
         count_fallback(policy.fallback)
     used = policy.backend
     tuning = tuning or policy.tuning
+    if not allow_flash and (tuning.flash.win != "off" or tuning.flash.cmp != "off"):
+        tuning = tuning.replace(flash=FlashBranchTuning())
     kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
     if used == "triton":
         mod = triton_module()

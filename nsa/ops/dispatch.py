@@ -73,15 +73,14 @@ def _cmp_dense_note(cfg: CmpDenseTuning) -> str:
             f"{cfg.min_t} without deterministic algorithms, else the Triton kernel")
 
 
-def _win_note() -> str:
-    """Why the window branch runs on the own Triton kernel (the issue's candidates, measured)."""
-    try:
-        import flash_attn  # noqa: F401
-        fa = "flash-attn installed (off for this branch unless nsa.ops.flash.select_flash_branches)"
-    except Exception:  # noqa: BLE001 - any import problem means "not available"
-        fa = "flash-attn not installed"
-    return ("window branch on the own Triton kernel (H200, 64k, w=512: fwd 4.15 ms vs compiled FlexAttention "
-            f"4.54, fwd+bwd 13.5 vs 16.0; bench/bench_attention.py --branch window); {fa}")
+def _win_note(tuning: KernelTuning) -> str:
+    """Where the window branch runs under tuning.flash (flash-attn where measured faster)."""
+    f = tuning.flash
+    if f.win == "off":
+        return ("window branch on the own Triton kernel, not flash-attn (tuning.flash.win=off; H200, 64k, "
+                "w=512: fwd 4.15 ms vs compiled FlexAttention 4.54; bench/bench_attention.py --branch window)")
+    return (f"window branch on flash-attn from T >= {f.min_t} where installed and allowed "
+            f"(tuning.flash.win={f.win}), else the own Triton kernel")
 
 
 @dataclass(frozen=True)
@@ -104,9 +103,10 @@ class KernelPolicy:
     @classmethod
     def resolve(cls, device: torch.device | str, dtype: torch.dtype,
                 requested: str = "auto", allow_flash: bool = True,
-                head_dim: int | None = None, shape=None) -> "KernelPolicy":
+                head_dim: int | None = None, shape=None, tuning: KernelTuning | None = None) -> "KernelPolicy":
         """shape (nsa.ops.probe.ProbeShape): when triton is chosen, probe its kernels once with these
-        shapes on this device (nsa/ops/probe.py) and fall back to torch if they fail there."""
+        shapes on this device (nsa/ops/probe.py) and fall back to torch if they fail there.
+        tuning: the launch parameters (None: the preset of this device, tuning_for)."""
         _check_requested(requested)
         dev = torch.device(device)
         ok, why = _triton_status(dev) if requested in ("auto", "triton") else (False, "")
@@ -122,7 +122,7 @@ class KernelPolicy:
             reason = f"{requested}: {why} -> torch"
             if requested == "triton" or dev.type == "cuda":
                 fallback = f"{requested}->torch"
-        tuning = tuning_for(dev)
+        tuning = tuning or tuning_for(dev)
         if used == "triton" and shape is not None:
             from .probe import probe_triton
             res = probe_triton(dev, dtype, shape, tuning)
@@ -135,10 +135,10 @@ class KernelPolicy:
         reasons = {b: reason for b in BRANCHES}
         if used == "triton":
             reasons["cmp"] = reason + "; " + _cmp_dense_note(tuning.cmp_dense)
-            reasons["win"] = reason + "; " + _win_note()
+            reasons["win"] = reason + "; " + _win_note(tuning)
         if head_dim is not None:  # dense attention and flash-attn (nsa/ops/flash.py), probed once
             from .flash import policy_entries
-            extra_b, extra_r = policy_entries(dev, dtype, head_dim, allow_flash)
+            extra_b, extra_r = policy_entries(dev, dtype, head_dim, allow_flash, tuning.flash)
             backends.update(extra_b)
             reasons.update({b: (reasons[b] + "; " + r if b in reasons else r) for b, r in extra_r.items()})
         return cls(requested, str(dev), str(dtype).replace("torch.", ""), backends, reasons, fallback, tuning)

@@ -29,10 +29,11 @@ allow_flash) on a small GQA problem against `reference` (forward and the three g
 first that passes wins and the choice is logged once with its reason.
 
 NSA branches: the sliding-window branch and the compressed branch's regrouped causal problem are
-dense problems too. `flash_window` and `flash_sdpa_lse` run them on flash-attn with the same
-contracts as the Triton window kernel and cmp_dense._sdpa_lse. They are off by default (the
-Triton window kernel and cuDNN were what was measured on this stack): `select_flash_branches`
-turns them on per branch, and `branch_flash_backend` tells the caller whether to use them.
+dense problems too. `branch_flash_backend` answers, from the kernel tuning's `flash` part
+(nsa/ops/tuning.py FlashBranchTuning: per branch off / auto / forced, set per device family by
+measurement), whether a branch runs on flash-attn for given inputs; the Triton op
+(nsa/ops/triton/function.py) then calls `dense_attention(window=w)` for the window branch and
+`flash_sdpa_lse` for the compressed one.
 """
 from __future__ import annotations
 
@@ -60,8 +61,6 @@ ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa
 _lock = threading.Lock()
 _choices: dict[tuple, tuple[str, str]] = {}
 _probes: dict[tuple, tuple[bool, str]] = {}
-# NSA branches that may run on flash-attn ("win", "cmp"); empty = Triton / cuDNN as measured
-_flash_branches: set[str] = set()
 
 
 # ------------------------------------------------------------------------------------ detection
@@ -345,30 +344,34 @@ def reset_choices() -> None:
 
 
 # ------------------------------------------------------------------------------------ NSA branches
-def select_flash_branches(branches: tuple[str, ...] | list[str]) -> None:
-    """Let the NSA branches named ("win", "cmp") run on flash-attn where it is chosen; () = none."""
-    bad = sorted(set(branches) - {"win", "cmp"})
-    if bad:
-        raise ValueError(f"select_flash_branches: unknown branch {bad}; choose from ['win', 'cmp']")
-    _flash_branches.clear()
-    _flash_branches.update(branches)
+BRANCH_NAMES = ("win", "cmp")
 
 
-def branch_flash_backend(branch: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                         allow_flash: bool) -> str | None:
-    """"fa4"/"fa2" when NSA branch `branch` should run on flash-attn here, else None (Triton/cuDNN)."""
-    if branch not in _flash_branches or not allow_flash:
-        return None
-    name = choose_dense_backend(device, dtype, head_dim, allow_flash)[0]
-    return name if name in FLASH_BACKENDS else None
-
-
-def flash_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int, scale: float,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The NSA sliding-window branch on flash-attn: q [B,T,HQ,dk], k/v [B,T,H,*] -> (o [B,T,HQ,dv],
-    lse [B,T,HQ] fp32, not differentiable); query t sees keys t-w+1..t."""
-    o, lse = _flash(backend, q, k, v, True, w, scale, True)
-    return o, lse.transpose(1, 2)
+def branch_flash_backend(branch: str, cfg, q: torch.Tensor, dv: int) -> tuple[str | None, str]:
+    """(backend, why) for NSA branch `branch` ("win" | "cmp") on inputs q [B,T,HQ,dk] (values of dim
+    dv) under cfg (nsa.ops.tuning.FlashBranchTuning): "fa4" / "fa2" / "reference", or None (the own
+    kernel or SDPA) with the reason. Python ints and cached choices only: no host sync."""
+    if branch not in BRANCH_NAMES:
+        raise ValueError(f"branch_flash_backend: unknown branch {branch!r}; choose from {list(BRANCH_NAMES)}")
+    mode = getattr(cfg, branch)
+    if mode == "off":
+        return None, f"tuning.flash.{branch}=off"
+    if mode == "reference":
+        return "reference", f"tuning.flash.{branch}=reference (fp32 math)"
+    T, dk = q.shape[1], q.shape[-1]
+    if T < cfg.min_t:
+        return None, f"T={T} < tuning.flash.min_t={cfg.min_t}"
+    if dk != dv:
+        return None, f"d_k={dk} != d_v={dv}"
+    if torch.are_deterministic_algorithms_enabled():
+        return None, "deterministic algorithms on (flash-attn's backward is not bitwise repeatable)"
+    if mode == "auto":
+        name, why = choose_dense_backend(q.device, q.dtype, dk, True)
+        if name not in FLASH_BACKENDS:
+            return None, f"no flash-attn backend chosen here ({name})"
+        return name, f"{name} (tuning.flash.{branch}=auto)"
+    why = _eligible(mode, q.device, q.dtype, dk, True)
+    return (None, f"{mode}: {why}") if why is not None else (mode, f"{mode} (forced by tuning.flash.{branch})")
 
 
 def flash_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -379,16 +382,18 @@ def flash_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o.transpose(1, 2), lse
 
 
-def policy_entries(device: torch.device, dtype: torch.dtype, head_dim: int, allow_flash: bool
-                   ) -> tuple[dict[str, str], dict[str, str]]:
-    """KernelPolicy's flash-attn view: ({"dense": backend}, {"dense": reason, "win"/"cmp": note})."""
+def policy_entries(device: torch.device, dtype: torch.dtype, head_dim: int, allow_flash: bool,
+                   cfg=None) -> tuple[dict[str, str], dict[str, str]]:
+    """KernelPolicy's flash-attn view: ({"dense": backend}, {"dense": reason, "win"/"cmp": note});
+    cfg = the tuning's FlashBranchTuning (None: all off)."""
     name, why = choose_dense_backend(device, dtype, head_dim, allow_flash)
     notes = {}
-    for b in ("win", "cmp"):
-        fb = branch_flash_backend(b, device, dtype, head_dim, allow_flash)
-        if fb is not None:
-            notes[b] = f"{b} branch on {fb} (selected)"
+    for b in BRANCH_NAMES:
+        mode = getattr(cfg, b) if cfg is not None else "off"
+        if not allow_flash:
+            notes[b] = f"{b} branch not on flash-attn (nsa.allow_flash_attn=false)"
+        elif mode != "off" and name in FLASH_BACKENDS:
+            notes[b] = f"{b} branch on {name} from T >= {cfg.min_t} (tuning.flash.{b}={mode})"
         elif name in FLASH_BACKENDS:
-            notes[b] = (f"{name} available, not selected for the {b} branch (not measured faster here; "
-                        "nsa.ops.flash.select_flash_branches)")
+            notes[b] = f"{name} available, not used for the {b} branch (tuning.flash.{b}={mode})"
     return {"dense": name}, {"dense": why, **notes}

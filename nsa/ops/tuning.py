@@ -159,6 +159,29 @@ class CmpDenseTuning:
             raise ValueError(f"CmpDenseTuning.mode must be auto/off/cudnn/flash/math, got {self.mode!r}")
 
 
+FLASH_BRANCH_MODES = ("off", "auto", "fa4", "fa2", "reference")
+
+
+@dataclass(frozen=True)
+class FlashBranchTuning:
+    """NSA branches that are dense problems run on flash-attn (nsa/ops/flash.py) instead of the own
+    kernels: `win` the sliding window, `cmp` the compressed branch's regrouped causal problem (in place
+    of cuDNN / flash SDPA). Modes: "off"; "auto" = the dense backend the policy chose here when that is
+    flash-attn (fa4 / fa2), else off; "fa4" / "fa2" forced; "reference" = fp32 math (CPU tests of the
+    wiring). Used from T >= min_t, with d_k == d_v, fp16/bf16, deterministic algorithms off, and
+    nsa.allow_flash_attn on."""
+
+    win: str = "off"
+    cmp: str = "off"
+    min_t: int = 0
+
+    def __post_init__(self) -> None:
+        for f in ("win", "cmp"):
+            if getattr(self, f) not in FLASH_BRANCH_MODES:
+                raise ValueError(f"FlashBranchTuning.{f} must be one of {FLASH_BRANCH_MODES}, "
+                                 f"got {getattr(self, f)!r}")
+
+
 @dataclass(frozen=True)
 class DecodeKnobs:
     """One regime of the decode launches (nsa/ops/triton/decode.py).
@@ -229,6 +252,7 @@ class KernelTuning:
     tile: TileTuning = TileTuning()        # m=1: selection on the per-token kernels
     scores: ScoreTuning = ScoreTuning()
     cmp_dense: CmpDenseTuning = CmpDenseTuning()
+    flash: FlashBranchTuning = FlashBranchTuning()   # all off: the own kernels / SDPA
     decode: DecodeTuning = DecodeTuning()
     torch: TorchTuning = TorchTuning()
 

@@ -6,8 +6,7 @@ normalised, so that two lanes which would run the same experiment compare equal.
 
 The rules follow the code paths they stand for: the kernel policy (nsa/ops/dispatch.py: "auto" is
 triton on CUDA, torch elsewhere; triton on CPU falls back to torch), nsa/ops/flash.py (flash-attn
-only on CUDA, and for the NSA model only on branches chosen with select_flash_branches, none by
-default: the flag only reaches the dense twin), the training loop (TF32, CUDA graphs and GPU counts
+only on CUDA, and for the NSA model only on the branches the GPU presets' tuning.flash moves there),, the training loop (TF32, CUDA graphs and GPU counts
 only mean something on GPUs; GradScaler settings only in fp16) and the dense twin (every nsa.* field
 belongs to the sparse layer it replaces). Fields the grid pins per lane (run names, paths) never count.
 """
@@ -29,6 +28,12 @@ def flash_installed() -> Optional[str]:
     """The flash-attn backend importable in this process ("fa4"/"fa2"), else None."""
     from nsa.ops.flash import fa2_func, fa4_func
     return "fa4" if fa4_func() is not None else ("fa2" if fa2_func() is not None else None)
+
+
+def gpu_flash_branches() -> bool:
+    """Whether a GPU preset (nsa.ops.tuning) runs an NSA branch on flash-attn (tuning.flash not off)."""
+    from nsa.ops.tuning import AMPERE, HOPPER
+    return any(t.flash.win != "off" or t.flash.cmp != "off" for t in (HOPPER, AMPERE))
 
 
 def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[str, str]]:
@@ -60,8 +65,11 @@ def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[s
             # "auto" on CUDA is triton when its kernels load on the workers: assumed, as the policy would
             set_("nsa.backend", "triton" if gpu else "torch",
                  "auto is triton on CUDA" if gpu else f"{backend} resolves to torch without CUDA")
-        set_("nsa.allow_flash_attn", NO_EFFECT,
-             "the NSA model uses flash-attn on no branch by default (nsa.ops.flash.select_flash_branches)")
+        if not gpu_flash_branches():
+            set_("nsa.allow_flash_attn", NO_EFFECT,
+                 "the GPU presets run no NSA branch on flash-attn (nsa.ops.tuning FlashBranchTuning)")
+        elif gpu and cfg.nsa.allow_flash_attn and flash_installed() is None:
+            set_("nsa.allow_flash_attn", False, "no flash-attn package importable (pip install -e '.[flash]')")
     if gpu and cfg.model.attention == "dense" and cfg.nsa.allow_flash_attn and flash_installed() is None:
         set_("nsa.allow_flash_attn", False, "no flash-attn package importable (pip install -e '.[flash]')")
     eff["lane.repeat"], eff["lane.checks"] = lane.repeat, ",".join(lane.checks)

@@ -102,6 +102,9 @@ def _sdpa_lse(q, k, v, scale: float, backend: str):
         out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
     elif backend == "flash":
         out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    elif backend in ("fa4", "fa2"):   # flash-attn (nsa/ops/flash.py), the same contract
+        from nsa.ops.flash import flash_sdpa_lse
+        return flash_sdpa_lse(q, k, v, scale, backend)
     elif backend == "math":   # plain torch (CPU tests of the regrouping; O(N^2) memory)
         G = q.shape[1] // k.shape[1]
         s = torch.einsum("bhnd,bhmd->bhnm", q.float(), k.float().repeat_interleave(G, 1)) * scale
@@ -111,7 +114,8 @@ def _sdpa_lse(q, k, v, scale: float, backend: str):
         o = torch.einsum("bhnm,bhmd->bhnd", torch.exp(s - lse[..., None]), v.float().repeat_interleave(G, 1))
         return o.to(q.dtype), lse.detach()
     else:
-        raise ValueError(f"cmp_dense backend must be one of {BACKENDS}, got {backend!r}")
+        raise ValueError(f"cmp_dense backend must be one of {BACKENDS + ('fa4', 'fa2', 'math')}, "
+                         f"got {backend!r}")
     o, lse = out[0], out[1]
     return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
 
@@ -155,6 +159,18 @@ def probe(device: str, dtype: torch.dtype, dk: int, dv: int,
 def disable(device: str, dtype: torch.dtype, dk: int, dv: int, reason: str) -> None:
     """Makes probe() answer (None, reason) for these arguments from now on (a run-time refusal)."""
     _PROBES[(device, dtype, dk, dv, BACKENDS)] = (None, reason)
+
+
+_REFUSED: set = set()
+
+
+def refuse(device: str, dtype: torch.dtype, dk: int, dv: int, backend: str) -> None:
+    """A flash-attn backend failed on this device/dtype/head sizes: not chosen again (refused())."""
+    _REFUSED.add((device, dtype, dk, dv, backend))
+
+
+def refused(device: str, dtype: torch.dtype, dk: int, dv: int, backend: str) -> bool:
+    return (device, dtype, dk, dv, backend) in _REFUSED
 
 
 def _probe_once(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple) -> tuple[str | None, str]:

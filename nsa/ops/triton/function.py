@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from ..fallbacks import count_fallback
-from ..tuning import CmpDenseTuning, KernelTuning, tuning_for
+from ..flash import branch_flash_backend, dense_attention
+from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
 from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
@@ -48,10 +49,11 @@ def _combine_fwd_kernel(OC, OS, OW, GT, O, n_rows, DV: tl.constexpr, BDV: tl.con
 
 
 @triton.jit
-def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                     BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr):
-    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO (the
-    gradient of a compressed-branch output computed outside, in dO's dtype), from the same read."""
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                     BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr, WRITE_DOW: tl.constexpr):
+    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO, with
+    WRITE_DOW dO_win = g_win * dO (the gradients of branch outputs computed outside, in dO's dtype),
+    from the same read."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = r < n_rows
     c = tl.arange(0, BDV)
@@ -61,6 +63,9 @@ def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, n_rows, DV: tl.constexpr, BDV:
     if WRITE_DOC:
         g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
         tl.store(DOC + off, (g0[:, None] * do).to(DOC.dtype.element_ty), mask=m)
+    if WRITE_DOW:
+        g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DOW + off, (g2[:, None] * do).to(DOW.dtype.element_ty), mask=m)
     tl.store(DG + r * 3, tl.sum(do * tl.load(OC + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
@@ -84,28 +89,30 @@ def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates
 
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-               gates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous. With gates [B,T,HQ,3] also
-    returns g_cmp * dO in dO's dtype (else None)."""
+               gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous, gates [B,T,HQ,3]. Also returns
+    g_cmp * dO (ext_cmp) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
+    outputs computed outside the Function."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
-    doc = torch.empty_like(do) if gates is not None else None
+    doc = torch.empty_like(do) if ext_cmp else None
+    dow = torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
     if n_rows == 0:
-        return dg, doc
+        return dg, doc, dow
     nb, bdv, block = _rows_grid(n_rows, dv)
-    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates if gates is not None else dg,
-                            doc if doc is not None else do, n_rows, DV=dv, BDV=bdv, BLOCK=block,
-                            WRITE_DOC=gates is not None)
-    return dg, doc
+    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
+                            n_rows, DV=dv, BDV=bdv, BLOCK=block, WRITE_DOC=ext_cmp, WRITE_DOW=ext_win)
+    return dg, doc, dow
 
 
 class NSATritonFunction(torch.autograd.Function):
     """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
 
     @staticmethod
-    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, l, d, l_sel,
-                n_sel, w, scale, chunk, tuning):
-        ctx.ext_cmp = o_cmp_in is not None
+    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, l, d,
+                l_sel, n_sel, w, scale, chunk, tuning):
+        ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
         at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
             o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
@@ -122,7 +129,10 @@ class NSATritonFunction(torch.autograd.Function):
         else:
             union = ()
             o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select)
-        o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
+        if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
+            o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
+        else:
+            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
@@ -136,16 +146,17 @@ class NSATritonFunction(torch.autograd.Function):
          lse_cmp, lse_slc, lse_win, block_idx, *union) = ctx.saved_tensors
         l, d, l_sel, w, scale, chunk, tuning = ctx.hp
         do = do.contiguous()
-        # dgates [B,T,HQ,3] fp32, and for an outside compressed branch its output's gradient g_cmp * dO
-        dg, do_cmp = gate_grads(do, o_cmp, o_slc, o_win, gates if ctx.ext_cmp else None)
+        # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
+        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win)
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
         else:
             dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
                                     stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
                                     tuning=tuning.attn)
-            do_cmp = None
-        slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq, dq_dtype=torch.float32)
+        # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype
+        slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
+                      dq_dtype=q.dtype if ctx.ext_win else torch.float32)
         if union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
@@ -153,10 +164,13 @@ class NSATritonFunction(torch.autograd.Function):
         else:
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                    gates[..., 1], tuning=tuning.select, **slc_kw)
-        dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
-                                stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
-                                tuning=tuning.attn)
-        return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp,
+        if ctx.ext_win:
+            dkw = dvw = None
+        else:
+            dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
+                                    stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
+                                    tuning=tuning.attn)
+        return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
                 None, None, None, None, None, None, None, None, None)
 
 
@@ -173,8 +187,8 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
 
     q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
     tuning = tuning or tuning_for(q.device)
-    o_cmp = lse_cmp = None
-    be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense)
+    o_cmp = lse_cmp = o_win = None
+    be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
     if be is not None:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
@@ -184,9 +198,38 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
                 raise
             _dense_failed(q, v_cmp, be, exc)
             o_cmp = lse_cmp = None
+    wbe = window_flash_backend(q, v_win, tuning)
+    if wbe is not None:
+        try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
+            o_win = dense_attention(q, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
+        except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
+            if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _window_failed(q, v_win, wbe, exc)
     return NSATritonFunction.apply(q, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
-                                   gates.contiguous(), o_cmp, lse_cmp, l, d, l_sel, n_sel, w, scale, dkdv_chunk,
-                                   tuning)
+                                   gates.contiguous(), o_cmp, lse_cmp, o_win, l, d, l_sel, n_sel, w, scale,
+                                   dkdv_chunk, tuning)
+
+
+_WIN_OFF: dict[tuple, str] = {}
+
+
+def window_flash_backend(q: torch.Tensor, v_win: torch.Tensor, tuning: KernelTuning) -> str | None:
+    """flash-attn backend ("fa4" / "fa2" / "reference") of the window branch for these inputs under
+    tuning.flash, or None for the Triton kernel (also after a run-time failure on this device)."""
+    if (str(q.device), q.dtype, q.shape[-1]) in _WIN_OFF:
+        return None
+    return branch_flash_backend("win", tuning.flash, q, v_win.shape[-1])[0]
+
+
+def _window_failed(q: torch.Tensor, v_win: torch.Tensor, be: str, exc: Exception) -> None:
+    """The Triton window kernel from now on for this device/dtype/head size: counted and warned once."""
+    import warnings
+
+    count_fallback(f"win_flash:{be}->triton")
+    why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
+    _WIN_OFF[(str(q.device), q.dtype, q.shape[-1])] = why
+    warnings.warn(f"window branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
 
 
 def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception) -> None:
@@ -194,19 +237,29 @@ def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception)
     and warned once."""
     import warnings
 
-    count_fallback(f"cmp_dense:{be}->triton")
     why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
-    cmp_dense.disable(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], why)
+    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
+    if be in ("fa4", "fa2"):   # flash-attn refused: the SDPA choice (cfg.mode) from now on
+        count_fallback(f"cmp_dense:{be}->sdpa")
+        cmp_dense.refuse(*key, be)
+        warnings.warn(f"compressed branch: {why}; using SDPA / Triton from now on", RuntimeWarning, stacklevel=3)
+        return
+    count_fallback(f"cmp_dense:{be}->triton")
+    cmp_dense.disable(*key, why)
     warnings.warn(f"compressed branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
 
 
 def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
-                      cfg: CmpDenseTuning | None = None) -> str | None:
-    """The dense SDPA backend the compressed branch uses for these inputs under cfg (None: the
-    preset of q's device), or None for the Triton kernel."""
+                      cfg: CmpDenseTuning | None = None, flash: FlashBranchTuning | None = None) -> str | None:
+    """The dense backend the compressed branch uses for these inputs under cfg and flash (None: the
+    preset of q's device): flash-attn when tuning.flash.cmp picks it, else cuDNN / flash SDPA per
+    cfg, or None for the Triton kernel."""
     cfg = cfg or tuning_for(q.device).cmp_dense
     if cfg.mode == "off" or k_cmp.shape[1] == 0:
         return None
+    fb = branch_flash_backend("cmp", flash or tuning_for(q.device).flash, q, v_cmp.shape[-1])[0]
+    if fb is not None and not cmp_dense.refused(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], fb):
+        return "math" if fb == "reference" else fb
     if cfg.mode != "auto":
         return cfg.mode
     if not q.is_cuda or q.shape[1] < cfg.min_t or torch.are_deterministic_algorithms_enabled():
