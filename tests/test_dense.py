@@ -277,6 +277,17 @@ def test_allow_flash_false_never_uses_flash(fake_flash):
     assert "win branch on fa4" in pol.reasons["win"] and "cmp branch on fa4" in pol.reasons["cmp"]
 
 
+def test_branch_summary_names_the_flash_branches(fake_flash):
+    """The env.json / log phrase: which NSA branches run on flash-attn, or why none."""
+    fake_flash(fa4=_fake_fa4())
+    on = FlashBranchTuning(win="auto", min_t=4096)
+    assert flash.branch_summary("cpu", torch.bfloat16, 16, False, on).endswith("(nsa.allow_flash_attn=false)")
+    assert flash.branch_summary("cpu", torch.bfloat16, 16, True, FlashBranchTuning()).endswith("(tuning.flash off)")
+    line = flash.branch_summary("cpu", torch.bfloat16, 16, True, on)
+    assert "win branch on fa4 from T >= 4096 (tuning.flash.win=auto)" in line
+    assert "not used for the cmp branch" in line
+
+
 def test_fa2_on_ampere_and_a_wrong_kernel_is_refused(fake_flash):
     fake_flash(fa4=_fake_fa4(), fa2=_fake_fa2(), cap=(8, 6))
     name, why = flash.choose_dense_backend("cpu", torch.float16, 16, allow_flash=True)

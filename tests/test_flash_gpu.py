@@ -82,6 +82,19 @@ def test_choice_prefers_flash_when_installed_and_never_when_disabled():
     assert flash.choose_dense_backend(DEV, torch.float32, 64, allow_flash=True)[0] not in flash.FLASH_BACKENDS
 
 
+def test_nsa_model_policy_line_names_flash_branches():
+    """An NSA model on this GPU's preset: its policy phrase names the branches on flash-attn when one is
+    installed and the preset moves them, and none with allow_flash=False."""
+    from nsa.ops.tuning import FlashBranchTuning, tuning_for
+    cfg = tuning_for(DEV).flash
+    if cfg.win == "off" and cfg.cmp == "off":
+        cfg = FlashBranchTuning(win="auto", cmp="auto")   # the phrase for a preset that moves both
+    line = flash.branch_summary(DEV, torch.bfloat16, 64, True, cfg)
+    if flash.choose_dense_backend(DEV, torch.bfloat16, 64, True)[0] in flash.FLASH_BACKENDS:
+        assert " branch on fa" in line, line
+    assert flash.branch_summary(DEV, torch.bfloat16, 64, False, cfg).endswith("(nsa.allow_flash_attn=false)")
+
+
 @pytest.mark.parametrize("backend", flash.FLASH_BACKENDS)
 def test_nsa_branch_hooks_on_flash(backend):
     """The NSA window branch (query t sees t-w+1..t) = dense_attention(window=w); flash_sdpa_lse =

@@ -397,3 +397,15 @@ def policy_entries(device: torch.device, dtype: torch.dtype, head_dim: int, allo
         elif name in FLASH_BACKENDS:
             notes[b] = f"{name} available, not used for the {b} branch (tuning.flash.{b}={mode})"
     return {"dense": name}, {"dense": why, **notes}
+
+
+def branch_summary(device: torch.device | str, dtype: torch.dtype, head_dim: int, allow_flash: bool, cfg) -> str:
+    """One phrase for logs: which NSA branches run on flash-attn here under cfg (FlashBranchTuning).
+    Probes the dense backends only when some branch may use flash-attn."""
+    if not allow_flash:
+        return "NSA branches on flash-attn: none (nsa.allow_flash_attn=false)"
+    if cfg.win == "off" and cfg.cmp == "off":
+        return "NSA branches on flash-attn: none (tuning.flash off)"
+    notes = policy_entries(torch.device(device), dtype, head_dim, True, cfg)[1]
+    return "NSA branches on flash-attn: " + "; ".join(notes.get(b, f"{b}: no flash-attn here ({notes['dense']})")
+                                                     for b in BRANCH_NAMES)

@@ -153,7 +153,12 @@ def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision, probed
     fallback shows), a dense model's dense-kernel choice (flash-attn probes run only for dense models)."""
     try:
         if probed:
-            return "; ".join(sorted({str(p) for p in probed}))
+            from nsa.ops.flash import branch_summary
+            line = "; ".join(sorted({str(p) for p in probed}))
+            if any(p.backend == "triton" for p in probed):
+                line += "; " + branch_summary(device, prec.dtype or torch.float32, cfg.model.d_k,
+                                              cfg.nsa.allow_flash_attn, probed[0].tuning.flash)
+            return line
         from nsa.ops import KernelPolicy
         dense = cfg.model.attention == "dense"
         return str(KernelPolicy.resolve(device, prec.dtype or torch.float32, cfg.nsa.backend,
