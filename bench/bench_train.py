@@ -141,15 +141,19 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ NSA vs dense
-def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int) -> list[dict[str, Any]]:
-    """The bare loop twice per sequence length, model.attention=nsa then dense (same seed, same data from the
-    start of the corpus, same steps): one row per (seq, kind) with tokens/s, step time, peak memory, loss."""
+def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int,
+                 flash: tuple[str, ...] = ("preset",)) -> list[dict[str, Any]]:
+    """The bare loop per sequence length, model.attention=nsa (once per nsa.flash_branches value in
+    `flash`) then dense (same seed, same data from the start of the corpus, same steps): one row per
+    (seq, kind) with tokens/s, step time, peak memory, loss; kind "nsa" or "nsa[<flash_branches>]"."""
     import dataclasses
     rows = []
+    runs = [(f"nsa[{f}]" if f != "preset" else "nsa", "nsa", f) for f in flash] + [("dense", "dense", "preset")]
     for seq in seqs:
-        for kind in ("nsa", "dense"):
+        for kind, attention, fb in runs:
             c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq),
-                                    model=dataclasses.replace(cfg.model, attention=kind))
+                                    model=dataclasses.replace(cfg.model, attention=attention),
+                                    nsa=dataclasses.replace(cfg.nsa, flash_branches=fb))
             try:
                 r = run_bare(c, steps, warmup)
                 r.pop("model")
@@ -166,15 +170,16 @@ def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int) -> li
 
 def _vs_dense_table(rows: list[dict[str, Any]]) -> str:
     by = {(r["seq"], r["attention"]): r for r in rows}
-    lines = ["  seq   NSA tok/s  dense tok/s  NSA/dense   step ms NSA/dense    peak GiB NSA/dense   "
-             "mean loss NSA/dense  step mode NSA/dense", "-" * 118]
-    for seq in sorted({r["seq"] for r in rows}):
-        n, d = by.get((seq, "nsa"), {}), by.get((seq, "dense"), {})
+    kinds = list(dict.fromkeys(r["attention"] for r in rows if r["attention"] != "dense"))
+    lines = ["  seq  NSA variant     NSA tok/s  dense tok/s  NSA/dense   step ms NSA/dense    peak GiB NSA/dense   "
+             "mean loss NSA/dense  step mode NSA/dense", "-" * 134]
+    for seq, kind in ((s, k) for s in sorted({r["seq"] for r in rows}) for k in kinds):
+        n, d = by.get((seq, kind), {}), by.get((seq, "dense"), {})
         if "toks_per_s" not in n or "toks_per_s" not in d:
-            lines.append(f"{seq:>6}  {n.get('error', '')} {d.get('error', '')}")
+            lines.append(f"{seq:>6}  {kind:<14} {n.get('error', '')} {d.get('error', '')}")
             continue
         mem = (f"{n['peak_mem_gib']:.1f}/{d['peak_mem_gib']:.1f}" if n.get("peak_mem_gib") is not None else "n/a")
-        lines.append(f"{seq:>6} {n['toks_per_s']:>11.0f} {d['toks_per_s']:>12.0f} {n['toks_per_s'] / d['toks_per_s']:>9.2f}x"
+        lines.append(f"{seq:>6}  {kind:<14}{n['toks_per_s']:>11.0f} {d['toks_per_s']:>12.0f} {n['toks_per_s'] / d['toks_per_s']:>9.2f}x"
                      f"   {n['step_ms_p50']:>8.1f}/{d['step_ms_p50']:<8.1f}   {mem:>14}      "
                      f"{n['mean_loss']:.3f}/{d['mean_loss']:.3f}       {n['step_mode']}/{d['step_mode']}")
     return "\n".join(lines)
@@ -250,6 +255,9 @@ def main() -> int:
     ap.add_argument("--vs-dense", type=int, nargs="+", metavar="SEQ", default=None,
                     help="bare loop only: NSA vs the dense twin (model.attention=dense) at these sequence lengths, "
                          "same data and steps; a table of tokens/s, step time, peak memory and loss with NSA/dense")
+    ap.add_argument("--nsa-flash", nargs="+", default=["preset"], metavar="BRANCHES",
+                    choices=["preset", "off", "win", "cmp", "win+cmp"],
+                    help="--vs-dense: one NSA run per nsa.flash_branches value (branches on flash-attn)")
     common.result_args(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     a = ap.parse_args()
@@ -260,7 +268,7 @@ def main() -> int:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.vs_dense:
-        rows = run_vs_dense(cfg, a.vs_dense, steps, warmup)
+        rows = run_vs_dense(cfg, a.vs_dense, steps, warmup, tuple(a.nsa_flash))
         print(_vs_dense_table(rows))
         common.write_result({"profile": os.path.relpath(profile, ROOT), "overrides": a.overrides, "steps": steps,
                              "warmup": warmup, "config": cfg.to_dict(), "rows": rows}, "train_vs_dense", a)

@@ -85,7 +85,7 @@ run_vs_dense() {
   local seqs=${*:-2048 8192 32768 65536}
   python3 pipelines/prepare_data.py --out data/fineweb_local --overwrite >/dev/null || exit 1
   timeout "$T_BENCH" python3 bench/bench_train.py --skip-ray --steps "${STEPS:-10}" --warmup "${WARMUP:-4}" \
-    --vs-dense $seqs --out "$OUT" data.path=data/fineweb_local logging.mlflow=false 2>&1 \
+    --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/fineweb_local logging.mlflow=false 2>&1 \
     | tee "$OUT/vs_dense.log" | grep -vE "Warning|warn" | tail -16
 }
 

@@ -93,6 +93,8 @@ class NSAConfig:
     w: int = 512         # sliding window
     backend: str = "auto"          # auto | torch | triton | reference
     allow_flash_attn: bool = True  # false: the kernel policy never imports or uses flash-attn (nsa/ops/flash.py)
+    # NSA branches on flash-attn: preset (the device's tuning.flash, set by measurement) | off | win | cmp | win+cmp
+    flash_branches: str = "preset"
 
     def __post_init__(self) -> None:
         _positive("nsa", self, ("l", "d", "l_sel", "n_sel", "w"))
@@ -102,6 +104,7 @@ class NSAConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         _one_of("nsa.backend", self.backend, ("auto", "torch", "triton", "reference"))
+        _one_of("nsa.flash_branches", self.flash_branches, ("preset", "off", "win", "cmp", "win+cmp"))
 
 
 @dataclass

@@ -387,3 +387,23 @@ def test_dense_blocks_compile_without_graph_breaks():
     dynamo_utils.counters.clear()
     torch.testing.assert_close(model(ids), ref, rtol=1e-6, atol=1e-6)
     assert dict(dynamo_utils.counters["graph_break"]) == {}
+
+
+def test_flash_branches_field_reaches_the_op(monkeypatch):
+    """nsa.flash_branches: validated in the config (one line naming the field), parsed into the
+    tuning's FlashBranchTuning, and handed by every NSA layer to the op with allow_flash."""
+    import nsa.ops as nsa_ops
+    with pytest.raises(ConfigError, match="nsa.flash_branches"):
+        resolve_config(overrides=["nsa.flash_branches=all"], env={})
+    assert FlashBranchTuning.parse("preset") is None and FlashBranchTuning.parse("off") == FlashBranchTuning()
+    assert FlashBranchTuning.parse("win+cmp") == FlashBranchTuning(win="auto", cmp="auto")
+    for bad in ("", "win+win", "slc"):
+        with pytest.raises(ValueError, match="choose preset, off, win, cmp or win\\+cmp"):
+            FlashBranchTuning.parse(bad)
+    cfg, _ = resolve_config(overrides=["nsa.flash_branches=win", "nsa.allow_flash_attn=false"], env={})
+    model = TinyLM.from_config(cfg.model, cfg.nsa)
+    seen = []
+    real = nsa_ops.nsa_attention
+    monkeypatch.setattr(nsa_ops, "nsa_attention", lambda *a, **k: seen.append(k) or real(*a, **k))
+    model(torch.randint(0, cfg.model.vocab, (1, 40)))
+    assert seen and all(k["flash_branches"] == "win" and k["allow_flash"] is False for k in seen)

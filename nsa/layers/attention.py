@@ -24,6 +24,7 @@ from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
 from nsa.layers.rope import apply_rope
 from nsa.ops.common import check_block_geometry
+from nsa.ops.tuning import FlashBranchTuning
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -85,7 +86,7 @@ class NSAAttention(nn.Module):
                  d: int, l_sel: int, n_sel: int, w: int, compression: str = "mlp",
                  rope_base: float = 10000.0, backend: str = "auto",
                  gate_hidden: int | None = None, compression_hidden: int | None = None,
-                 allow_flash: bool = True) -> None:
+                 allow_flash: bool = True, flash_branches: str = "preset") -> None:
         super().__init__()
         validate_nsa_args(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w, compression)
         if rope_base <= 0:
@@ -95,6 +96,8 @@ class NSAAttention(nn.Module):
         self.l, self.d, self.l_sel, self.n_sel, self.w = l, d, l_sel, n_sel, w
         self.rope_base, self.backend, self.compression = float(rope_base), backend, compression
         self.allow_flash = bool(allow_flash)   # false: no branch on flash-attn (nsa.allow_flash_attn)
+        FlashBranchTuning.parse(flash_branches)   # fail at build, not at the first step
+        self.flash_branches = flash_branches     # which branches may run on flash-attn (nsa.flash_branches)
         HQ, H = n_heads, n_kv_groups
         self._split = (HQ * d_k, 3 * H * d_k, 3 * H * d_v)
         self.qkv_proj = nn.Linear(dim, sum(self._split), bias=False)
@@ -153,7 +156,7 @@ class NSAAttention(nn.Module):
     def _op_kwargs(self, decode: bool = False) -> dict:
         kw = dict(l=self.l, d=self.d, l_sel=self.l_sel, n_sel=self.n_sel, w=self.w, backend=self.backend)
         if not decode:   # decode runs the own kernels only (no flash-attn branch)
-            kw["allow_flash"] = self.allow_flash
+            kw.update(allow_flash=self.allow_flash, flash_branches=self.flash_branches)
         return kw
 
     def _output(self, o: torch.Tensor, gates: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ class LlamaBlockNSA(nn.Module):
                  d_v: int = 64, l: int = 32, d: int = 16, l_sel: int = 64, n_sel: int = 4,
                  w: int = 128, ffn_mult: float = 8.0 / 3.0, backend: str = "auto",
                  compression: str = "mlp", rope_base: float = 10000.0,
-                 norm_eps: float = 1e-6, attention: str = "nsa", allow_flash_attn: bool = True) -> None:
+                 norm_eps: float = 1e-6, attention: str = "nsa", allow_flash_attn: bool = True,
+                 flash_branches: str = "preset") -> None:
         super().__init__()
         if ffn_mult <= 0:
             raise ValueError(f"ffn_mult={ffn_mult}: must be > 0")
@@ -62,7 +63,7 @@ class LlamaBlockNSA(nn.Module):
         else:
             self.attn = NSAAttention(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
                                      compression=compression, rope_base=rope_base, backend=backend,
-                                     allow_flash=allow_flash_attn)
+                                     allow_flash=allow_flash_attn, flash_branches=flash_branches)
         self.mlp_norm = RMSNorm(dim, norm_eps)
         self.mlp = SwiGLU(dim, swiglu_hidden(dim, ffn_mult))
 

@@ -27,7 +27,7 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
                   scale: float | None = None, backend: str | KernelPolicy = "auto",
                   tile: int | None = None, recompute: bool | None = None,
                   tuning: KernelTuning | None = None,
-                  allow_flash: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  allow_flash: bool = True, flash_branches: str = "preset") -> tuple[torch.Tensor, torch.Tensor]:
     """Native Sparse Attention over a full sequence (NSA_SPEC.md).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
@@ -41,7 +41,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     in T). recompute=False keeps every tile's logits (quadratic in T) for ~1.5-2x less op time;
     use it when the caller already checkpoints the layer. `tuning`: the kernels' launch parameters
     (nsa/ops/tuning.py; None: the policy's, i.e. the preset of this device). allow_flash=False
-    (nsa.allow_flash_attn=false) keeps every branch off flash-attn whatever tuning.flash says.
+    (nsa.allow_flash_attn=false) keeps every branch off flash-attn whatever tuning.flash says;
+    flash_branches (nsa.flash_branches) replaces tuning.flash: "preset" (keep), "off", "win", "cmp", "win+cmp".
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
@@ -59,6 +60,8 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
         count_fallback(policy.fallback)
     used = policy.backend
     tuning = tuning or policy.tuning
+    if flash_branches != "preset":
+        tuning = tuning.replace(flash=FlashBranchTuning.parse(flash_branches))
     if not allow_flash and (tuning.flash.win != "off" or tuning.flash.cmp != "off"):
         tuning = tuning.replace(flash=FlashBranchTuning())
     kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)

@@ -175,6 +175,17 @@ class FlashBranchTuning:
     cmp: str = "off"
     min_t: int = 0
 
+    @classmethod
+    def parse(cls, spec: str) -> "FlashBranchTuning | None":
+        """nsa.flash_branches: "preset" -> None (the device preset's), "off", or "+"-joined branches
+        ("win", "cmp", "win+cmp") in mode auto from T = 0."""
+        if spec == "preset":
+            return None
+        parts = [] if spec == "off" else spec.split("+")
+        if not parts and spec != "off" or any(p not in ("win", "cmp") for p in parts) or len(set(parts)) < len(parts):
+            raise ValueError(f"flash_branches={spec!r}: choose preset, off, win, cmp or win+cmp")
+        return cls(**{p: "auto" for p in parts})
+
     def __post_init__(self) -> None:
         for f in ("win", "cmp"):
             if getattr(self, f) not in FLASH_BRANCH_MODES:

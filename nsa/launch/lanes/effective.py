@@ -21,7 +21,8 @@ NO_EFFECT = "<no effect>"
 GPU_ONLY = ("runtime.tf32", "runtime.cuda_graph", "runtime.cuda_graph_warmup", "runtime.gpus_per_worker")
 SCALER = ("runtime.scaler_init_scale", "runtime.scaler_growth_interval", "runtime.scaler_growth_factor",
           "runtime.scaler_backoff_factor")
-NSA_LAYER = ("nsa.l", "nsa.d", "nsa.l_sel", "nsa.n_sel", "nsa.w", "nsa.backend", "model.compression")
+NSA_LAYER = ("nsa.l", "nsa.d", "nsa.l_sel", "nsa.n_sel", "nsa.w", "nsa.backend", "nsa.flash_branches",
+             "model.compression")
 
 
 def flash_installed() -> Optional[str]:
@@ -34,6 +35,13 @@ def gpu_flash_branches() -> bool:
     """Whether a GPU preset (nsa.ops.tuning) runs an NSA branch on flash-attn (tuning.flash not off)."""
     from nsa.ops.tuning import AMPERE, HOPPER
     return any(t.flash.win != "off" or t.flash.cmp != "off" for t in (HOPPER, AMPERE))
+
+
+def preset_flash_branches() -> str:
+    """The Hopper preset's tuning.flash as an nsa.flash_branches value (off, win, cmp, win+cmp)."""
+    from nsa.ops.tuning import HOPPER
+    on = [b for b in ("win", "cmp") if getattr(HOPPER.flash, b) != "off"]
+    return "+".join(on) or "off"
 
 
 def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[str, str]]:
@@ -51,6 +59,7 @@ def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[s
         for k in GPU_ONLY:
             set_(k, NO_EFFECT, "only used on GPUs")
         set_("nsa.allow_flash_attn", NO_EFFECT, "flash-attn needs CUDA")
+        set_("nsa.flash_branches", NO_EFFECT, "flash-attn needs CUDA")
     if cfg.runtime.precision != "fp16":
         for k in SCALER:
             set_(k, NO_EFFECT, "GradScaler runs in fp16 only")
@@ -65,7 +74,11 @@ def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[s
             # "auto" on CUDA is triton when its kernels load on the workers: assumed, as the policy would
             set_("nsa.backend", "triton" if gpu else "torch",
                  "auto is triton on CUDA" if gpu else f"{backend} resolves to torch without CUDA")
-        if not gpu_flash_branches():
+        if gpu and not cfg.nsa.allow_flash_attn:
+            set_("nsa.flash_branches", NO_EFFECT, "nsa.allow_flash_attn=false")
+        elif gpu and cfg.nsa.flash_branches == "preset":
+            set_("nsa.flash_branches", preset_flash_branches(), "the GPU preset's tuning.flash")
+        if not gpu_flash_branches() and cfg.nsa.flash_branches in ("preset", "off"):
             set_("nsa.allow_flash_attn", NO_EFFECT,
                  "the GPU presets run no NSA branch on flash-attn (nsa.ops.tuning FlashBranchTuning)")
         elif gpu and cfg.nsa.allow_flash_attn and flash_installed() is None:
