@@ -272,8 +272,11 @@ class KernelTuning:
         return dataclasses.replace(self, **fields)
 
 
-# sm_90 (H100 / H200): the measured defaults.
-HOPPER = KernelTuning("hopper")
+# sm_90 (H100 / H200): the measured defaults. Window and compressed branches on FlashAttention-4 from
+# 8k where installed: the 125M model's CUDA-graph training step gained 2.8% / 2.7% / 3.3% tokens/s at
+# 8k / 32k / 64k (H100, bench/RESULTS.md table 0b); eager op calls at 8k-16k are slower on FA4's host
+# path (table 1c), which the graphed step does not pay.
+HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;
