@@ -89,20 +89,28 @@ def test_dense_cmp_policy():
     never under torch.use_deterministic_algorithms."""
     from nsa.ops.triton import cmp_dense
     from nsa.ops.triton import function as tfn
+    from nsa.ops import flash
     min_t = tuning_for("cuda").cmp_dense.min_t
     assert tuning_for("cuda").cmp_dense.mode == "auto"
     if cmp_dense.probe("cuda:0", torch.bfloat16, 64, 64)[0] is None:
         pytest.skip("no dense backend here")
     mk = lambda T: torch.zeros(1, T, 4, 64, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     kc = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    assert tfn.cmp_dense_backend(mk(min_t), kc, kc) in cmp_dense.BACKENDS
-    assert tfn.cmp_dense_backend(mk(min_t - 1), kc, kc) is None
-    assert tfn.cmp_dense_backend(mk(min_t).float(), kc.float(), kc.float()) is None
+    sdpa = dict(cfg=None, flash=FlashBranchTuning())   # the SDPA rule alone (no branch on flash-attn)
+    assert tfn.cmp_dense_backend(mk(min_t), kc, kc, **sdpa) in cmp_dense.BACKENDS
+    assert tfn.cmp_dense_backend(mk(min_t - 1), kc, kc, **sdpa) is None
+    assert tfn.cmp_dense_backend(mk(min_t).float(), kc.float(), kc.float(), **sdpa) is None
     with torch.no_grad():   # the same choice as with autograd: the same blocks either way
-        assert tfn.cmp_dense_backend(mk(min_t), kc, kc) in cmp_dense.BACKENDS
+        assert tfn.cmp_dense_backend(mk(min_t), kc, kc, **sdpa) in cmp_dense.BACKENDS
+    # the preset's tuning.flash: FA4 from its min_t when the dense choice here is flash-attn
+    fl = tuning_for("cuda").flash
+    fa = flash.choose_dense_backend("cuda:0", torch.bfloat16, 64, True)[0]
+    if fl.cmp != "off" and fa in flash.FLASH_BACKENDS:
+        assert tfn.cmp_dense_backend(mk(max(fl.min_t, min_t)), kc, kc) == fa
     torch.use_deterministic_algorithms(True)
     try:
         assert tfn.cmp_dense_backend(mk(min_t), kc, kc) is None
+        assert tfn.cmp_dense_backend(mk(max(fl.min_t, min_t)), kc, kc) is None
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -136,9 +144,10 @@ def _check_vs_fp32_torch(T, HQ, H, dk, dv, tuning=None):
 
 
 def test_backward_is_deterministic():
-    """Our kernels (the dense compressed branch is cuDNN's, whose backward need not repeat bitwise;
-    it is off under torch.use_deterministic_algorithms, see test_dense_cmp_policy)."""
-    off = with_cmp_dense("off")
+    """Our kernels (the dense compressed branch is cuDNN's and the flash-attn branches FA4's, whose
+    backwards need not repeat bitwise; both are off under torch.use_deterministic_algorithms, see
+    test_dense_cmp_policy)."""
+    off = with_cmp_dense("off").replace(flash=FlashBranchTuning())
     x = inputs(1, 8192, 16, 2, 128, 128, seed=1)
     do = torch.randn(1, 8192, 16, 128, device="cuda").bfloat16()
     o1, bi1, g1 = run(x, "triton", torch.bfloat16, do, off)
