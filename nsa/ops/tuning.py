@@ -102,6 +102,10 @@ class TileTuning:
     # token walk's MMA work for the same q/dO traffic (K/V are loaded once per program either way).
     # H100, 8k, HQ=64, H=4, d=128: token 2.2 ms, tile (64 rows per step) 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
     dkdv_by: str = "token"
+    # m > 1: per call, the tile kernels only when the tiles' mean union fraction (measured on the
+    # device from the block indices: no host sync) is <= auto_union, else the per-token kernels (both
+    # launched, the other one's programs return at once: nsa/ops/triton/guard.py); 0 = always tiles
+    auto_union: float = 0.0
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -109,6 +113,9 @@ class TileTuning:
     def __post_init__(self) -> None:
         if not 1 <= self.m <= TILE_MAX_M:
             raise ValueError(f"TileTuning.m must be in 1..{TILE_MAX_M} (1: per-token kernels), got {self.m}")
+        if not 0.0 <= self.auto_union <= 1.0:
+            raise ValueError(f"TileTuning.auto_union must be in [0, 1] (0: always the tile kernels), "
+                             f"got {self.auto_union}")
         if self.dkdv_by not in ("token", "tile"):
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
 

@@ -26,8 +26,9 @@ from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
-from .select import slc_bwd, slc_fwd
-from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_unions
+from .guard import pair
+from .select import dq_buffer, slc_bwd, slc_dkdv, slc_dq, slc_fwd
+from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
 
 
 @triton.jit
@@ -122,7 +123,18 @@ class NSATritonFunction(torch.autograd.Function):
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tuning.scores)
         m = tuning.tile.m
-        if m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
+        if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
+            union = tile_unions(block_idx, m)
+            flag = tile_choice(union, m, n_sel, tuning.tile.auto_union)
+            on_tile, on_token = pair(flag)
+            B, T, HQ = q.shape[:3]
+            out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
+            slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select, out=out,
+                    guard=on_token)
+            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m, union=union,
+                                          tuning=tuning.tile, out=out, guard=on_tile)
+            union = (*union, flag)
+        elif m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
             union = tile_unions(block_idx, m)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
                                           union=union, tuning=tuning.tile)
@@ -157,7 +169,17 @@ class NSATritonFunction(torch.autograd.Function):
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype
         slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
                       dq_dtype=q.dtype if ctx.ext_win else torch.float32)
-        if union:
+        if len(union) == 4:   # the device's per-call choice (forward): the same one for dq
+            on_tile, on_token = pair(union[3])
+            bw = (q, k_slc, v_slc)
+            args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
+            kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
+            buf = dq_buffer(q, dq, slc_kw["dq_dtype"])
+            slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
+            dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=tuning.tile.m, **kw, tuning=tuning.tile, dq_out=buf,
+                         guard=on_tile)
+            dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning.select)
+        elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)

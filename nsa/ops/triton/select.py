@@ -32,6 +32,7 @@ from ..common import FORCED_STEP, LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import online_softmax_step
+from .guard import Guard, skip_program
 from .scores import SCORE_GRID
 
 
@@ -180,11 +181,14 @@ def _load_group(X, b, t64, hq, row_ok, offs, sxb, sxt, sxh, D: tl.constexpr):
 
 
 @triton.jit
-def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+def _slc_fwd_kernel(Q, K, V, BI, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                     sob, sot, soh, sbb, sbt, sbh, T, H, scale_log2,
                     G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    BS: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+    if GUARD != 0:   # per-call kernel choice made on the device (guarded_launch): the other one runs
+        if skip_program(FLAG, GUARD):
+            return
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -240,13 +244,16 @@ def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
 
 
 @triton.jit
-def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
+def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt, sbb, sbt, sbh,
                        T, H, scale_log2, scale,
                        G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                       DOT_PREC: tl.constexpr):
+                       DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -405,21 +412,25 @@ def _slc_meta(q: torch.Tensor, G: int, dk: int, dv: int, l_sel: int) -> dict:
 
 
 def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
-            l_sel: int, scale: float, tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            l_sel: int, scale: float, tuning: SelectTuning | None = None,
+            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+            guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
-    tuning: launch parameters (None: the preset of q's device)."""
+    tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous);
+    guard: run only where the device flag says so (a per-call choice, see Guard)."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
-    o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
+                                          torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
+    flag, mode = guard if guard is not None else (lse, 0)
     _slc_fwd_kernel[(T, B * H)](
-        q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, block_idx, o, lse, flag, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.fwd_keys), num_stages=tn.fwd_stages,
-        num_warps=tn.fwd_warps, **meta)
+        num_warps=tn.fwd_warps, GUARD=mode, **meta)
     return o, lse
 
 
@@ -456,31 +467,55 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int):
                 n_slots=n_slots, w_max=w_max, nseg=nseg, nsb=nsb)
 
 
-def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
-            chunk: int = 1024, dq_in: torch.Tensor | None = None,
-            dq_dtype: torch.dtype | None = None,
-            tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
+def _bwd_args(q, k, v, do, lse, delta, gate):
+    """(gate argument, lse, delta contiguous, stride tuple) shared by the selection backward kernels."""
+    has_gate = gate is not None
+    sgt = gate.stride(2) if has_gate else 1
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
+    return (gate if has_gate else lse), lse.contiguous(), delta.contiguous(), strides
+
+
+def dq_buffer(q: torch.Tensor, dq_in: torch.Tensor | None, dq_dtype: torch.dtype | None) -> torch.Tensor:
+    """Where a dq kernel writes: dq_in itself when accumulating in fp32 (each element is read and
+    written by the same program), else a new [B,T,HQ,dk] tensor of dq_dtype (default q's)."""
+    dq_dtype = dq_dtype or q.dtype
+    return dq_in if dq_in is not None and dq_dtype == torch.float32 else \
+        torch.empty(q.shape, device=q.device, dtype=dq_dtype)
+
+
+def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
+           lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
+           dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
+           tuning: SelectTuning | None = None, dq_out: torch.Tensor | None = None,
+           guard: Guard | None = None) -> torch.Tensor:
+    """dq of slc_fwd (plus dq_in), per (token, kv head) program; dq_out: the buffer to write
+    (dq_buffer's), guard: a per-call device choice (guard.py)."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
-    meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
-    has_gate = gate is not None
-    g_arg = gate if has_gate else lse
-    sgt = gate.stride(2) if has_gate else 1
-    lse, delta = lse.contiguous(), delta.contiguous()
-    dq_dtype = dq_dtype or q.dtype
-    # in place when accumulating in fp32: each element is read and written by the same program
-    dq = dq_in if dq_in is not None and dq_dtype == torch.float32 else \
-        torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
+    g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
+    dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
+    flag, mode = guard if guard is not None else (lse, 0)
     _slc_bwd_dq_kernel[(T, B * H)](
-        q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
+        q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, flag, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
-        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.dq_keys), HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
-        num_stages=tn.dq_stages, num_warps=tn.dq_warps, **meta)
+        NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.dq_keys), HAS_GATE=gate is not None,
+        ACC_DQ=dq_in is not None, num_stages=tn.dq_stages, num_warps=tn.dq_warps, GUARD=mode,
+        **_slc_meta(q, HQ // H, dk, dv, l_sel))
+    return dq
+
+
+def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
+             chunk: int = 1024, tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
+    <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics)."""
+    tn = tuning or tuning_for(q.device).select
+    B, T, HQ, dk = q.shape
+    H, dv = k.shape[2], v.shape[3]
+    meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
+    g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
@@ -490,10 +525,21 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_bwd_dkdv_kernel[(inv["w_max"],)](
         q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
         dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-        CH=chunk, BS=bs, HAS_GATE=has_gate, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-        GP=next_pow2(HQ // H),
-        ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)), **{k: v for k, v in meta.items() if k != "GR"})
+        CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
+        GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)),
+        **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
                                        num_warps=8)
-    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    return dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
+            chunk: int = 1024, dq_in: torch.Tensor | None = None,
+            dq_dtype: torch.dtype | None = None,
+            tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
+    kw = dict(l_sel=l_sel, scale=scale, tuning=tuning)
+    dq = slc_dq(q, k, v, block_idx, do, lse, delta, gate, dq_in=dq_in, dq_dtype=dq_dtype, **kw)
+    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, **kw))

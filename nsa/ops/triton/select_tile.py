@@ -36,7 +36,8 @@ from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning, tuning_fo
 from ._utils import dot_precision, next_pow2
 from .attn import attn_fwd, online_softmax_step
 from .scores import select_blocks
-from .select import _slc_bwd_dkdv_kernel, _slc_reduce_kernel, invert_selection, slc_bwd, slc_fwd
+from .guard import Guard, skip_program
+from .select import _bwd_args, _slc_reduce_kernel, dq_buffer, slc_bwd, slc_dkdv, slc_fwd
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -181,6 +182,14 @@ def tile_union_fraction(block_idx: torch.Tensor, m: int) -> torch.Tensor:
     return sizes.sum(dtype=torch.float32) / float(max(1, sizes.numel() * m * block_idx.shape[3]))
 
 
+def tile_choice(un: TileUnion, m: int, n_sel: int, max_union: float) -> torch.Tensor:
+    """int32 [1] device flag: 1 when the tiles' mean union fraction (sum of union sizes over
+    n_tiles * m * n_sel) is <= max_union, i.e. the tile kernels should run, else 0. No host sync."""
+    size = un.size
+    budget = max_union * float(max(1, size.numel() * m * n_sel))
+    return (size.sum(dtype=torch.float32) <= budget).to(torch.int32).reshape(1)
+
+
 # ----------------------------------------------------------------------------------------------
 # kernels
 
@@ -201,11 +210,14 @@ def _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_d,
 
 
 @triton.jit
-def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      sob, sot, soh, T, H, NT, scale_log2,
                      G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                      LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr):
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+    if GUARD != 0:   # per-call choice against the per-token kernel, made on the device (guard.py)
+        if skip_program(FLAG, GUARD):
+            return
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -245,13 +257,16 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, sqb, sqt, sqh, skb, skt, s
 
 
 @triton.jit
-def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN,
+def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                         T, H, NT, scale_log2, scale,
                         G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                         LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                        DOT_PREC: tl.constexpr):
+                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -409,25 +424,27 @@ def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnio
 
 def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
                  l_sel: int, scale: float, m: int, union: TileUnion | None = None,
-                 tuning: TileTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 tuning: TileTuning | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """As select.slc_fwd (q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o, lse fp32
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
     when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
-    preset of q's device; its m is not read, m is the argument)."""
+    preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's."""
     tn = tuning or tuning_for(q.device).tile
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H
     un = _union(block_idx, m, union)
     nt = un.size.shape[2]
-    o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
+    o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
+                                          torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
+    flag, mode = guard if guard is not None else (lse, 0)
     _tile_fwd_kernel[(nt, B * H)](
-        q, k, v, un.blocks, un.bits, un.size, o, lse, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows,
+        o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows, GUARD=mode,
         **_launch(tn, tn.fwd, rows, l_sel, meta["BDK"]), **meta)
     return o, lse
 
@@ -459,6 +476,29 @@ def invert_tiles(un: TileUnion, T: int, l_sel: int, chunk: int) -> dict:
                 n_slots=max(1, (n_pairs + chunk - 1) // chunk), w_max=w_max, nseg=nseg, nsb=nsb)
 
 
+def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+            delta: torch.Tensor, gate: torch.Tensor | None, un: TileUnion, *, l_sel: int, scale: float, m: int,
+            dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
+            tuning: TileTuning | None = None, dq_out: torch.Tensor | None = None,
+            guard: Guard | None = None) -> torch.Tensor:
+    """dq of slc_fwd_tile (plus dq_in) on query tiles of m tokens walking the union `un`; dq_out /
+    guard as select.slc_dq's."""
+    tn = tuning or tuning_for(q.device).tile
+    B, T, HQ, dk = q.shape
+    H, dv = k.shape[2], v.shape[3]
+    meta = _meta(q, HQ // H, m, dk, dv, l_sel, un)
+    nt = un.size.shape[2]
+    g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
+    dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
+    rows = max(16, next_pow2(m * HQ // H))
+    flag, mode = guard if guard is not None else (lse, 0)
+    _tile_bwd_dq_kernel[(nt, B * H)](
+        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, dq, dq if dq_in is None else dq_in, flag,
+        *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows, HAS_GATE=gate is not None, ACC_DQ=dq_in is not None,
+        GUARD=mode, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
+    return dq
+
+
 def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
                  lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
                  m: int, chunk: int = 1024, dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
@@ -471,50 +511,30 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     dkdv_by="token" walk); None: the preset of q's device."""
     preset = tuning_for(q.device)
     tn = tuning or preset.tile
-    sn = select or preset.select
+    un = _union(block_idx, m, union)
+    dq = tile_dq(q, k, v, do, lse, delta, gate, un, l_sel=l_sel, scale=scale, m=m, dq_in=dq_in,
+                 dq_dtype=dq_dtype, tuning=tn)
+    if tn.dkdv_by == "token":
+        return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
+                              tuning=select or preset.select))
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H
-    un = _union(block_idx, m, union)
     nt = un.size.shape[2]
     meta = _meta(q, G, m, dk, dv, l_sel, un)
-    has_gate = gate is not None
-    g_arg = gate if has_gate else lse
-    sgt = gate.stride(2) if has_gate else 1
-    lse, delta = lse.contiguous(), delta.contiguous()
-    dq_dtype = dq_dtype or q.dtype
-    dq = dq_in if dq_in is not None and dq_dtype == torch.float32 else \
-        torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), sgt)
-    rows = max(16, next_pow2(m * G))
-    _tile_bwd_dq_kernel[(nt, B * H)](
-        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, dq, dq if dq_in is None else dq_in,
-        *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows, HAS_GATE=has_gate, ACC_DQ=dq_in is not None,
-        **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
+    g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
     bs = max(16, next_pow2(l_sel))
-    if tn.dkdv_by == "token":
-        inv = invert_selection(block_idx, l_sel, chunk)
-        xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
-        xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
-        meta_tok = {key: val for key, val in meta.items() if key not in ("M", "UW")}
-        _slc_bwd_dkdv_kernel[(inv["w_max"],)](
-            q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
-            dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
-            CH=chunk, BS=bs, HAS_GATE=has_gate, GP=next_pow2(G), ROWS=max(sn.dkdv_rows, next_pow2(G)),
-            num_warps=sn.dkdv_warps, num_stages=sn.dkdv_stages, **meta_tok)
-    else:
-        inv = invert_tiles(un, T, l_sel, max(1, chunk // m))
-        xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
-        xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
-        qb = max(1, tn.dkdv_rows // (m * G))                               # whole tiles per step
-        _tile_bwd_dkdv_kernel[(inv["w_max"],)](
-            q, k, v, do, lse, delta, g_arg, inv["src"], un.bits, inv["segoff"], inv["wseg"], inv["wchunk"],
-            inv["xoff"], dk32, dv32, xdk, xdv, *strides, T, H, nt, inv["nsb"], inv["nseg"], scale * LOG2E,
-            scale, QB=qb, ROWS=max(16, next_pow2(qb * m * G)), CH=max(1, chunk // m), BS=bs,
-            HAS_GATE=has_gate, num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta)
+    inv = invert_tiles(un, T, l_sel, max(1, chunk // m))
+    xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
+    xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
+    qb = max(1, tn.dkdv_rows // (m * G))                                   # whole tiles per step
+    _tile_bwd_dkdv_kernel[(inv["w_max"],)](
+        q, k, v, do, lse, delta, g_arg, inv["src"], un.bits, inv["segoff"], inv["wseg"], inv["wchunk"],
+        inv["xoff"], dk32, dv32, xdk, xdv, *strides, T, H, nt, inv["nsb"], inv["nseg"], scale * LOG2E,
+        scale, QB=qb, ROWS=max(16, next_pow2(qb * m * G)), CH=max(1, chunk // m), BS=bs,
+        HAS_GATE=gate is not None, num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta)
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
                                        num_warps=8)
