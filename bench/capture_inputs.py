@@ -175,6 +175,15 @@ def run_captures(model: torch.nn.Module, cfg, ids: torch.Tensor, Ts: list[int], 
     return res
 
 
+def write_meta(out: Path, recipe: dict[str, Any], cfg, Ts: list[int], layers: list[int], res: dict[str, Any]) -> None:
+    """out/meta.json: how the model was made, the text, and every capture (what bench_attention reads)."""
+    meta = {**common.metadata(), "recipe": {k: v for k, v in recipe.items() if k != "config"},
+            "model_config": recipe.get("config"), "text": {"source": "val split", "data_path": str(cfg.data.path),
+                                                           "tokenizer": cfg.data.tokenizer, "tokens": max(Ts)},
+            "T": Ts, "layers": layers, "captures": res["captures"], "locality": res["locality"]}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+
+
 def print_tables(loc: dict[int, Any], layers: list[int]) -> None:
     rows = {}
     for T, t in loc.items():
@@ -221,11 +230,7 @@ def main() -> int:
     layers = a.layers if a.layers is not None else sorted({0, n // 2 - 1 if n > 2 else n // 2, n - 1})
     ids = long_text(cfg, max(Ts))
     res = run_captures(model, cfg, ids, Ts, layers, out)
-    meta = {**common.metadata(), "recipe": {k: v for k, v in recipe.items() if k != "config"},
-            "model_config": recipe.get("config"), "text": {"source": "val split", "data_path": str(cfg.data.path),
-                                                           "tokenizer": cfg.data.tokenizer, "tokens": max(Ts)},
-            "T": Ts, "layers": layers, "captures": res["captures"], "locality": res["locality"]}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    write_meta(out, recipe, cfg, Ts, layers, res)
     print_tables(res["locality"], layers)
     print(f"wrote {len(res['captures'])} captures and meta.json to {out}", flush=True)
     if a.copy_to:

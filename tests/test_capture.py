@@ -61,6 +61,7 @@ def captured(tiny_data, tmp_path_factory):
     res = cap.run_captures(model, cfg, ids, [128, 96], [0, 1], out)
     for h in hooks:
         h.remove()
+    cap.write_meta(out, recipe, cfg, [128, 96], [0, 1], res)
     return common, cap, model, recipe, res, out, ys, ids
 
 
@@ -121,3 +122,25 @@ def test_meta_json_written_by_the_script(tiny_data, tmp_path, monkeypatch):
     assert cap.main() == 0
     again = json.loads((tmp_path / "again" / "meta.json").read_text())
     assert again["recipe"]["loaded_from"] == str(tmp_path / "model") and again["recipe"]["steps"] == 1
+
+
+def test_bench_attention_runs_on_captures(captured, monkeypatch):
+    """bench_attention's captured path end to end on the CPU (timers and the dense bar stubbed: they need
+    CUDA): one row per (capture, tile m), the op's block indices equal the captured ones, locality rows."""
+    common, cap, model, recipe, res, out, ys, ids = captured
+    ba = load_bench("bench_attention")
+    calls = []
+    monkeypatch.setattr(common, "gpu_time", lambda fn, warmup, iters: (calls.append(fn()), 2.0)[1])
+    monkeypatch.setattr(common, "peak_mem_gib", lambda fn: 0.5)
+    monkeypatch.setattr(common, "print_dense_available", lambda: {})
+    dense = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_backend": "d", "fwd_bwd_backend": "d", "fwd_bwd_mem_gib": 0.1}
+    monkeypatch.setattr(common, "time_dense", lambda *a, **k: dense)
+    a = __import__("argparse").Namespace(inputs=f"captured:{out}", T=[128], tile_m=[1, 2], warmup=0, iters=1,
+                                         dense=None, no_peers=True, breakdown=[], sweep=[])
+    r = ba.run_op(a, (1, 64, 4, 128, 128))
+    assert [(x["layer"], x["m"]) for x in r["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(x["block_idx_rows_equal_capture"] == 1.0 and x["speedup_fwd_bwd"] == 1.5 for x in r["rows"])
+    assert r["shape"] == {"B": 1, "HQ": 4, "H": 2, "dk": 32, "dv": 32} and r["hparams"]["l_sel"] == 16
+    assert set(r["locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
+    with pytest.raises(SystemExit, match="no capture at"):
+        ba.run_op(__import__("argparse").Namespace(**{**vars(a), "T": [4096]}), (1, 64, 4, 128, 128))
