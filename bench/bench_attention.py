@@ -227,6 +227,10 @@ def run_captured(a, result: dict) -> dict:
         raise SystemExit(f"--inputs {a.inputs}: no capture at --T {a.T} (captured: "
                          f"{sorted({e['T'] for e in meta['captures']})})")
     result.update(capture_recipe=meta.get("recipe"), captured_locality=meta.get("locality"), dense={})
+    rec = meta.get("recipe") or {}
+    print(f"captured inputs {folder}: model {rec.get('profile', rec.get('loaded_from', '?'))}, {rec.get('steps')} "
+          f"steps at seq {rec.get('seq')}, final loss {rec.get('final_loss')}, trained on {rec.get('device')} "
+          f"{rec.get('date')}; text {meta.get('text')}", flush=True)
     tunings = tile_tunings(a.tile_m)
     rows = []
     for e in entries:

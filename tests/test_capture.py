@@ -1,6 +1,7 @@
 """bench/capture_inputs.py: a tiny trained model's op inputs are captured faithfully (re-running the op on
-them gives the layer's attention output and the same block indices), and bench/common.py's locality
-table gives the exact fractions on hand-made selections."""
+them gives the layer's attention output and the same block indices), bench/common.py's locality table
+gives the exact fractions on hand-made selections, and bench_attention's captured and random paths
+produce their rows (timers stubbed: they need CUDA)."""
 from __future__ import annotations
 
 import json
@@ -144,3 +145,30 @@ def test_bench_attention_runs_on_captures(captured, monkeypatch):
     assert set(r["locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
     with pytest.raises(SystemExit, match="no capture at"):
         ba.run_op(__import__("argparse").Namespace(**{**vars(a), "T": [4096]}), (1, 64, 4, 128, 128))
+
+
+def test_bench_attention_random_inputs_rows_per_tile_m(monkeypatch):
+    """The random-input path keeps its per-T layout (nsa = the first --tile-m) and adds one row per m and
+    the locality of the op's own selection (op on the CPU's torch backend; timers and dense stubbed)."""
+    common = load_bench("common")
+    ba = load_bench("bench_attention")
+
+    def cpu_inputs(B, T, HQ, H, dk, dv):   # common.nsa_inputs' shapes (paper l=32, d=16) on the CPU
+        N = (T - 32) // 16 + 1
+        shapes = [(B, T, HQ, dk), (B, N, H, dk), (B, N, H, dv)] + [(B, T, H, dk), (B, T, H, dv)] * 2
+        return [torch.randn(*s).requires_grad_() for s in shapes] + [torch.rand(B, T, HQ, 3).requires_grad_()]
+
+    monkeypatch.setattr(common, "nsa_inputs", cpu_inputs)
+    monkeypatch.setattr(common, "gpu_time", lambda fn, warmup, iters: (fn(), 2.0)[1])
+    monkeypatch.setattr(common, "peak_mem_gib", lambda fn: 0.5)
+    monkeypatch.setattr(common, "print_dense_available", lambda: {})
+    dense = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_backend": "d", "fwd_bwd_backend": "d", "fwd_bwd_mem_gib": 0.1}
+    monkeypatch.setattr(common, "time_dense", lambda *a, **k: dense)
+    a = __import__("argparse").Namespace(inputs="random", T=[256], tile_m=[2, 1], warmup=0, iters=1, dense=None,
+                                         no_peers=True, breakdown=[], sweep=[])
+    r = ba.run_op(a, (1, 4, 2, 16, 16))
+    assert [x["m"] for x in r["rows"]] == [2, 1] and set(r["T"][256]["nsa_tile_m"]) == {2, 1}
+    assert r["T"][256]["nsa"] is r["T"][256]["nsa_tile_m"][2] and r["T"][256]["speedup_fwd_bwd"] == 1.5
+    loc = r["locality"]["T=256 random"]
+    assert loc[1] == pytest.approx((3 + 4) / 2 / 16)   # tokens 128..255 see 3 or 4 blocks of 64, n_sel=16
+    assert all(0 < v <= loc[1] for v in loc.values())
