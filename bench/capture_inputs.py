@@ -52,10 +52,6 @@ def build_config(profile: str, overrides: list[str], seq: int, steps: int):
     return cfg, full
 
 
-def _device(cfg) -> torch.device:
-    return torch.device("cuda" if cfg.runtime.use_gpu and torch.cuda.is_available() else "cpu")
-
-
 def train_model(cfg, steps: int, profile: str, overrides: list[str]) -> tuple[torch.nn.Module, dict[str, Any]]:
     """Train with bench_train.run_bare; returns (model, recipe: how it was made)."""
     import bench_train
