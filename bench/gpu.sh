@@ -15,8 +15,10 @@
 #   bash bench/gpu.sh capture-model [T ...]      train the production TinyLM (SEQ=65536, STEPS=250; reused from
 #                                                bench/captured/model while the machine is warm unless RETRAIN=1;
 #                                                CAPTURE_LOAD=DIR loads that one), capture layers 0 5 11 at T
-#   bash bench/gpu.sh capture-bench [T ...]      the op on bench/captured against the best dense kernel,
-#                                                selection tiles TILE_M (default "1 2 4 8"), locality table
+#   bash bench/gpu.sh capture-bench [T ...]      the op on bench/captured against the best dense kernel (FA4,
+#                                                FA2, cuDNN, flash SDPA), selection tiles TILE_M (default
+#                                                "1 2 4 8"), locality table; training 250 steps at 64k takes
+#                                                ~4 min, so capture-model and capture-bench fit one call each
 #   bash bench/gpu.sh all                        tests, attention, decode
 #   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
@@ -108,7 +110,7 @@ run_capture_model() {  # trained model + captures in bench/captured (git-ignored
 run_capture_bench() {
   local T=${*:-$CAPTURE_T}
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured --T $T \
-    --tile-m ${TILE_M:-1 2 4 8} --iters 5 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
+    --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
 run_tests() {
