@@ -3,6 +3,7 @@ branch of it against its alternative.
 
     python bench/bench_attention.py [--T 8192 16384 32768 65536] [--breakdown 65536] [--sweep 65536]
     python bench/bench_attention.py --branch window|cmp|select [--T ...]
+    python bench/bench_attention.py --inputs captured:bench/captured --HQ 12 --H 2 --dk 64 --dv 64 --tile-m 1 2 4 8
 
 Paper sizes (l=32, d=16, l_sel=64, n_sel=16, w=512; B=1, HQ=64, H=4, d_k=d_v=128, bf16); times are
 medians of CUDA-event-timed calls after warm-up.
@@ -13,8 +14,12 @@ medians of CUDA-event-timed calls after warm-up.
   efficient / math, FlashAttention-4 and -2 when importable; --dense narrows it); the fastest is "best
   dense". fla-core's parallel_nsa as a peer when importable (--no-peers skips it). --breakdown T: per-
   kernel-stage times; --sweep T: the op under each kernel-tuning variant of sweep_space() (passed as
-  tuning=, nothing patched; --sweep-only PREFIX picks some). --tile-m M: the op with the selection on
-  query tiles of M tokens (KernelTuning.tile.m; default 1 = the per-token kernels), to compare runs.
+  tuning=, nothing patched; --sweep-only PREFIX picks some). --tile-m M [M ...]: the op with the selection
+  on query tiles of M tokens (KernelTuning.tile.m; default 1 = the per-token kernels), one row per M.
+  --inputs captured:DIR: instead of random tensors, the captures of bench/capture_inputs.py (a trained
+  model's op inputs per (T, layer), shapes and hyperparameters from the capture; dense bar at the same
+  shapes). Both inputs print the locality table: the union of m consecutive tokens' selections as a
+  fraction of m x n_sel blocks, second half of the sequence (bench/common.py: locality).
 --branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
   block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
   delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
@@ -23,7 +28,7 @@ medians of CUDA-event-timed calls after warm-up.
 --branch select: the fused scores + top-n kernel under several score tiles against the unfused score
   tensor + top-n kernels, with the share of block_idx rows equal to the unfused path's.
 
-JSON: bench/out/attention[_<branch>]_<stamp>.json; --save copies it to bench/results/.
+JSON: bench/out/attention[_<branch>|_captured]_<stamp>.json; --save copies it to bench/results/.
 """
 from __future__ import annotations
 
@@ -38,16 +43,18 @@ FLASH_VARIANTS = ("off", "win", "cmp", "win+cmp")
 
 
 # ----------------------------------------------------------------------------------------- whole op
-def bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, tuning=None, mem=True):
-    x = common.nsa_inputs(B, T, HQ, H, dk, dv)
-    do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
+def bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, tuning=None, mem=True, x=None, hp=None):
+    """fwd and fwd+bwd ms (and peak GiB) of the op on x (the op's eight inputs; default random ones of
+    these shapes) with hyperparameters hp (default HP)."""
+    x = common.nsa_inputs(B, T, HQ, H, dk, dv) if x is None else x
+    do = torch.randn(B, T, HQ, dv, device=x[0].device, dtype=x[0].dtype)
 
     def fwd():
         with torch.no_grad():
-            return common.nsa_op(x, tuning)
+            return common.nsa_op(x, tuning, hp)
 
     def fwd_bwd():
-        o, _ = common.nsa_op(x, tuning)
+        o, _ = common.nsa_op(x, tuning, hp)
         return torch.autograd.grad(o, x, do)
 
     res = {"fwd_ms": common.gpu_time(fwd, warmup, iters), "fwd_bwd_ms": common.gpu_time(fwd_bwd, warmup, iters)}
@@ -134,21 +141,48 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
     return out
 
 
+def tile_tunings(ms: list[int], auto: float = 0.0) -> dict[int, object]:
+    """{m: KernelTuning} for --tile-m (m=1: the per-token kernels; auto: --tile-auto for m > 1)."""
+    return {m: common.tile_m_variant(common.base_tuning(), m, auto) for m in ms}
+
+
+def op_rows(label, T, per_m: dict, dense: dict) -> list[list]:
+    return [[T, label, m, r["fwd_ms"], dense["fwd_ms"], dense["fwd_ms"] / r["fwd_ms"], r["fwd_bwd_ms"],
+             dense["fwd_bwd_ms"], dense["fwd_bwd_ms"] / r["fwd_bwd_ms"], r.get("fwd_bwd_mem_gib", float("nan")),
+             dense["fwd_bwd_mem_gib"], f"{dense['fwd_backend']} / {dense['fwd_bwd_backend']}"]
+            for m, r in per_m.items()]
+
+
+def dense_bar(a, B, T, HQ, H, dk, dv) -> dict:
+    dense = common.time_dense(B, T, HQ, H, dk, dv, a.warmup, a.iters, only=a.dense)
+    torch.cuda.empty_cache()
+    if "error" in dense:
+        raise SystemExit(f"T={T}: {dense['error']}: {dense['all']}")
+    return dense
+
+
 def run_op(a, dims) -> dict:
     result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
-              "dense_available": common.print_dense_available()}
+              "dense_available": common.print_dense_available(), "inputs": a.inputs, "tile_m": a.tile_m, "tile_auto": a.tile_auto,
+              "rows": [], "locality": {}}
+    if a.inputs.startswith("captured:"):
+        return run_captured(a, result)
     rows, peer_rows = [], []
-    tuning = None if a.tile_m == 1 else common.tile_m_variant(common.base_tuning(), a.tile_m)
-    result["tile_m"] = a.tile_m
+    tunings = tile_tunings(a.tile_m, a.tile_auto)
     for T in a.T:
-        nsa = bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tuning)
+        x = common.nsa_inputs(*dims[:1], T, *dims[1:])
+        with torch.no_grad():
+            result["locality"][f"T={T} random"] = common.locality(common.nsa_op(x)[1])
+        per_m = {m: bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tn, x=x) for m, tn in tunings.items()}
+        nsa = per_m[a.tile_m[0]]
+        del x
         torch.cuda.empty_cache()
-        dense = common.time_dense(dims[0], T, *dims[1:], a.warmup, a.iters, only=a.dense)
-        torch.cuda.empty_cache()
-        if "error" in dense:
-            raise SystemExit(f"T={T}: {dense['error']}: {dense['all']}")
+        dense = dense_bar(a, dims[0], T, *dims[1:])
         rf, rfb = dense["fwd_ms"] / nsa["fwd_ms"], dense["fwd_bwd_ms"] / nsa["fwd_bwd_ms"]
-        result["T"][T] = {"nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb}
+        result["T"][T] = {"nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb,
+                          "nsa_tile_m": per_m}
+        result["rows"] += [{"T": T, "inputs": "random", "m": m, "nsa": r, "speedup_fwd": dense["fwd_ms"] / r["fwd_ms"],
+                            "speedup_fwd_bwd": dense["fwd_bwd_ms"] / r["fwd_bwd_ms"]} for m, r in per_m.items()]
         if not a.no_peers:   # same shapes; ratios to best dense and to ours
             fla = common.time_fla(dims[0], T, *dims[1:], HP["n_sel"], HP["l_sel"], a.warmup, a.iters)
             torch.cuda.empty_cache()
@@ -160,18 +194,15 @@ def run_op(a, dims) -> dict:
                 peer_rows.append([T, fla["fwd_ms"], fla["speedup_fwd"], fla["ours_vs_fla_fwd"], fla["fwd_bwd_ms"],
                                   fla["speedup_fwd_bwd"], fla["ours_vs_fla_fwd_bwd"]])
             result["T"][T]["fla"] = fla
-        rows.append([T, nsa["fwd_ms"], dense["fwd_ms"], rf, nsa["fwd_bwd_ms"], dense["fwd_bwd_ms"], rfb,
-                     nsa["fwd_bwd_mem_gib"], dense["fwd_bwd_mem_gib"],
-                     f"{dense['fwd_backend']} / {dense['fwd_bwd_backend']}"])
-        print(f"T={T}: nsa {nsa} dense fwd {dense['fwd_ms']:.2f} fwd+bwd {dense['fwd_bwd_ms']:.2f}", flush=True)
+        rows += op_rows("random", T, per_m, dense)
+        print(f"T={T}: nsa {per_m} dense fwd {dense['fwd_ms']:.2f} fwd+bwd {dense['fwd_bwd_ms']:.2f}", flush=True)
     for T in a.breakdown:
         result.setdefault("breakdown", {})[T] = bd = breakdown(dims[0], T, *dims[1:], a.warmup, a.iters)
         print(f"breakdown T={T}: " + " ".join(f"{k}={v:.2f}" for k, v in bd.items()), flush=True)
     for T in a.sweep:
         result.setdefault("sweep", {})[T] = sweep(dims[0], T, *dims[1:], 1, 3, a.sweep_only)
-    print(f"\nms; x = best dense / NSA; B,HQ,H,dk,dv={dims}; selection tile m={a.tile_m}")
-    common.print_table(["T", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB", "dense GiB",
-                        "best dense fwd / f+b"], rows)
+    print_op_table(rows, f"B,HQ,H,dk,dv={dims}, random inputs")
+    common.print_locality(result["locality"], "random inputs (the op's own selection)")
     if peer_rows:
         print("\nfla-core parallel_nsa (compression + selection, mean-pooled compression); x dense = dense / fla, "
               "ours x = fla / ours")
@@ -179,6 +210,62 @@ def run_op(a, dims) -> dict:
     elif not a.no_peers:
         first = next(iter(result["T"].values()), {}).get("fla", {})
         print(f"\nfla-core not timed: {first.get('why') or first.get('skipped') or first.get('error')}")
+    return result
+
+
+def print_op_table(rows: list[list], what: str) -> None:
+    print(f"\nms; x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels)")
+    common.print_table(["T", "inputs", "m", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB",
+                        "dense GiB", "best dense fwd / f+b"], rows)
+
+
+def run_captured(a, result: dict) -> dict:
+    """The op on each capture of bench/capture_inputs.py (T in --T) under every --tile-m, against the best
+    dense kernel at the capture's shapes (timed once per T: dense cost does not depend on the values)."""
+    folder = a.inputs.split(":", 1)[1]
+    meta = common.read_captures(folder)
+    entries = [e for e in meta["captures"] if e["T"] in a.T]
+    if not entries:
+        raise SystemExit(f"--inputs {a.inputs}: no capture at --T {a.T} (captured: "
+                         f"{sorted({e['T'] for e in meta['captures']})})")
+    result.update(capture_recipe=meta.get("recipe"), captured_locality=meta.get("locality"), dense={})
+    rec = meta.get("recipe") or {}
+    print(f"captured inputs {folder}: model {rec.get('profile', rec.get('loaded_from', '?'))}, {rec.get('steps')} "
+          f"steps at seq {rec.get('seq')}, final loss {rec.get('final_loss')}, trained on {rec.get('device')} "
+          f"{rec.get('date')}; text {meta.get('text')}", flush=True)
+    tunings = tile_tunings(a.tile_m, a.tile_auto)
+    rows = []
+    for e in entries:
+        T, layer = e["T"], e["layer"]
+        x, bi = common.load_capture(folder, e, device="cuda" if common.has_cuda() else "cpu")
+        B, _, HQ, dk = x[0].shape
+        H, dv = x[4].shape[2], x[4].shape[3]
+        hp = {k: e["op"][k] for k in HP}
+        with torch.no_grad():
+            same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
+        result["locality"][f"T={T} layer {layer}"] = common.locality(bi)
+        per_m = {m: bench_nsa(B, T, HQ, H, dk, dv, a.warmup, a.iters, tn, x=x, hp=hp) for m, tn in tunings.items()}
+        del x, bi
+        torch.cuda.empty_cache()
+        if T not in result["dense"]:
+            result["dense"][T] = dense_bar(a, B, T, HQ, H, dk, dv)
+        dense = result["dense"][T]
+        for m, r in per_m.items():
+            result["rows"].append({"T": T, "inputs": "captured", "layer": layer, "m": m, "nsa": r,
+                                   "speedup_fwd": dense["fwd_ms"] / r["fwd_ms"],
+                                   "speedup_fwd_bwd": dense["fwd_bwd_ms"] / r["fwd_bwd_ms"],
+                                   "block_idx_rows_equal_capture": same})
+        rows += op_rows(f"layer {layer}", T, per_m, dense)
+        print(f"T={T} layer {layer}: nsa {per_m} dense fwd {dense['fwd_ms']:.2f} fwd+bwd {dense['fwd_bwd_ms']:.2f}; "
+              f"block_idx rows equal to the capture's {same:.6f}", flush=True)
+    shape = {k: v for k, v in zip(("B", "HQ", "H", "dk", "dv"), (B, HQ, H, dk, dv))}
+    result["shape"], result["hparams"] = shape, hp
+    print_op_table(rows, f"captured inputs {folder} (B,HQ,H,dk,dv={tuple(shape.values())}, {hp})")
+    loc = dict(result["locality"])
+    for T, t in (meta.get("locality") or {}).items():
+        if int(T) in a.T:
+            loc[f"T={T} mean of {len(t['layers'])} layers"] = {int(m): v for m, v in t["mean"].items()}
+    common.print_locality(loc, "captured inputs")
     return result
 
 
@@ -408,20 +495,29 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")
-    ap.add_argument("--tile-m", type=int, default=1,
-                    help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token)")
+    ap.add_argument("--tile-m", type=int, nargs="+", default=[1],
+                    help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token); "
+                         "several values: the op timed under each (e.g. --tile-m 1 2 4 8)")
+    ap.add_argument("--inputs", default="random",
+                    help="--branch op: random (default) or captured:DIR (bench/capture_inputs.py's captures at "
+                         "the --T lengths; shapes and hyperparameters from the capture)")
     ap.set_defaults(warmup=None, iters=None)
     a = ap.parse_args()
     w0, i0 = BRANCH_DEFAULTS[a.branch]
     a.warmup = w0 if a.warmup is None else a.warmup
     a.iters = i0 if a.iters is None else a.iters
+    if a.inputs != "random" and not (a.inputs.startswith("captured:") and len(a.inputs) > 9):
+        raise SystemExit(f"--inputs {a.inputs!r}: use random or captured:DIR (a bench/capture_inputs.py folder)")
+    if a.inputs != "random" and a.branch != "op":
+        raise SystemExit(f"--inputs {a.inputs}: captured inputs are for --branch op only")
     if not common.has_cuda():
         raise SystemExit("bench_attention.py needs a CUDA device (the Triton kernels run natively)")
     torch.manual_seed(0)
     dims = (a.B, a.HQ, a.H, a.dk, a.dv)
     run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select, "flash": run_flash}[a.branch]
     result = run(a, dims)
-    common.write_result(result, "attention" if a.branch == "op" else f"attention_{a.branch}", a)
+    name = f"attention_{a.branch}" if a.branch != "op" else "attention" if a.inputs == "random" else "attention_captured"
+    common.write_result(result, name, a)
 
 
 if __name__ == "__main__":

@@ -274,6 +274,65 @@ def nsa_inputs(B: int, T: int, HQ: int, H: int, dk: int, dv: int, dtype=torch.bf
     return x
 
 
+# ----------------------------------------------------------------------------------------- captured inputs
+# bench/capture_inputs.py writes <dir>/meta.json and one <dir>/T<T>_L<layer>.pt per capture: a dict of the
+# op's inputs (CAPTURE_NAMES, as the layer passed them) plus its block_idx [B, T, H, n_sel] and output o.
+CAPTURE_NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+LOCALITY_M = (1, 2, 4, 8, 16)
+
+
+def capture_file(T: int, layer: int) -> str:
+    return f"T{T}_L{layer}.pt"
+
+
+def read_captures(directory: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a capture folder (written by bench/capture_inputs.py); one clear error if absent."""
+    path = Path(directory) / "meta.json"
+    if not path.is_file():
+        raise SystemExit(f"--inputs captured:{directory}: no meta.json there; create it with "
+                         f"python bench/capture_inputs.py --out {directory}")
+    return json.loads(path.read_text())
+
+
+def load_capture(directory: str | os.PathLike, entry: dict[str, Any], device: str = "cuda",
+                 grad: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the op's eight inputs on `device`, leaf tensors with requires_grad=grad; block_idx) of one
+    meta.json capture entry."""
+    saved = torch.load(Path(directory) / entry["file"], map_location=device, weights_only=True)
+    x = [saved[n].detach().contiguous().requires_grad_(grad) for n in CAPTURE_NAMES]
+    return x, saved["block_idx"]
+
+
+def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -> dict[int, float]:
+    """{m: union of the selections of m consecutive tokens / (m * n_sel)} for block_idx [B, T, H, n_sel]
+    (the op's layout, -1 = unused slot), over tokens start.. (default T // 2, the second half) cut to
+    whole tiles, mean over batch and KV heads: the K/V blocks a tile kernel loads relative to the
+    per-token kernel (1.0 at m = 1 when every slot is used). Tensor ops only (select_tile's
+    tile_union_fraction); one host read per m."""
+    from nsa.ops.triton.select_tile import tile_union_fraction
+    T = block_idx.shape[1]
+    start = T // 2 if start is None else start
+    out = {}
+    for m in ms:
+        n = (T - start) // m * m
+        if n == 0:
+            raise ValueError(f"locality: {T - start} tokens from {start} hold no tile of m={m}; use a longer T")
+        out[m] = float(tile_union_fraction(block_idx[:, start:start + n], m))   # sync-ok: report
+    return out
+
+
+def mean_locality(tables: list[dict[int, float]]) -> dict[int, float]:
+    """Mean over layers (or inputs) of locality() tables."""
+    return {m: statistics.fmean(t[m] for t in tables) for m in tables[0]}
+
+
+def print_locality(rows: dict[str, dict[int, float]], title: str) -> None:
+    """rows {label: locality table}: the issue's table (fraction of m x n_sel blocks per m)."""
+    ms = sorted({m for r in rows.values() for m in r})
+    print(f"\n{title}: union of m consecutive tokens' selections / (m x n_sel), second half of the sequence")
+    print_table(["inputs"] + [f"m={m}" for m in ms], [[k] + [r.get(m, "-") for m in ms] for k, r in rows.items()])
+
+
 # ----------------------------------------------------------------------------------------- kernel tuning
 # Every use of nsa.ops.tuning by the benchmarks is in this section, so an API rename touches one place.
 def base_tuning(device: str = "cuda"):
@@ -307,9 +366,10 @@ def tuning_variant(base, changes: dict[str, Any]):
     return out
 
 
-def tile_m_variant(base, m: int):
-    """base with the selection on query tiles of m tokens (nsa.ops.tuning.TileTuning.m; 1 = per token)."""
-    return tuning_variant(base, {"tile.m": m})
+def tile_m_variant(base, m: int, auto: float = 0.0):
+    """base with the selection on query tiles of m tokens (nsa.ops.tuning.TileTuning.m; 1 = per token);
+    auto > 0: tiles or per-token chosen per call on the device (TileTuning.auto_union)."""
+    return tuning_variant(base, {"tile.m": m, "tile.auto_union": auto if m > 1 else 0.0})
 
 
 def flash_variant(base, spec: str):
@@ -331,11 +391,12 @@ def tuning_dict(tuning) -> dict[str, Any]:
     return dataclasses.asdict(tuning)
 
 
-def nsa_op(x: list[torch.Tensor], tuning=None):
-    """The NSA op on the Triton backend, with `tuning` (a KernelTuning) or the policy's default."""
+def nsa_op(x: list[torch.Tensor], tuning=None, hp: dict[str, int] | None = None):
+    """The NSA op on the Triton backend, with `tuning` (a KernelTuning) or the policy's default, and the
+    hyperparameters hp (l, d, l_sel, n_sel, w; default the paper's HP)."""
     from nsa.ops import nsa_attention
     kw = {} if tuning is None else {"tuning": tuning}
-    return nsa_attention(*x, **HP, backend="triton", **kw)
+    return nsa_attention(*x, **(HP if hp is None else hp), backend="triton", **kw)
 
 
 def decode_op(args: list[torch.Tensor], pos: torch.Tensor, win: torch.Tensor, tuning=None,

@@ -14,6 +14,14 @@
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
 #   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
 #                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss
+#   bash bench/gpu.sh capture [T ...]            capture-model then capture-bench (one call if both fit)
+#   bash bench/gpu.sh capture-model [T ...]      train the production TinyLM (SEQ=65536, STEPS=250; reused from
+#                                                bench/captured/model while the machine is warm unless RETRAIN=1;
+#                                                CAPTURE_LOAD=DIR loads that one), capture layers 0 5 11 at T
+#   bash bench/gpu.sh capture-bench [T ...]      the op on bench/captured against the best dense kernel (FA4,
+#                                                FA2, cuDNN, flash SDPA), selection tiles TILE_M (default
+#                                                "1 2 4 8"), locality table; training 250 steps at 64k takes
+#                                                ~4 min, so capture-model and capture-bench fit one call each
 #   bash bench/gpu.sh all                        tests, attention, decode
 #   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
@@ -87,6 +95,25 @@ run_vs_dense() {
   timeout "$T_BENCH" python3 bench/bench_train.py --skip-ray --steps "${STEPS:-10}" --warmup "${WARMUP:-4}" \
     --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/fineweb_local logging.mlflow=false 2>&1 \
     | tee "$OUT/vs_dense.log" | grep -vE "Warning|warn" | tail -16
+}
+
+CAPTURE_T="8192 16384 32768 65536"
+
+run_capture_model() {  # trained model + captures in bench/captured (git-ignored, kept while the machine is warm)
+  local T=${*:-$CAPTURE_T} src=()
+  if [ -n "${CAPTURE_LOAD:-}" ]; then src=(--load "$CAPTURE_LOAD")
+  elif [ -f bench/captured/model/model.pt ] && [ -z "${RETRAIN:-}" ]; then src=(--load bench/captured/model)
+  else src=(--seq "${SEQ:-65536}" --steps "${STEPS:-250}")
+  fi
+  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+  timeout "$T_BENCH" python3 bench/capture_inputs.py "${src[@]}" --T $T --out bench/captured \
+    data.path=data/fineweb_local logging.mlflow=false 2>&1 | tee "$OUT/capture.log" | grep -vE "Warning|warn" | tail -24
+}
+
+run_capture_bench() {
+  local T=${*:-$CAPTURE_T}
+  timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured --T $T \
+    --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
 run_tests() {
@@ -166,6 +193,9 @@ case "$cmd" in
   profile) gpu_info; m=${1:?profile mode: kernels, step, ncu-attention or ncu-decode}; shift
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \
              | grep -vE "USDT|_warn_once|Profiler clears" | tee "$OUT/profile_$m.log" | tail -60 ;;
+  capture) gpu_info; run_capture_model "$@"; run_capture_bench "$@" ;;
+  capture-model) gpu_info; run_capture_model "$@" ;;
+  capture-bench) gpu_info; run_capture_bench "$@" ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
   *) echo "bench/gpu.sh: unknown command '$cmd' (bash bench/gpu.sh --help lists them)" >&2; exit 2 ;;

@@ -79,7 +79,10 @@ class NSAAttention(nn.Module):
     """Native Sparse Attention layer (x [B, T, dim] -> [B, T, dim]), causal.
 
     Attributes: `record_stats` (bool): when True each forward stores detached `last_gates`
-    [B, T, HQ, 3] and `last_block_idx` [B, T, H, n_sel] (no host sync).
+    [B, T, HQ, 3] and `last_block_idx` [B, T, H, n_sel] (no host sync). `op_capture` (callable or
+    None): when set, each full forward calls op_capture(layer, inputs, o, block_idx) with the op's
+    eight inputs (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) as passed to it and its outputs
+    (bench/capture_inputs.py saves them as benchmark inputs).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
@@ -109,6 +112,7 @@ class NSAAttention(nn.Module):
         self.record_stats = False
         self.last_gates: torch.Tensor | None = None
         self.last_block_idx: torch.Tensor | None = None
+        self.op_capture = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -195,6 +199,8 @@ class NSAAttention(nn.Module):
         gates = self.compute_gates(x)
         o, block_idx = _attend(p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, gates,
                                **self._op_kwargs())
+        if self.op_capture is not None:
+            self.op_capture(self, (p.q, k_cmp, v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, gates), o, block_idx)
         if cache is not None:
             cache.prefill(p.k_cmp, p.v_cmp, p.k_slc, p.v_slc, p.k_win, p.v_win, k_cmp, v_cmp)
         info: dict[str, torch.Tensor] = {}
