@@ -495,6 +495,9 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")
+    ap.add_argument("--tile-auto", type=float, default=0.0, metavar="U",
+                    help="--tile-m M > 1: tiles or per-token kernels chosen per call on the device, tiles when "
+                         "the union fraction <= U (TileTuning.auto_union; 0 = always tiles)")
     ap.add_argument("--tile-m", type=int, nargs="+", default=[1],
                     help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token); "
                          "several values: the op timed under each (e.g. --tile-m 1 2 4 8)")
