@@ -128,7 +128,15 @@ def test_ray_job_submit_prod_50k_keeps_results_on_storage(head_cluster, tiny_dat
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["status"] == "completed" and summary["world_size"] == 2
     assert (storage / "runs" / "mlflow.db").is_file()
-    # Ray's copy of the working dir (kept in its cache after the job) holds exactly what was uploaded
+    # without the root the same job is refused before it writes: Ray's real copy is recognised
+    r = subprocess.run([_ray_bin(), "job", "submit", "--address", url, "--working-dir", str(REPO), "--",
+                        "python", "pipelines/prod_50k.py", *args, "runtime.storage_root=null"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "error: logging.root='runs' -> " in out, out[-3000:]
+    assert "data.path='data/tiny'" in out and "inside Ray's working-dir copy" in out
+    assert "set runtime.storage_root=/mnt/shared" in out
+    # Ray's copy of the working dir (kept in its cache after the jobs) holds exactly what was uploaded
     copies = list((tmp / "ray" / "session_latest" / "runtime_resources" / "working_dir_files").glob("_ray_pkg_*/"))
     assert len(copies) == 1, copies
     in_copy = _files(copies[0])

@@ -45,8 +45,12 @@ head_pid() {
   echo "$pid"
 }
 
-free_port() {
-  python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+free_ports() {   # N distinct free ports, one per line (held open together so that they differ)
+  python -c 'import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print("\n".join(str(s.getsockname()[1]) for s in socks))' "$1"
 }
 
 answers() {   # the job API is up
@@ -89,11 +93,10 @@ start() {
   ray="$(ray_bin)"
   # a port picked free can be taken before Ray binds it: the head then exits at once and we retry
   for attempt in 1 2 3; do
-    local ports=()
-    for name in port dashboard-agent-listen-port dashboard-agent-grpc-port runtime-env-agent-port \
-        ray-client-server-port metrics-export-port node-manager-port object-manager-port; do
-      ports+=("--$name=$(free_port)")
-    done
+    local ports=() names=(port dashboard-agent-listen-port dashboard-agent-grpc-port runtime-env-agent-port
+      ray-client-server-port metrics-export-port node-manager-port object-manager-port) picked
+    mapfile -t picked < <(free_ports "${#names[@]}")
+    for i in "${!names[@]}"; do ports+=("--${names[$i]}=${picked[$i]}"); done
     # RAY_AUTH_MODE=disabled: a private single-machine head (the job API listens on 127.0.0.1 only)
     env -u RAY_ADDRESS RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" NSA_STORAGE_ROOT="$storage" \
       setsid nohup "$ray" start --head --block --dashboard-host=127.0.0.1 --dashboard-port="$dash" \
