@@ -119,6 +119,9 @@ class RuntimeConfig:
     seed: int = 1234
     ray_address: Optional[str] = None    # None: connect under `ray job submit`, else start local Ray
     ray_num_cpus: Optional[int] = None   # logical CPUs of a locally started Ray instance
+    # shared storage that outlives a job (the cluster's /mnt/shared): relative logging.root, data.path,
+    # data.val_path, train.resume_from and sqlite/file MLflow URIs resolve against it (nsa/launch/storage.py)
+    storage_root: Optional[str] = None
     max_failures: int = 2                # Ray FailureConfig: worker-group restarts from the last checkpoint
     detect_anomaly: bool = False
     deterministic: bool = False          # torch.use_deterministic_algorithms(True) in every worker (lanes' repeat check)
@@ -134,6 +137,9 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU)")
+        _require(self.storage_root is None or os.path.isabs(os.path.expanduser(self.storage_root)),
+                 f"runtime.storage_root={self.storage_root!r} must be an absolute path (the shared mount, "
+                 "e.g. runtime.storage_root=/mnt/shared)")
         _require(self.cpus_per_worker >= 0, f"runtime.cpus_per_worker={self.cpus_per_worker} must be >= 0")
         _require(self.max_failures >= -1, "runtime.max_failures must be >= -1 (-1 = retry forever)")
         _one_of("runtime.precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -288,6 +294,9 @@ ENV_MAP: dict[str, tuple[str, Any]] = {
     # Not a runbook name: Ray's own variable, set for the driver by `ray job submit`. Reading it here
     # (and only here) keeps "connect under ray job submit, else start a local instance" a config value.
     "RAY_ADDRESS": ("runtime.ray_address", str),
+    # Set on the cluster nodes (ray_cluster.yaml, cluster/kuberay/*.yaml) so that jobs keep their results on
+    # the shared mount without any override (nsa/launch/storage.py).
+    "NSA_STORAGE_ROOT": ("runtime.storage_root", str),
 }
 # Variables whose value is a switch: parsed with parse_bool (BOOL_SPELLINGS) before their transform, so
 # NSA_TB_DISABLE=maybe is an error instead of a silent "false".
@@ -446,8 +455,8 @@ def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
         raw = env[name]
         if name in BOOL_ENV:
             parsed: Any = parse_bool(f"${name}", raw)
-        elif dotted == "runtime.ray_address":
-            parsed = raw                      # an address, not YAML
+        elif dotted in ("runtime.ray_address", "runtime.storage_root"):
+            parsed = raw                      # an address or a path, not YAML
         else:
             try:
                 parsed = yaml.safe_load(raw)
@@ -489,6 +498,13 @@ def extra_output_dir(env: Mapping[str, str] | None = None) -> str | None:
     """``$OUT``: a folder that device-run harnesses collect (bench scripts copy their JSON there)."""
     env = os.environ if env is None else env
     return env.get("OUT") or None
+
+
+def env_storage_root(env: Mapping[str, str] | None = None) -> str | None:
+    """``$NSA_STORAGE_ROOT`` (empty = unset): the default of ``prepare_data.py --storage-root``, which has no
+    RunConfig of its own."""
+    env = os.environ if env is None else env
+    return env.get("NSA_STORAGE_ROOT") or None
 
 
 def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:

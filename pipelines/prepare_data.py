@@ -6,8 +6,14 @@ Examples:
     python pipelines/prepare_data.py --source jsonl --input /data/fineweb.jsonl --out data/fwe
     python pipelines/prepare_data.py --source txt --input notes/ --txt-split paragraph
     python pipelines/prepare_data.py --source hub --max-bytes 2e9 --out data/fineweb_edu  # online
+    ray job submit --working-dir . -- python pipelines/prepare_data.py --source hub --max-bytes 2GB \
+        --storage-root /mnt/shared --out data/fineweb_edu        # as a Ray job, onto shared storage
 
 Training then points `data.path` at the --out directory (checked by nsa.data.shards.check_data_path).
+A relative --out resolves against --storage-root (default: $NSA_STORAGE_ROOT, which the cluster nodes set
+to /mnt/shared), else the working directory; an --out inside Ray's working-dir copy of a job is refused,
+as for training runs (nsa/launch/storage.py): `--out data/fineweb_edu` then lands where
+`data.path=data/fineweb_edu` with the same storage root reads it.
 """
 from __future__ import annotations
 
@@ -15,12 +21,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
+from nsa.config import env_storage_root
 from nsa.data.shards import write_shards
 from nsa.data.sources import SOURCES, iter_source
 from nsa.data.tokenizers import get_tokenizer
+from nsa.launch.cli import UserError
+from nsa.launch.storage import prepare_out
 
 DEFAULT_OUT = "data/fineweb_local"
 DEFAULT_MAX_BYTES = 30_000_000  # sized for the tiny CPU profile: ~30M byte tokens
@@ -45,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "--input files; hub: HuggingFaceFW/fineweb-edu streaming (needs network)")
     p.add_argument("--input", default=None,
                    help="file or directory for jsonl/txt (for local: another root folder)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="output directory; relative: under --storage-root when given, else the working directory")
+    p.add_argument("--storage-root", default=env_storage_root(),
+                   help="shared storage that a relative --out resolves against (runtime.storage_root of the "
+                        "training runs; default $NSA_STORAGE_ROOT)")
     p.add_argument("--max-docs", type=int, default=None, help="stop after this many documents")
     p.add_argument("--max-bytes", type=_size, default=DEFAULT_MAX_BYTES,
                    help="stop before exceeding this much UTF-8 text (all splits)")
@@ -129,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--val-docs must be >= 0")
     counter = None if args.count_tokenizer == "byte" else \
         get_tokenizer(args.count_tokenizer, tiktoken_path=args.tiktoken_path)
+    try:
+        out = str(prepare_out(args.out, args.storage_root))
+    except UserError as exc:
+        print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 2
     t0 = time.monotonic()
     try:
         docs = iter_source(args.source, args.input, max_docs=args.max_docs,
@@ -136,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                            hub_name=args.hub_name, hub_timeout_s=args.hub_timeout, seed=args.seed)
         update, close = _progress(args.max_bytes, not args.no_progress)
         try:
-            manifest = write_shards(docs, args.out, docs_per_shard=args.docs_per_shard,
+            manifest = write_shards(docs, out, docs_per_shard=args.docs_per_shard,
                                     shard_bytes=args.shard_bytes, val_docs=val_docs,
                                     val_fraction=args.val_fraction, overwrite=args.overwrite,
                                     tokenizer=counter, progress=update,
@@ -147,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError, ConnectionError, ImportError) as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
-    print(summarize(manifest, args.out, time.monotonic() - t0))
-    print(json.dumps({"out": str(Path(args.out).resolve()), **manifest["totals"]}))
+    print(summarize(manifest, out, time.monotonic() - t0))
+    print(json.dumps({"out": out, **manifest["totals"]}))
     return 0
 
 

@@ -10,7 +10,9 @@ Under `ray job submit` (RAY_ADDRESS set) it connects to the cluster; otherwise i
 instance. runtime.num_workers=-1 (the profile's value) = one worker per GPU of the cluster. Before any
 worker starts it checks the config, the data path (data/fineweb_edu by default: prepare it with
 pipelines/prepare_data.py --source hub|jsonl --out ...), any checkpoint to resume, and that the requested
-GPUs/CPUs fit the cluster. Same exit codes as train.py.
+GPUs/CPUs fit the cluster. Relative paths (runs, data/fineweb_edu) resolve against runtime.storage_root
+($NSA_STORAGE_ROOT: /mnt/shared on the cluster configs); a job never writes into Ray's working-dir copy
+(refused, naming the field). Same exit codes as train.py.
 """
 from __future__ import annotations
 

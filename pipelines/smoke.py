@@ -27,6 +27,7 @@ from typing import Any
 
 from nsa.launch.builder import launch, replace_cfg
 from nsa.launch.cli import UserError, build_parser, load_config, main_entry, print_header
+from nsa.launch.storage import run_root
 from nsa.telemetry import read_heartbeat
 
 DEFAULT_PROFILE = "pipelines/configs/tiny_cpu.yaml"
@@ -149,7 +150,7 @@ def main() -> int:
         return 0
     t0 = time.time()
     name = cfg.logging.name or f"smoke-{time.strftime('%Y%m%d-%H%M%S')}"
-    root = Path(cfg.logging.root).expanduser().resolve() / name
+    root = run_root(cfg) / name          # runtime.storage_root applies (nsa/launch/storage.py)
     common = {"logging": {"root": str(root), "log_every": 1, "heartbeat_every": 1},
               "train": {"resume": "never", "resume_from": None}}
     report: dict[str, Any] = {"profile": args.config, "started": time.strftime("%Y-%m-%d %H:%M:%S"),

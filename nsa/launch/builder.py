@@ -12,9 +12,9 @@ or all of it: ``launch(cfg, sources, title)``.
 Storage: ``RunConfig(storage_path=<logging.root>, name=<logging.name>)`` makes Ray's run directory the
 same directory as ours, so Ray's checkpoints land in ``<run dir>/checkpoint_<step:08d>/`` beside the
 heartbeats and CSVs, and relaunching with the same ``logging.name`` resumes (Ray resumes by name).
-On several nodes ``logging.root`` must be shared storage. Relative paths are relative to the working
-directory (under ``ray job submit`` that is the job's uploaded copy: use absolute paths for runs and
-data you want to keep).
+On several nodes ``logging.root`` must be shared storage. Relative paths resolve against
+``runtime.storage_root`` when set, else the working directory; results are never written into Ray's
+working-dir copy of a ``ray job submit`` (refused, naming the field: nsa/launch/storage.py).
 
 Environment for Ray (documented choices): ``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` (plain worker prints, as
 RAY_NOTES measured) always; ``RAY_AUTH_MODE=disabled`` only when this process starts a local instance
@@ -79,14 +79,16 @@ def _check_model_compat(cfg: RunConfig, ckpt_cfg: dict[str, Any], where: str) ->
 def validate_inputs(cfg: RunConfig) -> None:
     """Everything checkable before Ray starts. Makes paths absolute in ``cfg``. Raises UserError &co."""
     from nsa.data.tokenizers import get_tokenizer
-    cfg.logging.root = _abs(cfg.logging.root)
+    from nsa.launch.storage import apply_storage
+    default_data = cfg.data.path == DEFAULT_DATA_PATH
+    apply_storage(cfg)     # absolute paths: against runtime.storage_root; never inside Ray's working-dir copy
     try:
         get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise UserError(f"data.tokenizer={cfg.data.tokenizer!r}: {e}") from None
     if cfg.data.source == "parquet":
         path = Path(cfg.data.path).expanduser()
-        if not path.exists() and cfg.data.auto_prepare and cfg.data.path == DEFAULT_DATA_PATH:
+        if not path.exists() and cfg.data.auto_prepare and default_data:
             prepare_local_corpus(path.resolve())
         cfg.data.path = _abs(cfg.data.path)
         from nsa.data.shards import check_data_path, find_val_shards

@@ -14,6 +14,7 @@ from nsa.launch.cli import resolve_profile
 from nsa.launch.lanes.configs import LaneConfig, lane_config
 from nsa.launch.lanes.effective import describe, differing, effective_config, same_as, unmet_requirement
 from nsa.launch.lanes.schema import LANE_NAME, Lane, LaneError, load_lanes, select_lanes
+from nsa.launch.storage import run_root
 
 DEFAULT_BASE = "pipelines/configs/tiny_cpu.yaml"
 BASELINE = "baseline"
@@ -107,7 +108,7 @@ def plan_grid(args: argparse.Namespace, validate: bool = True) -> GridPlan:
         base_cfg, _ = resolve_config(base, [f"{k}={v}" for k, v in cli.items()])
     except ConfigError as e:
         raise LaneError(f"base profile: {e}") from None
-    base_cfg.logging.root = str(Path(base_cfg.logging.root).expanduser().resolve())
+    base_cfg.logging.root = str(run_root(base_cfg))       # runtime.storage_root applies
     grid_id = _grid_id(args.name)
     grid_dir = Path(base_cfg.logging.root) / grid_id
     uri = builder.mlflow_uri(base_cfg)         # one store beside the pipeline's own runs
