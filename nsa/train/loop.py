@@ -37,10 +37,12 @@ import torch
 from torch import nn
 
 from nsa.config import DETERMINISTIC_ENV, RunConfig, apply_process_env
+from nsa.data.position import SeekError
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.telemetry.health import gate_violations, thresholds_from_logging
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
-                                  load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
+                                  load_checkpoint, rank_positions, restore_training_state, save_checkpoint,
+                                  scan_checkpoints)
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
@@ -59,6 +61,8 @@ class LoopEnv(Protocol):
 
     def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module: ...  # ddp=False: move only
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]: ...   # one pass, [b, T+1] int64 on device
+    # optional: ``train_stream(epoch, start: DataPosition | None)`` -> an iterable of the same batches with
+    # ``position()``, or None when the data cannot seek (nsa/data/position.py)
     def val_batches(self, n: int) -> list[torch.Tensor]: ...
     def resume_state(self) -> Optional[dict[str, Any]]: ...              # latest checkpoint of this run
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None: ...
@@ -66,24 +70,45 @@ class LoopEnv(Protocol):
 
 # ---------------------------------------------------------------------------------------------- data
 class BatchStream:
-    """Micro-batches from ``env.train_batches(epoch)``, looping over epochs, with a resumable position."""
+    """Micro-batches from the env, looping over epochs, with a resumable position.
 
-    def __init__(self, env: LoopEnv, epoch: int = 0, skip: int = 0) -> None:
+    Seeking envs (``env.train_stream(epoch, start)`` returns an iterable with ``position()``, see
+    nsa/data/position.py) continue from this rank's recorded position: nothing consumed is read again.
+    Otherwise (synthetic data, a checkpoint without positions) ``env.train_batches`` is fast-forwarded
+    by ``skip`` batches."""
+
+    def __init__(self, env: LoopEnv, epoch: int = 0, skip: int = 0, seek: Any = None) -> None:
         self.env, self.epoch, self.batches_in_epoch, self._skip = env, epoch, 0, skip
+        self._seek = seek                   # this rank's DataPosition, used for the first epoch only
+        self._cur: Any = None               # the seeking epoch being read (None: not seeking)
         self.samples = 0
         self._it = self._gen()
 
+    def _epoch_source(self) -> Any:
+        start, self._seek = self._seek, None
+        stream = getattr(self.env, "train_stream", None)
+        try:
+            src = stream(self.epoch, start) if stream is not None else None
+        except SeekError as e:      # the data changed under the checkpoint: re-read up to its batch count
+            print(f"resume: cannot seek ({e}): fast-forwarding {start.batches_in_epoch} batches", flush=True)
+            src, self._skip = stream(self.epoch, None), start.batches_in_epoch
+            start = None
+        if src is not None and start is not None:
+            self.batches_in_epoch, self._skip = start.batches_in_epoch, 0
+        self._cur = src
+        return src if src is not None else self.env.train_batches(self.epoch)
+
     def _gen(self) -> Iterator[torch.Tensor]:
         while True:
-            produced = 0
-            for b in self.env.train_batches(self.epoch):
+            produced, fresh = 0, self.batches_in_epoch == 0 and self._skip == 0 and self._seek is None
+            for b in self._epoch_source():
                 produced += 1
                 self.batches_in_epoch += 1
-                if self._skip > 0:      # resume: fast-forward to the checkpoint's position
+                if self._skip > 0:      # resume without a position: fast-forward by re-reading
                     self._skip -= 1
                     continue
                 yield b
-            if produced == 0:
+            if produced == 0 and fresh:
                 raise ValueError(f"the training data produced no batch in epoch {self.epoch}: fewer rows per "
                                  "worker than train.batch_size; lower train.batch_size/seq_len or add data")
             self.epoch += 1
@@ -99,6 +124,18 @@ class BatchStream:
     def position(self, world_size: int) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
                 "samples_seen": self.samples * world_size}
+
+    def rank_position(self) -> Any:
+        """This rank's DataPosition after the last batch taken (None when the data cannot seek). Before
+        the first batch of a run: the start (or the recorded position) of the current epoch."""
+        if self._cur is not None:
+            return self._cur.position()
+        if self._seek is not None:
+            return self._seek
+        if getattr(self.env, "train_stream", None) is None:
+            return None
+        from nsa.data.position import DataPosition
+        return DataPosition(epoch=self.epoch) if self.batches_in_epoch == 0 and self._skip == 0 else None
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -231,10 +268,14 @@ class Trainer:
         for why in self.skipped_checkpoints:
             log.warning("resume: skipped %s", why)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
+        self.seek, self.seek_note = None, None     # this rank's recorded DataPosition / why there is none
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
                                                scaler=self.prec.scaler)
             pos = state["data"]
+            if getattr(env, "seekable", False):
+                ranks, self.seek_note = rank_positions(pos, self.world)
+                self.seek = ranks[self.rank] if ranks is not None else None
             del state
         self.start_step = self.step
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
@@ -257,7 +298,10 @@ class Trainer:
                 self.step_mode = f"eager (runtime.cuda_graph: {why})"
                 log.warning("runtime.cuda_graph=true but the step stays eager: %s", why)
         self.core = _unwrap(self.model)
-        self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
+        if self.seek is not None:       # continue at this rank's own position: nothing is read twice
+            self.data = BatchStream(env, self.seek.epoch, 0, seek=self.seek)
+        else:
+            self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
         self.data.samples = pos["samples_seen"] // max(1, self.world)
         self.saved = {s for s, _ in list_checkpoints(self.run_dir)}   # never overwrite any of these
         self.saved.add(self.step)
@@ -294,9 +338,11 @@ class Trainer:
                    "checkpoint_reason": reason}
         name = checkpoint_dir_name(step)
         t0 = time.perf_counter()
+        ranks = self._gather_positions()     # every rank: a collective at checkpoint steps (sync-ok)
         if self.rank == 0:
+            data = {**self.data.position(self.world), **({"ranks": ranks} if ranks else {})}
             state = build_state(model=self.core, optimizer=self.opt, scheduler=self.sched,
-                                scaler=self.prec.scaler, step=step, data=self.data.position(self.world),
+                                scaler=self.prec.scaler, step=step, data=data,
                                 config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
             with tempfile.TemporaryDirectory(prefix="nsa_ckpt_") as d:
                 save_checkpoint(d, state)
@@ -308,6 +354,20 @@ class Trainer:
         self.checkpoints.append(step)
         self.rep.heartbeat("checkpoint", step, reason=reason, dir=name,
                            seconds=round(time.perf_counter() - t0, 3))
+
+    def _gather_positions(self) -> Optional[list[Any]]:
+        """Every rank's DataPosition (host objects, all-gathered over the CPU group), or None when the
+        data cannot seek. Called by every rank at the same checkpoint steps."""
+        if not getattr(self.env, "seekable", False):
+            return None
+        mine = self.data.rank_position()
+        if self.world == 1:
+            return [mine] if mine is not None else None
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, mine, group=self.ctl.cpu_group)
+        return out if all(p is not None for p in out) else None
 
     def _log(self, step: int, res_tokens: int, extra: dict[str, float]) -> dict[str, float]:
         host = self.meter.flush()
@@ -373,8 +433,11 @@ class Trainer:
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
                            resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
                            precision=self.prec.name,
-                           data_position=self.data.position(self.world))
+                           data_position=self.data.position(self.world),
+                           **({"data_seek": self.seek.describe()} if self.seek is not None else {}))
         if self.rank == 0:
+            if self.seek_note:
+                print(self.seek_note, flush=True)
             for why in self.skipped_checkpoints:
                 print(f"resume: skipped {why}", flush=True)
             print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
