@@ -139,16 +139,34 @@ def _start(rd):
     return [r for r in read_heartbeat(os.path.join(rd, "heartbeat_rank0.jsonl")) if r["kind"] == "start"][-1]
 
 
-def test_resume_seeks_and_matches_uninterrupted(small_rg_data, tmp_path):
+@pytest.fixture(scope="module")
+def halted(small_rg_data, tmp_path_factory):
+    """An uninterrupted 8-step run (its losses and the docs it read) and a run halted after step 4."""
+    root = tmp_path_factory.mktemp("resume")
     before = P.READ_COUNTER["docs"]
-    _, rd_ref = run_local(local_cfg(small_rg_data, tmp_path / "a"))
+    _, rd_ref = run_local(local_cfg(small_rg_data, root / "a"))
     ref_read = P.READ_COUNTER["docs"] - before
-    run_local(local_cfg(small_rg_data, tmp_path / "b", runtime__fault="halt@4"))
-    os.remove(tmp_path / "b" / "r" / ".HALT")
+    s, rd = run_local(local_cfg(small_rg_data, root / "b", runtime__fault="halt@4"))
+    assert s["status"] == "halted" and s["checkpoints"] == [4]
+    os.remove(os.path.join(rd, ".HALT"))
+    return {"ref": _losses(rd_ref), "ref_read": ref_read, "root": root / "b"}
+
+
+def _resume(small_rg_data, halted, tmp_path, edit=None):
+    import shutil
+    root = tmp_path / "b"
+    shutil.copytree(halted["root"], root)
+    if edit is not None:
+        edit(root / "r" / "checkpoint_00000004")
     before = P.READ_COUNTER["docs"]
-    _, rd = run_local(local_cfg(small_rg_data, tmp_path / "b"))
-    read = P.READ_COUNTER["docs"] - before
-    a, b = _losses(rd_ref), _losses(rd)
+    s, rd = run_local(local_cfg(small_rg_data, root))
+    assert s["status"] == "completed" and s["start_step"] == 4 and s["step"] == 8
+    return rd, P.READ_COUNTER["docs"] - before
+
+
+def test_exact_resume_matches_uninterrupted(small_rg_data, halted, tmp_path):
+    rd, read = _resume(small_rg_data, halted, tmp_path)
+    a, b = halted["ref"], _losses(rd)
     for step in ("5", "6", "8"):   # same weights, optimizer state and data position -> same losses
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
     seek = _start(rd)["data_seek"]
@@ -156,7 +174,7 @@ def test_resume_seeks_and_matches_uninterrupted(small_rg_data, tmp_path):
     # the uninterrupted run read every doc up to what step 8 used; the resumed one reads none of the
     # docs the first 4 steps consumed (they came from the checkpoint's carry) beyond one row group (3)
     consumed = _consumed_docs(small_rg_data, seek)
-    assert consumed > 3 and read <= ref_read - consumed + 3, (read, ref_read, consumed)
+    assert consumed > 3 and read <= halted["ref_read"] - consumed + 3, (read, halted["ref_read"], consumed)
 
 
 def _consumed_docs(d, seek):
@@ -168,24 +186,56 @@ def _consumed_docs(d, seek):
     return sum(u.hi - u.lo for u in units[:i]) + seek["offset"] - units[i].lo
 
 
-def test_checkpoint_without_position_falls_back_to_fast_forward(small_rg_data, tmp_path, capsys):
+def test_checkpoint_without_position_falls_back_to_fast_forward(small_rg_data, halted, tmp_path, capsys):
     """A checkpoint written before positions were recorded still resumes exactly, by re-reading."""
     import shutil
     from nsa.train.checkpoint import load_checkpoint, save_checkpoint
-    _, rd_ref = run_local(local_cfg(small_rg_data, tmp_path / "a"))
-    run_local(local_cfg(small_rg_data, tmp_path / "b", runtime__fault="halt@4"))
-    rd = tmp_path / "b" / "r"
-    os.remove(rd / ".HALT")
-    ck = rd / "checkpoint_00000004"
-    state = load_checkpoint(ck)
-    state["data"] = {k: state["data"][k] for k in ("epoch", "batches_in_epoch", "samples_seen")}
-    shutil.rmtree(ck)
-    save_checkpoint(ck, state)
+
+    def strip(ck):
+        state = load_checkpoint(ck)
+        state["data"] = {k: state["data"][k] for k in ("epoch", "batches_in_epoch", "samples_seen")}
+        shutil.rmtree(ck)
+        save_checkpoint(ck, state)
+
     capsys.readouterr()
-    _, rd = run_local(local_cfg(small_rg_data, tmp_path / "b"))
+    rd, read = _resume(small_rg_data, halted, tmp_path, strip)
     out = capsys.readouterr().out
     assert sum("no data position" in line for line in out.splitlines()) == 1
     assert "data_seek" not in _start(rd)
-    a, b = _losses(rd_ref), _losses(rd)
+    assert read == halted["ref_read"]                    # the fast-forward re-reads what was consumed
+    a, b = halted["ref"], _losses(rd)
     for step in ("5", "6", "8"):
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+@pytest.mark.ray
+def test_ray_stream_is_the_local_stream_and_seeks(ray_session, small_rg_data):
+    """Under Ray each rank streams its units through Ray Data tasks: the same batches as in process, and
+    from a recorded position only the units left are handed to Ray Data."""
+    from nsa.data.ray_data import iter_ray_units
+    files = _files(small_rg_data)
+    rg = P.row_group_rows(files)
+    tok = get_tokenizer("byte")
+    handed: list = []
+
+    def ray_source(units):
+        handed.append(list(units))
+        return iter_ray_units(files, units, tok, prefetch_batches=2)
+
+    def ray_epoch(start=None):
+        return P.rank_epoch(files, rg, epoch=0, rank=1, world=2, seq_len=SEQ, batch_size=BATCH,
+                            source=ray_source, shuffle_seed=3, start=start)
+
+    local = list(_epoch(files, rg, 1, 2, seed=3))
+    ep = ray_epoch()
+    it = iter(ep)
+    head = [next(it) for _ in range(3)]
+    pos = ep.position()
+    it.close()                                    # ends the first pipeline (as a finished run does)
+    rest = list(ray_epoch(pos))
+    assert len(head) + len(rest) == len(local)
+    for a, b in zip(head + rest, local):
+        np.testing.assert_array_equal(a, b)
+    resumed, mine = handed[-1], P.plan_units(rg, 0, 1, 2, 3)
+    assert resumed == P.seek_units(mine, pos, files) and resumed[-1] == mine[-1]
+    assert sum(u.hi - u.lo for u in resumed) < sum(u.hi - u.lo for u in mine)

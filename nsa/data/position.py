@@ -188,3 +188,21 @@ def rank_epoch(files: Sequence[str | os.PathLike], rg_rows: Sequence[Sequence[in
     elif start.epoch != epoch:
         raise SeekError(f"data position is in epoch {start.epoch}, asked for epoch {epoch}")
     return RankEpoch(files, seek_units(units, start, files), seq_len, batch_size, source, start)
+
+
+class DeviceEpoch:
+    """A RankEpoch's batches as int64 tensors [b, T+1] on `device` (pinned + async copy on CUDA), with
+    the epoch's `position()`."""
+
+    def __init__(self, epoch: RankEpoch, device: Any) -> None:
+        self.epoch, self.device = epoch, device
+
+    def __iter__(self) -> Iterator[Any]:
+        import torch
+        cuda = getattr(self.device, "type", str(self.device)) == "cuda"
+        for b in self.epoch:
+            t = torch.from_numpy(b)
+            yield t.pin_memory().to(self.device, non_blocking=True) if cuda else t.to(self.device)
+
+    def position(self) -> DataPosition:
+        return self.epoch.position()

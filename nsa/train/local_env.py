@@ -16,20 +16,6 @@ from torch import nn
 from nsa.config import RunConfig
 from nsa.train.checkpoint import persist_checkpoint
 
-class _Batches:
-    """A RankEpoch's numpy batches as int64 tensors on ``device``, keeping its ``position()``."""
-
-    def __init__(self, epoch: Any, device: torch.device) -> None:
-        self.epoch, self.device = epoch, device
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for b in self.epoch:
-            yield torch.from_numpy(b).to(self.device)          # [b, T+1] int64
-
-    def position(self) -> Any:
-        return self.epoch.position()
-
-
 class LocalEnv:
     rank = 0
     world_size = 1
@@ -57,9 +43,9 @@ class LocalEnv:
 
     seekable = True    # train_stream continues from a recorded DataPosition (nsa/data/position.py)
 
-    def train_stream(self, epoch: int, start: Any = None) -> "_Batches":
+    def train_stream(self, epoch: int, start: Any = None) -> Any:
         """This epoch's batches read in process by row group, from ``start`` (None: the epoch's start)."""
-        from nsa.data.position import iter_local_units, rank_epoch, row_group_rows
+        from nsa.data.position import DeviceEpoch, iter_local_units, rank_epoch, row_group_rows
         from nsa.data.ray_data import _resolve_tokenizer
         d, t = self.cfg.data, self.cfg.train
         if self._rg_rows is None:
@@ -68,7 +54,7 @@ class LocalEnv:
         ep = rank_epoch(self._files, self._rg_rows, epoch=epoch, rank=0, world=1, seq_len=t.seq_len,
                         batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
                         source=lambda units: iter_local_units(self._files, units, tok))
-        return _Batches(ep, self.device)
+        return DeviceEpoch(ep, self.device)
 
     def val_batches(self, n: int) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
