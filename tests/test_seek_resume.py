@@ -239,3 +239,27 @@ def test_ray_stream_is_the_local_stream_and_seeks(ray_session, small_rg_data):
     resumed, mine = handed[-1], P.plan_units(rg, 0, 1, 2, 3)
     assert resumed == P.seek_units(mine, pos, files) and resumed[-1] == mine[-1]
     assert sum(u.hi - u.lo for u in resumed) < sum(u.hi - u.lo for u in mine)
+
+
+def test_a_position_that_does_not_fit_the_data_falls_back_in_the_stream(small_rg_data, tmp_path, capsys):
+    """Data replaced under a checkpoint: the stream says so in one line and re-reads to the batch count."""
+    from nsa.train.local_env import LocalEnv
+    from nsa.train.loop import BatchStream
+    cfg = local_cfg(small_rg_data, tmp_path)
+    env = LocalEnv(cfg, tmp_path / "r")
+    ref = BatchStream(env)
+    want = [b for _ in range(6) for b in ref.next(1)[0]]
+    pos = ref.rank_position()
+    assert pos.batches_in_epoch == 6
+    good = BatchStream(env, pos.epoch, 0, seek=P.DataPosition.from_state(pos.to_state()))
+    bad = BatchStream(env, pos.epoch, 0, seek=P.DataPosition(0, 3, 0, "train-77777.parquet", 0, 1))
+    assert bad.position(1)["batches_in_epoch"] == 3
+    more = ref.next(2)[0]
+    for a, b in zip(good.next(2)[0], more):
+        assert (a == b).all()
+    capsys.readouterr()
+    got = bad.next(3)[0]
+    out = capsys.readouterr().out
+    assert "cannot seek" in out and "train-77777" in out
+    for a, b in zip(got, want[3:6]):
+        assert (a == b).all()

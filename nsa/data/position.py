@@ -77,9 +77,15 @@ class DataPosition:
 
 
 def open_parquet(path: str | os.PathLike) -> Any:
-    """The one place a unit reader opens a shard (a filesystem choice for remote paths belongs here)."""
+    """The one place a unit reader opens a shard: local paths directly, URLs (``hf://...``, ``s3://...``)
+    through the fsspec filesystem their scheme names."""
     import pyarrow.parquet as pq
-    return pq.ParquetFile(path)
+    p = str(path)
+    if "://" in p and not p.startswith("file://"):
+        import fsspec
+        fs, inner = fsspec.core.url_to_fs(p)
+        return pq.ParquetFile(fs.open(inner, "rb"))
+    return pq.ParquetFile(p[len("file://"):] if p.startswith("file://") else p)
 
 
 def row_group_rows(files: Sequence[str | os.PathLike]) -> list[list[int]]:

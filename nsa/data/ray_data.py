@@ -121,7 +121,8 @@ def iter_packed_batches(files: Sequence[str | os.PathLike], seq_len: int,
 
     Reads `text` in chunks of `doc_batch` documents, packs with a carry-over tail (no tokens lost
     between chunks) and drops only the final incomplete batch. `repeat=True` cycles over the files
-    forever (epochs); `skip_batches` fast-forwards (e.g. to resume from a recorded data position).
+    forever (epochs); `skip_batches` fast-forwards by re-reading (the training loop seeks instead:
+    nsa/data/position.py).
     """
     import pyarrow.parquet as pq
 

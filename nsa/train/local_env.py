@@ -1,4 +1,5 @@
-"""A single-process LoopEnv without Ray: the same loop on plain parquet iteration.
+"""A single-process LoopEnv without Ray: the same loop, reading the parquet row groups in process (the
+same per-rank stream and seek as under Ray, nsa/data/position.py).
 
 Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. Resume-by-name
 needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
@@ -39,7 +40,7 @@ class LocalEnv:
             yield torch.from_numpy(b).to(self.device)
 
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
-        return self._iter(self._files)
+        return iter(self.train_stream(epoch))
 
     seekable = True    # train_stream continues from a recorded DataPosition (nsa/data/position.py)
 

@@ -14,11 +14,13 @@ Non-finite steps never change the weights (see nsa/train/step.py); with ``on_non
 stops at the next log step with an ``anomaly`` record (at the step the first non-finite value appeared,
 carried on the device by IntervalMeter) and without a checkpoint.
 
-Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally). On resume
-the loop starts epoch ``epoch`` again and skips that many batches. That is exact when the dataset's
-order is reproducible (the trainer asks Ray Data for preserve_order; file order is shuffled with a fixed
-seed), except that Ray Data reshuffles the file order per execution, so a resumed epoch > 0 may visit
-files in another order than the uninterrupted run would have.
+Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally) and, where the
+data can seek (parquet shards, in process or through Ray Data), every rank's DataPosition (shard, row
+group, offset, packing carry; nsa/data/position.py), all-gathered to rank 0 at checkpoint steps. On
+resume each rank continues at its own position without reading the consumed documents again; a
+checkpoint without positions (older, or another world size) falls back to starting epoch ``epoch``
+again and skipping that many batches, with a one-line note. Each rank reads its own row groups in an
+order fixed by (files, shuffle_seed, epoch, rank, world size), so both routes are exact.
 """
 from __future__ import annotations
 
@@ -80,6 +82,8 @@ class BatchStream:
     def __init__(self, env: LoopEnv, epoch: int = 0, skip: int = 0, seek: Any = None) -> None:
         self.env, self.epoch, self.batches_in_epoch, self._skip = env, epoch, 0, skip
         self._seek = seek                   # this rank's DataPosition, used for the first epoch only
+        if seek is not None:
+            self.batches_in_epoch = seek.batches_in_epoch
         self._cur: Any = None               # the seeking epoch being read (None: not seeking)
         self.samples = 0
         self._it = self._gen()
@@ -91,7 +95,7 @@ class BatchStream:
             src = stream(self.epoch, start) if stream is not None else None
         except SeekError as e:      # the data changed under the checkpoint: re-read up to its batch count
             print(f"resume: cannot seek ({e}): fast-forwarding {start.batches_in_epoch} batches", flush=True)
-            src, self._skip = stream(self.epoch, None), start.batches_in_epoch
+            src, self._skip, self.batches_in_epoch = stream(self.epoch, None), start.batches_in_epoch, 0
             start = None
         if src is not None and start is not None:
             self.batches_in_epoch, self._skip = start.batches_in_epoch, 0
