@@ -5,12 +5,12 @@ ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
 "mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
 
 Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
-NCCL on GPU, set up by TorchTrainer); parquet train data from this rank's own Ray Data stream over its row
-groups (``train_stream``, seekable on resume: nsa/data/position.py), synthetic train data from
-``get_dataset_shard("train").iter_torch_batches`` (one call per epoch); the val set is not split (every rank evaluates the same first
-``train.eval_batches`` batches, fetched once); resume from ``ray.train.get_checkpoint()``; checkpoints
-and eval metrics through ``ray.train.report`` (a barrier: every rank calls it at the same steps, only
-rank 0 attaches a checkpoint).
+NCCL on GPU, set up by TorchTrainer); parquet train data from this rank's own Ray Data stream over its
+row groups (``train_stream``, seekable on resume: nsa/data/position.py), synthetic train data from
+``get_dataset_shard("train").iter_torch_batches`` (one call per epoch); the val set is not split (every
+rank evaluates the same first ``train.eval_batches`` batches, fetched once); resume from
+``ray.train.get_checkpoint()``; checkpoints and eval metrics through ``ray.train.report`` (a barrier:
+every rank calls it at the same steps, only rank 0 attaches a checkpoint).
 """
 from __future__ import annotations
 
