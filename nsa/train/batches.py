@@ -63,6 +63,10 @@ class BatchStream:
         self.samples += sum(b.shape[0] for b in out)
         return out, time.perf_counter() - t0
 
+    def close(self) -> None:
+        """End the epoch being read (a Ray Data stream shuts its executor down now, not at exit)."""
+        self._it.close()
+
     def position(self, world_size: int) -> dict[str, int]:
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
                 "samples_seen": self.samples * world_size}

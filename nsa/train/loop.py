@@ -390,6 +390,7 @@ class Trainer:
             wd.stop()
             self.ctl.close()
             close_step(self.graphed)
+            self.data.close()
         summary = self._summary(status, reason, wd)
         self.rep.heartbeat("end", self.step, status=status, reason=reason)
         self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")
