@@ -71,6 +71,8 @@ def test_resume_by_name_then_killed_worker_restarts_and_completes(lifecycle):
     assert s["start_step"] == SAVE and s["resumed_from"] is not None
     starts = [r for r in read_heartbeat(out.run_dir / "heartbeat_rank1.jsonl") if r["kind"] == "start"]
     assert [r["step"] for r in starts] == [0, HALT_AT, SAVE]         # fresh, resumed by name, restarted
+    # both resumes continued at rank 1's recorded data position (shard, row group, offset, carry)
+    assert [r.get("data_seek", {}).get("batches_in_epoch") for r in starts] == [None, HALT_AT, SAVE]
     assert len({r["pid"] for r in starts}) == 3
     assert (out.run_dir / f".fault_kill@{KILL_AT}.done").exists()
     assert _sha(lifecycle["ck12"]) == lifecycle["digest12"]           # the old checkpoint was never rewritten

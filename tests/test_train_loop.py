@@ -86,15 +86,7 @@ def test_halt_file_checkpoints_and_resume_continues(tiny_data, tmp_path):
     assert [int(r["step"]) for r in _csv(rd)] == list(range(1, 9))   # nothing lost, nothing doubled
 
 
-def test_exact_resume_matches_uninterrupted(tiny_data, tmp_path):
-    ref, rd_ref = _run(_cfg(tiny_data, tmp_path / "a"))
-    _run(_cfg(tiny_data, tmp_path / "b", runtime__fault="halt@4"))
-    os.remove(tmp_path / "b" / "r" / ".HALT")
-    _, rd = _run(_cfg(tiny_data, tmp_path / "b"))
-    a = {r["step"]: float(r["loss"]) for r in _csv(rd_ref)}
-    b = {r["step"]: float(r["loss"]) for r in _csv(rd)}
-    for step in ("5", "6", "8"):   # same weights, optimizer state and data position -> same losses
-        assert b[step] == pytest.approx(a[step], rel=1e-5), step
+# test_exact_resume_matches_uninterrupted: in tests/test_seek_resume.py (resume seeks to the data position)
 
 
 def test_sigusr2_requests_checkpoint_and_sigterm_stops(tiny_data, tmp_path):

@@ -121,7 +121,8 @@ def iter_packed_batches(files: Sequence[str | os.PathLike], seq_len: int,
 
     Reads `text` in chunks of `doc_batch` documents, packs with a carry-over tail (no tokens lost
     between chunks) and drops only the final incomplete batch. `repeat=True` cycles over the files
-    forever (epochs); `skip_batches` fast-forwards (e.g. to resume from a recorded data position).
+    forever (epochs); `skip_batches` fast-forwards by re-reading (the training loop seeks instead:
+    nsa/data/position.py).
     """
     import pyarrow.parquet as pq
 
@@ -157,3 +158,44 @@ def iter_packed_batches(files: Sequence[str | os.PathLike], seq_len: int,
         if epoch_rows == 0 and packer.pending_tokens == 0:
             raise ValueError("iter_packed_batches: the files hold no text; repeat would loop "
                              "forever")
+
+
+# ----------------------------------------------------------------------------------------------
+# Seekable per-rank streaming for the training loop (nsa/data/position.py): each Train worker runs
+# its own Ray Data pipeline over its read units, so its stream can start at a recorded position.
+# ----------------------------------------------------------------------------------------------
+
+def tokenize_units(batch: dict[str, np.ndarray], files: Sequence[str], tokenizer: Any) -> dict[str, np.ndarray]:
+    """Ray Data `map_batches` fn: units {"shard","row_group","lo","hi": [n]} -> the same plus "tokens"
+    and "ends" [n] (bytes of int64 arrays: the unit's token stream and its per-document ends)."""
+    from nsa.data.position import Unit, read_unit, tokenize_texts
+    tokens, ends = [], []
+    for s, g, lo, hi in zip(batch["shard"], batch["row_group"], batch["lo"], batch["hi"]):   # per unit
+        t, e = tokenize_texts(tokenizer, read_unit(files[int(s)], Unit(int(s), int(g), int(lo), int(hi))))
+        tokens.append(t.tobytes())
+        ends.append(e.tobytes())
+    return {**{k: batch[k] for k in ("shard", "row_group", "lo", "hi")},
+            "tokens": np.array(tokens, dtype=object), "ends": np.array(ends, dtype=object)}
+
+
+def iter_ray_units(files: Sequence[str], units: Sequence[Any], tokenizer: Any, *, prefetch_batches: int = 4,
+                   data_num_cpus: float = 1.0) -> Iterator[tuple[Any, np.ndarray, np.ndarray]]:
+    """(unit, tokens int64 [n], doc ends int64 [hi-lo]) for `units` in order, read and tokenized by Ray
+    Data tasks (streaming, `prefetch_batches` units ahead); the source of a RankEpoch under Ray."""
+    import dataclasses
+
+    import ray.data
+
+    from nsa.data.position import Unit
+    if not units:
+        return
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True          # units come back in reading order
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    ds = ray.data.from_items([dataclasses.asdict(u) for u in units], override_num_blocks=min(len(units), 1024))
+    ds = ds.map_batches(tokenize_units, batch_format="numpy", batch_size=1, num_cpus=data_num_cpus,
+                        fn_kwargs={"files": [str(f) for f in files], "tokenizer": tokenizer})
+    for b in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=prefetch_batches):
+        u = Unit(int(b["shard"][0]), int(b["row_group"][0]), int(b["lo"][0]), int(b["hi"][0]))
+        yield u, np.frombuffer(b["tokens"][0], dtype=np.int64), np.frombuffer(b["ends"][0], dtype=np.int64)

@@ -4,7 +4,8 @@ A checkpoint is a directory holding ``checkpoint.pt`` and ``meta.json``:
 
     checkpoint.pt   {"format", "step", "model", "optimizer", "scheduler", "scaler", "rng", "data",
                      "config", "metrics"}  -- tensors, numbers, strings, lists/tuples/dicts only
-    meta.json       {"format", "step", "created", "files": {"checkpoint.pt": bytes}}
+                    ("data": epoch counters + per-rank seek positions, see data_state)
+    meta.json       {"format", "step", "created", "files": {"checkpoint.pt": bytes}, "data": summary}
                     (human-readable; lets tools pick the latest cheaply and tell a complete copy from a part)
 
 The loop writes it into a temp dir; ``persist_checkpoint`` moves it into the run dir as
@@ -107,9 +108,44 @@ def restore_rng(rng: dict[str, Any]) -> None:
     random.setstate((p["version"], tuple(p["keys"]), p["gauss"]))
 
 
+# ------------------------------------------------------------------------------------------ data position
+# state["data"]: {"epoch", "batches_in_epoch", "samples_seen"} (ints; rank 0's epoch counters, kept for
+# tools and for the fast-forward fallback) and, where the data can seek, "ranks": one DataPosition state
+# per rank (nsa/data/position.py: epoch, batches_in_epoch, shard, row_group, offset, carry tensor).
+def data_state(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The checkpoint's data entry from the loop's position (DataPosition objects -> weights_only dicts)."""
+    out: dict[str, Any] = {k: int(v) for k, v in data.items() if k != "ranks"}
+    if data.get("ranks") is not None:
+        out["ranks"] = [r.to_state() if hasattr(r, "to_state") else dict(r) for r in data["ranks"]]
+    return out
+
+
+def data_summary(data: Mapping[str, Any]) -> dict[str, Any]:
+    """meta.json's readable copy of the data position (the carry as its length)."""
+    from nsa.data.position import DataPosition
+    out: dict[str, Any] = {k: v for k, v in data.items() if k != "ranks"}
+    if data.get("ranks") is not None:
+        out["ranks"] = [DataPosition.from_state(r).describe() for r in data["ranks"]]
+    return out
+
+
+def rank_positions(data: Mapping[str, Any], world_size: int) -> tuple[Optional[list[Any]], Optional[str]]:
+    """(one DataPosition per rank, None) when the checkpoint recorded them for this world size, else
+    (None, the one-line reason the resume fast-forwards by re-reading instead)."""
+    from nsa.data.position import DataPosition
+    ranks = data.get("ranks")
+    skip = f"fast-forwarding {int(data.get('batches_in_epoch', 0))} batches of epoch {int(data.get('epoch', 0))}"
+    if ranks is None:
+        return None, f"resume: the checkpoint records no data position (written before seek-resume): {skip}"
+    if len(ranks) != world_size:
+        return None, (f"resume: the checkpoint's data position is for {len(ranks)} ranks, this run has "
+                      f"{world_size}: {skip}")
+    return [DataPosition.from_state(r) for r in ranks], None
+
+
 # ------------------------------------------------------------------------------------------ save
 def build_state(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: torch.amp.GradScaler, step: int, data: dict[str, int], config: dict[str, Any],
+                scaler: torch.amp.GradScaler, step: int, data: dict[str, Any], config: dict[str, Any],
                 metrics: Optional[dict[str, float]] = None) -> dict[str, Any]:
     """Collect everything needed to continue training. ``model`` must be the unwrapped module (no
     ``module.`` prefixes from DDP) so weights load into a plain TinyLM for inference."""
@@ -123,7 +159,7 @@ def build_state(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "rng": capture_rng(),
-        "data": {k: int(v) for k, v in data.items()},
+        "data": data_state(data),
         "config": config,
         "metrics": {k: float(v) for k, v in (metrics or {}).items()},
     }
@@ -150,6 +186,8 @@ def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> Path
         raise
     meta = {"format": state["format"], "step": state["step"], "created": time.time(),
             "files": {CKPT_FILE: target.stat().st_size}}
+    if isinstance(state.get("data"), Mapping):
+        meta["data"] = data_summary(state["data"])
     atomic_write_text(d / META_FILE, json.dumps(meta))
     fsync_dir(d)
     return target

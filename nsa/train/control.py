@@ -117,6 +117,11 @@ class Control:
         else:
             self._distributed = False
 
+    @property
+    def cpu_group(self) -> Any:
+        """The process group for CPU-object collectives (None: the default group, when it is gloo)."""
+        return self._group
+
     def request_anomaly_halt(self) -> None:
         self.anomaly = True
 

@@ -1,4 +1,5 @@
-"""A single-process LoopEnv without Ray: the same loop on plain parquet iteration.
+"""A single-process LoopEnv without Ray: the same loop, reading the parquet row groups in process (the
+same per-rank stream and seek as under Ray, nsa/data/position.py).
 
 Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. Resume-by-name
 needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
@@ -26,6 +27,7 @@ class LocalEnv:
         self._files = check_data_path(cfg.data.path)
         self._val_files = find_val_shards(cfg.data.path) if Path(cfg.data.path).is_dir() else []
         self.reports: list[dict[str, Any]] = []
+        self._rg_rows: Optional[list[list[int]]] = None
 
     def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module:
         return model
@@ -38,7 +40,22 @@ class LocalEnv:
             yield torch.from_numpy(b).to(self.device)
 
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
-        return self._iter(self._files)
+        return iter(self.train_stream(epoch))
+
+    seekable = True    # train_stream continues from a recorded DataPosition (nsa/data/position.py)
+
+    def train_stream(self, epoch: int, start: Any = None) -> Any:
+        """This epoch's batches read in process by row group, from ``start`` (None: the epoch's start)."""
+        from nsa.data.position import DeviceEpoch, iter_local_units, rank_epoch, row_group_rows
+        from nsa.data.ray_data import _resolve_tokenizer
+        d, t = self.cfg.data, self.cfg.train
+        if self._rg_rows is None:
+            self._rg_rows = row_group_rows(self._files)
+        tok = _resolve_tokenizer(d.tokenizer, d.tiktoken_path)
+        ep = rank_epoch(self._files, self._rg_rows, epoch=epoch, rank=0, world=1, seq_len=t.seq_len,
+                        batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
+                        source=lambda units: iter_local_units(self._files, units, tok))
+        return DeviceEpoch(ep, self.device)
 
     def val_batches(self, n: int) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []

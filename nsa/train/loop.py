@@ -14,11 +14,13 @@ Non-finite steps never change the weights (see nsa/train/step.py); with ``on_non
 stops at the next log step with an ``anomaly`` record (at the step the first non-finite value appeared,
 carried on the device by IntervalMeter) and without a checkpoint.
 
-Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally). On resume
-the loop starts epoch ``epoch`` again and skips that many batches. That is exact when the dataset's
-order is reproducible (the trainer asks Ray Data for preserve_order; file order is shuffled with a fixed
-seed), except that Ray Data reshuffles the file order per execution, so a resumed epoch > 0 may visit
-files in another order than the uninterrupted run would have.
+Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally) and, where the
+data can seek (parquet shards, in process or through Ray Data), every rank's DataPosition (shard, row
+group, offset, packing carry; nsa/data/position.py), all-gathered to rank 0 at checkpoint steps. On
+resume each rank continues at its own position without reading the consumed documents again; a
+checkpoint without positions (older, or another world size) falls back to starting epoch ``epoch``
+again and skipping that many batches, with a one-line note. Each rank reads its own row groups in an
+order fixed by (files, shuffle_seed, epoch, rank, world size), so both routes are exact.
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ from nsa.config import DETERMINISTIC_ENV, RunConfig, apply_process_env
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.telemetry.health import gate_violations, thresholds_from_logging
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
-                                  load_checkpoint, restore_training_state, save_checkpoint, scan_checkpoints)
+                                  load_checkpoint, rank_positions, restore_training_state, save_checkpoint,
+                                  scan_checkpoints)
+from nsa.train.batches import BatchStream
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
@@ -59,46 +63,11 @@ class LoopEnv(Protocol):
 
     def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module: ...  # ddp=False: move only
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]: ...   # one pass, [b, T+1] int64 on device
+    # optional: ``train_stream(epoch, start: DataPosition | None)`` -> an iterable of the same batches with
+    # ``position()``, or None when the data cannot seek (nsa/data/position.py)
     def val_batches(self, n: int) -> list[torch.Tensor]: ...
     def resume_state(self) -> Optional[dict[str, Any]]: ...              # latest checkpoint of this run
     def report(self, metrics: dict[str, Any], ckpt_dir: Optional[Path], dir_name: Optional[str]) -> None: ...
-
-
-# ---------------------------------------------------------------------------------------------- data
-class BatchStream:
-    """Micro-batches from ``env.train_batches(epoch)``, looping over epochs, with a resumable position."""
-
-    def __init__(self, env: LoopEnv, epoch: int = 0, skip: int = 0) -> None:
-        self.env, self.epoch, self.batches_in_epoch, self._skip = env, epoch, 0, skip
-        self.samples = 0
-        self._it = self._gen()
-
-    def _gen(self) -> Iterator[torch.Tensor]:
-        while True:
-            produced = 0
-            for b in self.env.train_batches(self.epoch):
-                produced += 1
-                self.batches_in_epoch += 1
-                if self._skip > 0:      # resume: fast-forward to the checkpoint's position
-                    self._skip -= 1
-                    continue
-                yield b
-            if produced == 0:
-                raise ValueError(f"the training data produced no batch in epoch {self.epoch}: fewer rows per "
-                                 "worker than train.batch_size; lower train.batch_size/seq_len or add data")
-            self.epoch += 1
-            self.batches_in_epoch = 0
-
-    def next(self, n: int) -> tuple[list[torch.Tensor], float]:
-        """``n`` micro-batches and the seconds spent waiting for them."""
-        t0 = time.perf_counter()
-        out = [next(self._it) for _ in range(n)]
-        self.samples += sum(b.shape[0] for b in out)
-        return out, time.perf_counter() - t0
-
-    def position(self, world_size: int) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch,
-                "samples_seen": self.samples * world_size}
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -236,10 +205,14 @@ class Trainer:
         for why in self.skipped_checkpoints:
             log.warning("resume: skipped %s", why)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
+        self.seek, self.seek_note = None, None     # this rank's recorded DataPosition / why there is none
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
                                                scaler=self.prec.scaler)
             pos = state["data"]
+            if getattr(env, "seekable", False):
+                ranks, self.seek_note = rank_positions(pos, self.world)
+                self.seek = ranks[self.rank] if ranks is not None else None
             del state
         self.start_step = self.step
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
@@ -262,7 +235,10 @@ class Trainer:
                 self.step_mode = f"eager (runtime.cuda_graph: {why})"
                 log.warning("runtime.cuda_graph=true but the step stays eager: %s", why)
         self.core = _unwrap(self.model)
-        self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
+        if self.seek is not None:       # continue at this rank's own position: nothing is read twice
+            self.data = BatchStream(env, self.seek.epoch, 0, seek=self.seek)
+        else:
+            self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
         self.data.samples = pos["samples_seen"] // max(1, self.world)
         self.saved = {s for s, _ in list_checkpoints(self.run_dir)}   # never overwrite any of these
         self.saved.add(self.step)
@@ -299,9 +275,11 @@ class Trainer:
                    "checkpoint_reason": reason}
         name = checkpoint_dir_name(step)
         t0 = time.perf_counter()
+        ranks = self._gather_positions()     # every rank: a collective at checkpoint steps (sync-ok)
         if self.rank == 0:
+            data = {**self.data.position(self.world), **({"ranks": ranks} if ranks else {})}
             state = build_state(model=self.core, optimizer=self.opt, scheduler=self.sched,
-                                scaler=self.prec.scaler, step=step, data=self.data.position(self.world),
+                                scaler=self.prec.scaler, step=step, data=data,
                                 config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
             with tempfile.TemporaryDirectory(prefix="nsa_ckpt_") as d:
                 save_checkpoint(d, state)
@@ -313,6 +291,20 @@ class Trainer:
         self.checkpoints.append(step)
         self.rep.heartbeat("checkpoint", step, reason=reason, dir=name,
                            seconds=round(time.perf_counter() - t0, 3))
+
+    def _gather_positions(self) -> Optional[list[Any]]:
+        """Every rank's DataPosition (host objects, all-gathered over the CPU group), or None when the
+        data cannot seek. Called by every rank at the same checkpoint steps."""
+        if not getattr(self.env, "seekable", False):
+            return None
+        mine = self.data.rank_position()
+        if self.world == 1:
+            return [mine] if mine is not None else None
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return None
+        out: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(out, mine, group=self.ctl.cpu_group)
+        return out if all(p is not None for p in out) else None
 
     def _log(self, step: int, res_tokens: int, extra: dict[str, float]) -> dict[str, float]:
         host = self.meter.flush()
@@ -378,8 +370,11 @@ class Trainer:
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
                            resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
                            precision=self.prec.name,
-                           data_position=self.data.position(self.world))
+                           data_position=self.data.position(self.world),
+                           **({"data_seek": self.seek.describe()} if self.seek is not None else {}))
         if self.rank == 0:
+            if self.seek_note:
+                print(self.seek_note, flush=True)
             for why in self.skipped_checkpoints:
                 print(f"resume: skipped {why}", flush=True)
             print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
@@ -400,6 +395,7 @@ class Trainer:
             wd.stop()
             self.ctl.close()
             close_step(self.graphed)
+            self.data.close()
         summary = self._summary(status, reason, wd)
         self.rep.heartbeat("end", self.step, status=status, reason=reason)
         self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")

@@ -5,11 +5,12 @@ ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
 "mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
 
 Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
-NCCL on GPU, set up by TorchTrainer); train data from ``get_dataset_shard("train").iter_torch_batches``
-(one call per epoch); the val set is not split (every rank evaluates the same first
-``train.eval_batches`` batches, fetched once); resume from ``ray.train.get_checkpoint()``; checkpoints
-and eval metrics through ``ray.train.report`` (a barrier: every rank calls it at the same steps, only
-rank 0 attaches a checkpoint).
+NCCL on GPU, set up by TorchTrainer); parquet train data from this rank's own Ray Data stream over its
+row groups (``train_stream``, seekable on resume: nsa/data/position.py), synthetic train data from
+``get_dataset_shard("train").iter_torch_batches`` (one call per epoch); the val set is not split (every
+rank evaluates the same first ``train.eval_batches`` batches, fetched once); resume from
+``ray.train.get_checkpoint()``; checkpoints and eval metrics through ``ray.train.report`` (a barrier:
+every rank calls it at the same steps, only rank 0 attaches a checkpoint).
 """
 from __future__ import annotations
 
@@ -41,7 +42,12 @@ class RayEnv:
         self._cfg = cfg
         self._batch_size = cfg.train.batch_size
         self._prefetch = cfg.data.prefetch_batches
-        self._train = ray.train.get_dataset_shard("train")
+        # parquet data: each rank streams its own read units (train_stream), so a resume can seek;
+        # the driver's split train dataset serves the data that cannot seek (synthetic)
+        self.seekable = cfg.data.source == "parquet"
+        self._train = None if self.seekable else ray.train.get_dataset_shard("train")
+        self._files: Optional[list[str]] = None
+        self._rg_rows: Optional[list[list[int]]] = None
         try:
             self._val = ray.train.get_dataset_shard("val")
         except (KeyError, ValueError):
@@ -67,7 +73,39 @@ class RayEnv:
             raise
 
     def train_batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        if self._train is None:
+            return iter(self.train_stream(epoch, None))
         return self._iter(self._train)
+
+    def train_stream(self, epoch: int, start: Any = None) -> Any:
+        """This rank's batches of ``epoch`` from ``start`` (a DataPosition; None: the epoch's start), read
+        by Ray Data tasks over this rank's row groups (nsa/data/position.py); None for synthetic data."""
+        if not self.seekable:
+            return None
+        from nsa.data.position import DeviceEpoch, rank_epoch, row_group_rows
+        from nsa.data.ray_data import _resolve_tokenizer, iter_ray_units
+        from nsa.data.shards import check_data_path
+        d, t = self._cfg.data, self._cfg.train
+        if self._files is None:
+            self._files = check_data_path(d.path)               # verified once per data dir (cached)
+            self._rg_rows = row_group_rows(self._files)
+        tok = _resolve_tokenizer(d.tokenizer, d.tiktoken_path)
+        files = self._files
+        ep = rank_epoch(files, self._rg_rows, epoch=epoch, rank=self.rank, world=self.world_size,
+                        seq_len=t.seq_len, batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
+                        source=lambda units: self._diagnosed(iter_ray_units(files, units, tok,
+                                                                            prefetch_batches=self._prefetch)))
+        return DeviceEpoch(ep, self.device)
+
+    def _diagnosed(self, it: Iterator[Any]) -> Iterator[Any]:
+        try:
+            yield from it
+        except Exception:
+            from nsa.data.shards import DataError, diagnose_data_error
+            where = diagnose_data_error(self._cfg.data.path)
+            if where:
+                raise DataError(where) from None
+            raise
 
     def val_batches(self, n: int) -> list[torch.Tensor]:
         if self._val is None or n <= 0:
