@@ -153,6 +153,29 @@ def test_plain_iterator_reads_urls_like_paths(hub_like):
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def test_training_on_a_url_matches_the_staged_path(tiny_data, tmp_path):
+    """The launcher keeps a URL as given (not made a local absolute path), finds its val-* file, and a
+    run on `file://<dir>` trains on the very rows the staged `<dir>` gives: identical losses."""
+    import csv
+
+    from conftest import local_cfg, run_local
+    from nsa.launch.builder import val_rows, validate_inputs
+
+    losses, evals = [], []
+    for path in (str(tiny_data), tiny_data.as_uri()):
+        cfg = local_cfg(tiny_data, tmp_path / str(len(losses)), train__steps=2, train__eval_every=2)
+        cfg.data.path = path
+        validate_inputs(cfg)
+        assert cfg.data.path == path
+        evals.append(val_rows(cfg))
+        summary, run_dir = run_local(cfg)
+        assert summary["status"] == "completed" and summary["step"] == 2
+        with open(Path(run_dir) / "training.csv", newline="") as fh:
+            losses.append([float(r["loss"]) for r in csv.DictReader(fh)])
+    assert evals[0] is not None and np.array_equal(evals[0], evals[1])
+    assert len(losses[1]) == 2 and losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 # ------------------------------------------------------------------------------------ Ray Data route
 def _consume_split(ds, n: int) -> list[np.ndarray]:
     """What `DataConfig(datasets_to_split=["train"])` does for n Train workers: streaming_split(n,
