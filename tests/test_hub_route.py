@@ -81,16 +81,38 @@ def test_missing_huggingface_hub_is_one_line(monkeypatch):
     with pytest.raises(ImportError) as ei:
         sources.url_filesystem(HUB)
     msg = _one_line(ei.value)
-    assert "data.path=" in msg and "pip install huggingface_hub" in msg and "prepare_data.py" in msg
+    assert msg.startswith(f"{HUB!r} needs the huggingface_hub package: pip install huggingface_hub")
+    assert "prepare_data.py" in msg
+
+
+def test_hub_offline_mode_is_one_line(monkeypatch):
+    """HF_HUB_OFFLINE=1 applies: listing the hub fails at once with the fix (stage with prepare_data)."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)   # what HF_HUB_OFFLINE=1 sets
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: pytest.fail("went to the network"))
+    with pytest.raises(ConnectionError) as ei:
+        check_data_path(HUB)
+    msg = _one_line(ei.value)
+    assert msg.startswith(f"{HUB!r}: listing failed (OfflineModeIsEnabled")
+    assert "HF_HUB_OFFLINE" in msg and "prepare_data.py" in msg
 
 
 def test_url_listing_nothing_is_one_line(tmp_path):
+    from conftest import local_cfg
+    from nsa.launch.builder import UserError, validate_inputs
+
     (tmp_path / "notes.txt").write_text("no parquet here")
     for url in (tmp_path.as_uri(), f"{tmp_path.as_uri()}/*.parquet", f"{tmp_path.as_uri()}/missing"):
         with pytest.raises(FileNotFoundError) as ei:
             check_data_path(url)
         msg = _one_line(ei.value)
-        assert msg.startswith(f"data.path={url!r} lists no train parquet files") and "hf://datasets/" in msg
+        assert msg.startswith(f"{url!r} lists no train parquet files") and "hf://datasets/" in msg
+    cfg = local_cfg(tmp_path, tmp_path / "runs")
+    cfg.data.path = tmp_path.as_uri()
+    with pytest.raises(UserError) as ei:       # the launcher's line names the field
+        validate_inputs(cfg)
+    assert _one_line(ei.value).startswith(f"data.path: {tmp_path.as_uri()!r} lists no train parquet files")
 
 
 def test_url_without_text_column_is_one_line(tmp_path):

@@ -232,7 +232,7 @@ def url_filesystem(url: str) -> tuple[Any, str]:
         try:
             from huggingface_hub import HfFileSystem
         except ImportError:
-            raise ImportError(f"data.path={url!r} needs the huggingface_hub package: pip install "
+            raise ImportError(f"{url!r} needs the huggingface_hub package: pip install "
                               f"huggingface_hub (or pip install -e '.[data]'), {_STAGE_HINT}") from None
         return HfFileSystem(), rest            # token from HF_TOKEN / `hf auth login`; HF_HUB_OFFLINE applies
     from fsspec.implementations.local import LocalFileSystem
@@ -274,7 +274,7 @@ def list_parquet_url(url: str, split: str = "train") -> list[str]:
             root, found = path, (fs.find(path) if fs.isdir(path) else [])
     except Exception as exc:   # noqa: BLE001 - network (httpx errors are no OSError), auth, offline mode
         first = (str(exc).splitlines() or [""])[0]
-        raise ConnectionError(f"data.path={url!r}: listing failed ({type(exc).__name__}: {first}); "
+        raise ConnectionError(f"{url!r}: listing failed ({type(exc).__name__}: {first}); "
                               f"check the network, HF_TOKEN and HF_HUB_OFFLINE, {_STAGE_HINT}") from None
     out = []
     for f in sorted(str(x) for x in found):
@@ -297,21 +297,22 @@ def parquet_schema(url: str) -> Any:
 
 def check_parquet_url(url: str, split: str = "train") -> list[str]:
     """The listing of `url` (see list_parquet_url), checked: non-empty ("train") and the first file's
-    footer has a string `text` column. Errors are one line naming data.path and the fix."""
+    footer has a string `text` column. Errors are one line naming the URL and the fix (the launcher
+    prefixes the field: `data.path: 'hf://...' lists no ...`)."""
     files = list_parquet_url(url, split)
     if not files:
         if split == "val":
             return []
-        raise FileNotFoundError(f"data.path={url!r} lists no {split} parquet files; name a folder or a "
+        raise FileNotFoundError(f"{url!r} lists no {split} parquet files; name a folder or a "
                                 f"glob of .parquet files: {DATA_PATH_FORMS}")
     try:
         schema = parquet_schema(files[0])
     except Exception as exc:  # noqa: BLE001 - unreachable (httpx errors), or not a parquet file
-        raise ValueError(f"data.path={url!r}: cannot read the footer of {files[0]} "
+        raise ValueError(f"{url!r}: cannot read the footer of {files[0]} "
                          f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
     text = schema.field("text").type if "text" in schema.names else None
     if str(text) not in ("string", "large_string", "string_view"):
-        raise ValueError(f"data.path={url!r}: {files[0]} has no string 'text' column (columns: "
+        raise ValueError(f"{url!r}: {files[0]} has no string 'text' column (columns: "
                          f"{schema.names}); training reads FineWeb-Edu-shaped parquet")
     return files
 
