@@ -189,6 +189,8 @@ URL_SCHEMES: tuple[str, ...] = ("hf", "file")
 DATA_PATH_FORMS = ("a local directory or .parquet file, file:///abs/<folder or glob>, or "
                    "hf://datasets/<org>/<name>/<folder or glob> (e.g. "
                    "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet)")
+# val-split file or folder names: `val-00000.parquet`, `validation_0.parquet`, `val/...` (also nsa.data.shards)
+VAL_NAME = re.compile(r"^(val|valid|validation)([-_.]|$)", re.IGNORECASE)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_CHARS = "*?["
 _STAGE_HINT = ("or stage the data offline: python pipelines/prepare_data.py --source hub --out DIR, "
@@ -258,8 +260,6 @@ def list_parquet_url(url: str, split: str = "train") -> list[str]:
     hidden folders; val-named ones (`val-*`, `validation_*`, under `val/`, relative to the folder or the
     glob's fixed prefix) form the val split, the rest the train split, as for a local directory.
     """
-    from nsa.data.shards import _VAL_PART
-
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     fs, path = url_filesystem(url)
@@ -281,7 +281,7 @@ def list_parquet_url(url: str, split: str = "train") -> list[str]:
         parts = _rel_parts(f, root)
         if not f.endswith(".parquet") or any(p.startswith(".") for p in parts):
             continue
-        if any(_VAL_PART.match(p) for p in parts) == (split == "val"):
+        if any(VAL_NAME.match(p) for p in parts) == (split == "val"):
             out.append(f"{scheme}://{f}")
     return out
 
