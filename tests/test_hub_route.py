@@ -103,7 +103,8 @@ def test_url_listing_nothing_is_one_line(tmp_path):
     from nsa.launch.builder import UserError, validate_inputs
 
     (tmp_path / "notes.txt").write_text("no parquet here")
-    for url in (tmp_path.as_uri(), f"{tmp_path.as_uri()}/*.parquet", f"{tmp_path.as_uri()}/missing"):
+    for url in (tmp_path.as_uri(), f"{tmp_path.as_uri()}/*.parquet", f"{tmp_path.as_uri()}/missing",
+                f"{tmp_path.as_uri()}/notes.txt"):
         with pytest.raises(FileNotFoundError) as ei:
             check_data_path(url)
         msg = _one_line(ei.value)

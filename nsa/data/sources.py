@@ -228,17 +228,17 @@ def url_filesystem(url: str) -> tuple[Any, str]:
     err = url_error(url)
     if err is not None:
         raise ValueError(err)
-    scheme = url_scheme(url)
-    rest = url[len(scheme) + 3:]                  # type: ignore[arg-type]
-    if scheme == "hf":
+    if url_scheme(url) == "hf":
         try:
-            from huggingface_hub import HfFileSystem
+            import huggingface_hub  # noqa: F401 - fsspec's "hf" protocol is its HfFileSystem
         except ImportError:
             raise ImportError(f"{url!r} needs the huggingface_hub package: pip install "
                               f"huggingface_hub (or pip install -e '.[data]'), {_STAGE_HINT}") from None
-        return HfFileSystem(), rest            # token from HF_TOKEN / `hf auth login`; HF_HUB_OFFLINE applies
-    from fsspec.implementations.local import LocalFileSystem
-    return LocalFileSystem(), rest
+    from fsspec.core import url_to_fs
+
+    # HfFileSystem takes its token from HF_TOKEN / `hf auth login` and honours HF_HUB_OFFLINE; the path
+    # comes back normalized without the scheme (what the filesystem's listings return too)
+    return url_to_fs(url)
 
 
 def _rel_parts(path: str, root: str) -> tuple[str, ...]:
@@ -269,7 +269,7 @@ def list_parquet_url(url: str, split: str = "train") -> list[str]:
         if any(c in path for c in _GLOB_CHARS):
             root, found = _glob_root(path), fs.glob(path)
         elif fs.isfile(path):
-            return [url] if split == "train" else []
+            return [url] if split == "train" and path.endswith(".parquet") else []
         else:
             root, found = path, (fs.find(path) if fs.isdir(path) else [])
     except Exception as exc:   # noqa: BLE001 - network (httpx errors are no OSError), auth, offline mode
