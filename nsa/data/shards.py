@@ -441,8 +441,7 @@ def resolve_val_files(data_path: str | os.PathLike, val_path: str | os.PathLike 
         return find_val_shards(data_path) if is_url(data_path) or Path(data_path).expanduser().is_dir() else []
     if is_url(val_path) or Path(val_path).expanduser().is_dir():
         return find_val_shards(val_path) or check_data_path(val_path)
-    validate_shard(val_path)
-    return [str(val_path)]
+    return check_data_path(val_path)       # one file: validated, its verdict remembered
 
 
 class DataError(ValueError):
