@@ -192,7 +192,7 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "parquet"          # parquet (FineWeb-Edu-format shards) | synthetic (explicit opt-in)
-    path: str = "data/fineweb_local"  # directory of shards (prepare_data.py writes it)
+    path: str = "data/fineweb_local"  # shard directory (prepare_data.py writes it) or hf://datasets/<org>/<name>/<glob>
     val_path: Optional[str] = None   # held-out shard; default: the val-*.parquet beside the train shards
     auto_prepare: bool = True        # default path missing -> build it from the offline local corpus
     tokenizer: str = "byte"          # byte | gpt2 (tiktoken, needs a local encoding file)
@@ -205,6 +205,11 @@ class DataConfig:
         _one_of("data.tokenizer", self.tokenizer, ("byte", "gpt2"))
         _require(self.prefetch_batches >= 0, "data.prefetch_batches must be >= 0")
         _require(bool(self.path) or self.source == "synthetic", "data.path is empty: point it at a shard directory")
+        for name in ("path", "val_path"):       # a URL streams without staging: hf://datasets/..., file:///...
+            if "://" in str(getattr(self, name) or ""):
+                from nsa.data.sources import url_error
+                err = url_error(getattr(self, name), f"data.{name}")
+                _require(err is None, str(err))
 
 
 @dataclass

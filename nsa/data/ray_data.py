@@ -6,6 +6,9 @@ splits the train dataset across workers (streaming split); the loop iterates wit
 `iter_torch_batches(batch_size=..., prefetch_batches=...)` and measures fetch time itself (the old
 stack's NSA_FWE_PREFETCH / NSA_FWE_Q map to `prefetch_batches`; NSA_FWE_DOC_BATCH to `doc_batch`).
 Each map_batches call drops its own incomplete tail (< seq_len+1 tokens per ~64 documents).
+The files are local paths or parquet URLs (`hf://datasets/...`, `file:///...`): a URL list is read as
+`read_parquet(paths, filesystem=<its fsspec filesystem>)`, the rest of the pipeline and the split are
+the same (nsa.data.sources).
 
 The 2-core deadlock (shared/RAY_NOTES.md): Train workers hold their CPUs in a placement group and
 Ray Data's read/map tasks need CPUs too. On a small machine (e.g. `ray.init(num_cpus=2)` with two
@@ -18,13 +21,13 @@ Ray is imported inside the functions only: `import nsa.data.ray_data` does not i
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from nsa.data.packing import StreamPacker, encode_stream, tokenize_and_pack
-from nsa.data.shards import check_data_path, find_val_shards, validate_shard
+from nsa.data.shards import check_data_path, resolve_val_files
+from nsa.data.sources import open_parquet, read_parquet_args
 from nsa.data.tokenizers import Tokenizer, get_tokenizer
 
 
@@ -55,17 +58,6 @@ def _unpack_cfg(data: Any) -> dict[str, Any]:
     return out
 
 
-def _val_files(data_path: Any, val_path: Any) -> list[str]:
-    if val_path is None:
-        return find_val_shards(data_path) if Path(data_path).is_dir() else []
-    p = Path(val_path)
-    if p.is_dir():
-        found = find_val_shards(p)
-        return found if found else check_data_path(p)
-    validate_shard(p)
-    return [str(p)]
-
-
 def _packed(files: Sequence[str], seq_len: int, tokenizer: Any, doc_batch: int,
             shuffle_seed: int | None, data_num_cpus: float) -> Any:
     import ray.data
@@ -75,7 +67,8 @@ def _packed(files: Sequence[str], seq_len: int, tokenizer: Any, doc_batch: int,
         shuffle = ray.data.FileShuffleConfig(seed=int(shuffle_seed))
     # select_columns (not read_parquet(columns=...), deprecated in 2.60) is pushed down into the
     # parquet read, so only `text` is decoded.
-    ds = ray.data.read_parquet(list(files), shuffle=shuffle).select_columns(["text"])
+    paths, fs = read_parquet_args(files)   # local paths (fs None) or paths inside a URL's fsspec filesystem
+    ds = ray.data.read_parquet(paths, filesystem=fs, shuffle=shuffle).select_columns(["text"])
     return ds.map_batches(tokenize_and_pack, batch_format="numpy", batch_size=doc_batch,
                           fn_kwargs={"tokenizer": tokenizer, "seq_len": int(seq_len)},
                           num_cpus=data_num_cpus)
@@ -88,8 +81,10 @@ def build_datasets(data_path: Any, seq_len: int, tokenizer_name: str | Tokenizer
     """(train_ds, val_ds | None) of rows {"input_ids": int64 [seq_len+1]}.
 
     `data_path`: a prepared directory (see nsa.data.shards), a directory of FineWeb-Edu parquet
-    files, one parquet file, or a DataConfig-like object carrying `path` (+ optional `val_path`,
-    `tokenizer`, `tiktoken_path`, `shuffle_seed`, `doc_batch`). The held-out set comes from
+    files, one parquet file, a parquet URL streamed without staging (`hf://datasets/<org>/<name>/
+    <folder or glob>`, `file:///abs/<folder or glob>`; see nsa.data.sources), or a DataConfig-like
+    object carrying `path` (+ optional `val_path`, `tokenizer`, `tiktoken_path`, `shuffle_seed`,
+    `doc_batch`). The held-out set comes from
     `val_path` or else the directory's `val-*.parquet`. `shuffle_seed` shuffles the train file
     order (row-level shuffling belongs to iteration: `local_shuffle_buffer_size`).
     Needs an initialized Ray (or lets Ray Data start a local one).
@@ -107,7 +102,7 @@ def build_datasets(data_path: Any, seq_len: int, tokenizer_name: str | Tokenizer
     doc_batch = int(cfg.get("doc_batch", doc_batch))
     tok = _resolve_tokenizer(tokenizer_name, tiktoken_path)
     train_files = check_data_path(cfg["data_path"])
-    val_files = _val_files(cfg["data_path"], val_path)
+    val_files = resolve_val_files(cfg["data_path"], val_path)
     train_ds = _packed(train_files, seq_len, tok, doc_batch, shuffle_seed, data_num_cpus)
     val_ds = _packed(val_files, seq_len, tok, doc_batch, None, data_num_cpus) if val_files else None
     return train_ds, val_ds
@@ -124,8 +119,6 @@ def iter_packed_batches(files: Sequence[str | os.PathLike], seq_len: int,
     forever (epochs); `skip_batches` fast-forwards by re-reading (the training loop seeks instead:
     nsa/data/position.py).
     """
-    import pyarrow.parquet as pq
-
     if batch_size < 1 or doc_batch < 1 or skip_batches < 0:
         raise ValueError(f"batch_size and doc_batch must be >= 1 and skip_batches >= 0, got "
                          f"{batch_size}, {doc_batch}, {skip_batches}")
@@ -139,7 +132,7 @@ def iter_packed_batches(files: Sequence[str | os.PathLike], seq_len: int,
     while True:
         epoch_rows = 0
         for f in files:
-            for rb in pq.ParquetFile(f).iter_batches(batch_size=doc_batch, columns=["text"]):
+            for rb in open_parquet(f).iter_batches(batch_size=doc_batch, columns=["text"]):
                 texts = [t for t in rb.column(0).to_pylist() if isinstance(t, str)]
                 rows = packer.push(encode_stream(tok, texts))  # [n, seq_len+1]
                 if rows.size:

@@ -12,7 +12,8 @@ manifest always has complete shards. An interrupted run leaves at most the hidde
 
 `check_data_path` accepts a prepared directory, any directory of parquet files with a `text` column
 (e.g. FineWeb-Edu's own `sample/10BT/*.parquet`), or a single parquet file, and raises errors that
-name the file and the fix.
+name the file and the fix. A URL (`hf://datasets/...`, `file:///...`) is listed and checked by
+nsa.data.sources instead: no manifest, checksum or verdict cache applies to it.
 
 Preflight cost: every launch reads each shard's footer and checks every row group's metadata (column
 chunks inside the file, row counts adding up). The first time a shard is seen it is also decoded
@@ -26,11 +27,12 @@ import datetime as _dt
 import hashlib
 import json
 import os
-import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
+
+from nsa.data.sources import VAL_NAME, check_parquet_url, is_url
 
 MANIFEST = "manifest.json"
 VERDICTS = ".nsa-shards-verified.json"
@@ -347,12 +349,9 @@ def validate_shard(path: str | os.PathLike, verdicts: Verdicts | None = None) ->
     return rows
 
 
-_VAL_PART = re.compile(r"^(val|valid|validation)([-_.]|$)", re.IGNORECASE)
-
-
 def _is_val(p: Path, root: Path) -> bool:
     """`val-00000.parquet`, `validation_0.parquet` or anything under a `val/` folder."""
-    return any(_VAL_PART.match(part) for part in p.relative_to(root).parts)
+    return any(VAL_NAME.match(part) for part in p.relative_to(root).parts)
 
 
 def _listed(root: Path, manifest: dict[str, Any], split: str, verify_checksums: bool,
@@ -381,7 +380,10 @@ def _scan(root: Path) -> list[Path]:
 
 
 def check_data_path(path: str | os.PathLike, *, verify_checksums: bool = True) -> list[str]:
-    """Validated train shard paths of a data directory (or the file itself); see module doc."""
+    """Validated train shard paths of a data directory (or the file itself); see module doc.
+    A URL (hf://, file://) gives its parquet URLs, checked as nsa.data.sources says (no manifest)."""
+    if is_url(path):
+        return check_parquet_url(str(path), "train")
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data path {str(p)!r} does not exist; create it with "
@@ -411,7 +413,9 @@ def check_data_path(path: str | os.PathLike, *, verify_checksums: bool = True) -
 
 
 def find_val_shards(path: str | os.PathLike, *, verify_checksums: bool = True) -> list[str]:
-    """Validated held-out shard paths of a data directory ([] when it has none)."""
+    """Validated held-out shard paths of a data directory or URL ([] when it has none)."""
+    if is_url(path):
+        return check_parquet_url(str(path), "val")
     p = Path(path).expanduser()
     if p.is_file():
         return []
@@ -430,13 +434,26 @@ def find_val_shards(path: str | os.PathLike, *, verify_checksums: bool = True) -
     return [str(f) for f in files]
 
 
+def resolve_val_files(data_path: str | os.PathLike, val_path: str | os.PathLike | None = None) -> list[str]:
+    """The held-out files of a run: `val_path`'s (a file: itself; a directory or URL: its val-* files,
+    else all its parquet files), or else `data_path`'s val-* files ([] for a single file)."""
+    if val_path is None:
+        return find_val_shards(data_path) if is_url(data_path) or Path(data_path).expanduser().is_dir() else []
+    if is_url(val_path) or Path(val_path).expanduser().is_dir():
+        return find_val_shards(val_path) or check_data_path(val_path)
+    return check_data_path(val_path)       # one file: validated, its verdict remembered
+
+
 class DataError(ValueError):
     """A shard failed to decode while training; the message names the shard and the row group."""
 
 
 def diagnose_data_error(path: str | os.PathLike) -> str | None:
     """After a read failure at run time: decode the shards of ``path`` that are not remembered as clean
-    (a clean, unchanged shard cannot be the cause), and return the first failure's one-line message."""
+    (a clean, unchanged shard cannot be the cause), and return the first failure's one-line message.
+    None for a URL: diagnosing would mean downloading the corpus; Ray's own error names the file."""
+    if is_url(path):
+        return None
     p = Path(path).expanduser()
     verdicts = Verdicts(p)
     files = [p] if p.is_file() else _scan(p)

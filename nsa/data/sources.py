@@ -1,9 +1,17 @@
-"""Document sources for prepare_data: local corpus, JSONL, TXT, and FineWeb-Edu from the HF hub.
+"""Document sources: for prepare_data (local corpus, JSONL, TXT, FineWeb-Edu from the HF hub), and
+parquet URLs that training streams without staging (`data.path=hf://datasets/...`).
 
-All yield FineWeb-Edu-shaped records (nsa.data.docs). The hub source streams
+All prepare_data sources yield FineWeb-Edu-shaped records (nsa.data.docs). The hub source streams
 `HuggingFaceFW/fineweb-edu` (config `sample-10BT`) through `datasets` and fails fast when the network
 is unavailable: a TCP probe of the hub host, then `load_dataset` and the first row each under
 `timeout_s` (the old stack's `--loader-timeout`), with an error that suggests `--source local`.
+
+Parquet URLs (bottom of this file): `hf://datasets/<org>/<name>/<folder or glob>` through
+huggingface_hub's fsspec filesystem (`HfFileSystem`), or `file:///abs/<folder or glob>` through fsspec's
+local one; both take the same code (URL -> (filesystem, path) -> listing -> footer check -> Ray Data
+`read_parquet(paths, filesystem=fs)`), so the `file://` form tests the hub route offline. What is
+checked for a URL (no manifest, no checksums, nothing cached or written): the listing is non-empty and
+the first file's footer has a string `text` column; a damaged remote file fails at read time.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import re
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from nsa.data.docs import limit_docs, make_doc
 from nsa.data.local_corpus import iter_local_corpus
@@ -171,3 +179,163 @@ def iter_source(source: str, input_path: str | os.PathLike | None = None, *,
     else:
         docs = iter_hub_fineweb(name=hub_name, timeout_s=hub_timeout_s)
     return limit_docs(docs, max_docs=max_docs, max_bytes=max_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parquet URLs for training without staging
+# ----------------------------------------------------------------------------------------------
+
+URL_SCHEMES: tuple[str, ...] = ("hf", "file")
+DATA_PATH_FORMS = ("a local directory or .parquet file, file:///abs/<folder or glob>, or "
+                   "hf://datasets/<org>/<name>/<folder or glob> (e.g. "
+                   "hf://datasets/HuggingFaceFW/fineweb-edu/sample/10BT/*.parquet)")
+# val-split file or folder names: `val-00000.parquet`, `validation_0.parquet`, `val/...` (also nsa.data.shards)
+VAL_NAME = re.compile(r"^(val|valid|validation)([-_.]|$)", re.IGNORECASE)
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_GLOB_CHARS = "*?["
+_STAGE_HINT = ("or stage the data offline: python pipelines/prepare_data.py --source hub --out DIR, "
+               "then data.path=DIR")
+
+
+def url_scheme(path: Any) -> str | None:
+    """'hf', 'file', ... for `scheme://...`; None for a plain path."""
+    m = _SCHEME.match(str(path))
+    return m.group(1).lower() if m else None
+
+
+def is_url(path: Any) -> bool:
+    return url_scheme(path) is not None
+
+
+def url_error(path: Any, field: str = "data.path") -> str | None:
+    """One line naming `field` when `path` is a URL this project cannot read; None when it can."""
+    scheme = url_scheme(path)
+    if scheme is None:
+        return None
+    if scheme not in URL_SCHEMES:
+        return f"{field}={str(path)!r}: unsupported scheme {scheme}://; use {DATA_PATH_FORMS}"
+    rest = str(path)[len(scheme) + 3:]
+    if scheme == "hf" and not rest.startswith("datasets/"):
+        return (f"{field}={str(path)!r}: a hub path names a dataset's parquet files: "
+                f"hf://datasets/<org>/<name>/<folder or glob>")
+    if scheme == "file" and not rest.startswith("/"):
+        return f"{field}={str(path)!r}: a file URL needs an absolute path: file:///abs/<folder or glob>"
+    return None
+
+
+def url_filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a supported URL; constructs, never lists."""
+    err = url_error(url)
+    if err is not None:
+        raise ValueError(err)
+    if url_scheme(url) == "hf":
+        try:
+            import huggingface_hub  # noqa: F401 - fsspec's "hf" protocol is its HfFileSystem
+        except ImportError:
+            raise ImportError(f"{url!r} needs the huggingface_hub package: pip install "
+                              f"huggingface_hub (or pip install -e '.[data]'), {_STAGE_HINT}") from None
+    from fsspec.core import url_to_fs
+
+    # HfFileSystem takes its token from HF_TOKEN / `hf auth login` and honours HF_HUB_OFFLINE; the path
+    # comes back normalized without the scheme (what the filesystem's listings return too)
+    return url_to_fs(url)
+
+
+def _rel_parts(path: str, root: str) -> tuple[str, ...]:
+    rel = path[len(root):] if path.startswith(root) else path
+    return tuple(part for part in rel.split("/") if part)
+
+
+def _glob_root(path: str) -> str:
+    """The folder a glob is relative to: its parts before the first one with a wildcard."""
+    parts = path.split("/")
+    head = next(i for i, part in enumerate(parts) if any(c in part for c in _GLOB_CHARS))
+    return "/".join(parts[:head])
+
+
+def list_parquet_url(url: str, split: str = "train") -> list[str]:
+    """Sorted parquet URLs that `url` names, for `split` ("train" or "val").
+
+    A file URL: itself (train), nothing (val). A folder (recursive) or a glob: its parquet files outside
+    hidden folders; val-named ones (`val-*`, `validation_*`, under `val/`, relative to the folder or the
+    glob's fixed prefix) form the val split, the rest the train split, as for a local directory.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    fs, path = url_filesystem(url)
+    scheme = url_scheme(url)
+    path = path.rstrip("/")
+    try:
+        if any(c in path for c in _GLOB_CHARS):
+            root, found = _glob_root(path), fs.glob(path)
+        elif fs.isfile(path):
+            return [url] if split == "train" and path.endswith(".parquet") else []
+        else:
+            root, found = path, (fs.find(path) if fs.isdir(path) else [])
+    except Exception as exc:   # noqa: BLE001 - network (httpx errors are no OSError), auth, offline mode
+        first = (str(exc).splitlines() or [""])[0]
+        raise ConnectionError(f"{url!r}: listing failed ({type(exc).__name__}: {first}); "
+                              f"check the network, HF_TOKEN and HF_HUB_OFFLINE, {_STAGE_HINT}") from None
+    out = []
+    for f in sorted(str(x) for x in found):
+        parts = _rel_parts(f, root)
+        if not f.endswith(".parquet") or any(p.startswith(".") for p in parts):
+            continue
+        if any(VAL_NAME.match(p) for p in parts) == (split == "val"):
+            out.append(f"{scheme}://{f}")
+    return out
+
+
+def parquet_schema(url: str) -> Any:
+    """The arrow schema from one parquet URL's footer (a small ranged read)."""
+    import pyarrow.parquet as pq
+
+    fs, path = url_filesystem(url)
+    with fs.open(path, "rb") as fh:
+        return pq.ParquetFile(fh).schema_arrow
+
+
+def check_parquet_url(url: str, split: str = "train") -> list[str]:
+    """The listing of `url` (see list_parquet_url), checked: non-empty ("train") and the first file's
+    footer has a string `text` column. Errors are one line naming the URL and the fix (the launcher
+    prefixes the field: `data.path: 'hf://...' lists no ...`)."""
+    files = list_parquet_url(url, split)
+    if not files:
+        if split == "val":
+            return []
+        raise FileNotFoundError(f"{url!r} lists no {split} parquet files; name a folder or a "
+                                f"glob of .parquet files: {DATA_PATH_FORMS}")
+    try:
+        schema = parquet_schema(files[0])
+    except Exception as exc:  # noqa: BLE001 - unreachable (httpx errors), or not a parquet file
+        raise ValueError(f"{url!r}: cannot read the footer of {files[0]} "
+                         f"({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})") from None
+    text = schema.field("text").type if "text" in schema.names else None
+    if str(text) not in ("string", "large_string", "string_view"):
+        raise ValueError(f"{url!r}: {files[0]} has no string 'text' column (columns: "
+                         f"{schema.names}); training reads FineWeb-Edu-shaped parquet")
+    return files
+
+
+def open_parquet(path: str | os.PathLike) -> Any:
+    """pyarrow ParquetFile for a local path or a parquet URL (the handle lives as long as the file)."""
+    import pyarrow.parquet as pq
+
+    if not is_url(path):
+        return pq.ParquetFile(path)
+    fs, inner = url_filesystem(str(path))
+    return pq.ParquetFile(fs.open(inner, "rb"))
+
+
+def read_parquet_args(files: Sequence[str | os.PathLike]) -> tuple[list[str], Any]:
+    """(paths, filesystem) for ray.data.read_parquet: local paths with filesystem None, or the paths
+    inside one fsspec filesystem for URLs (Ray wraps an fsspec filesystem for pyarrow itself)."""
+    names = [str(f) for f in files]
+    schemes = {url_scheme(f) for f in names}
+    if schemes == {None}:
+        return names, None
+    if len(schemes) != 1:
+        raise ValueError(f"parquet files mix local paths and URLs ({sorted(map(str, schemes))}); "
+                         f"give one kind")
+    fs, _ = url_filesystem(names[0])
+    return [url_filesystem(f)[1] for f in names], fs   # fsspec caches the instance: no new filesystems

@@ -46,7 +46,8 @@ MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the tr
 
 # ------------------------------------------------------------------------------------------ validation
 def _abs(p: str) -> str:
-    return str(Path(p).expanduser().resolve())
+    from nsa.data.sources import is_url
+    return p if is_url(p) else str(Path(p).expanduser().resolve())   # hf://, file:// stay URLs
 
 
 def prepare_local_corpus(out: Path) -> None:
@@ -91,12 +92,12 @@ def validate_inputs(cfg: RunConfig) -> None:
         if not path.exists() and cfg.data.auto_prepare and default_data:
             prepare_local_corpus(path.resolve())
         cfg.data.path = _abs(cfg.data.path)
-        from nsa.data.shards import check_data_path, find_val_shards
+        from nsa.data.shards import check_data_path, resolve_val_files
         try:
             check_data_path(cfg.data.path)
             if cfg.data.val_path:
                 cfg.data.val_path = _abs(cfg.data.val_path)
-                (check_data_path if not Path(cfg.data.val_path).is_dir() else find_val_shards)(cfg.data.val_path)
+                resolve_val_files(cfg.data.path, cfg.data.val_path)
         except (ValueError, FileNotFoundError, OSError) as e:
             raise UserError(f"data.path: {e}") from None
     if cfg.train.resume_from:
@@ -271,11 +272,8 @@ def val_rows(cfg: RunConfig) -> Any:
         return synthetic_rows({"id": np.arange(n)}, t.seq_len, 256 if d.tokenizer == "byte" else cfg.model.vocab,
                               2)["input_ids"]
     from nsa.data.ray_data import iter_packed_batches
-    from nsa.data.shards import check_data_path, find_val_shards
-    if d.val_path:
-        files = find_val_shards(d.val_path) if Path(d.val_path).is_dir() else check_data_path(d.val_path)
-    else:
-        files = find_val_shards(d.path) if Path(d.path).is_dir() else []
+    from nsa.data.shards import resolve_val_files
+    files = resolve_val_files(d.path, d.val_path)
     if not files:
         return None
     rows = []

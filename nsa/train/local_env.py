@@ -22,10 +22,10 @@ class LocalEnv:
     world_size = 1
 
     def __init__(self, cfg: RunConfig, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
-        from nsa.data.shards import check_data_path, find_val_shards
+        from nsa.data.shards import check_data_path, resolve_val_files
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), torch.device(device)
         self._files = check_data_path(cfg.data.path)
-        self._val_files = find_val_shards(cfg.data.path) if Path(cfg.data.path).is_dir() else []
+        self._val_files = resolve_val_files(cfg.data.path)
         self.reports: list[dict[str, Any]] = []
         self._rg_rows: Optional[list[list[int]]] = None
 
