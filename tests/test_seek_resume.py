@@ -209,11 +209,15 @@ def test_checkpoint_without_position_falls_back_to_fast_forward(small_rg_data, h
 
 
 @pytest.mark.ray
-def test_ray_stream_is_the_local_stream_and_seeks(ray_session, small_rg_data):
+@pytest.mark.parametrize("url", [False, True], ids=["path", "file_url"])
+def test_ray_stream_is_the_local_stream_and_seeks(ray_session, small_rg_data, url):
     """Under Ray each rank streams its units through Ray Data tasks: the same batches as in process, and
-    from a recorded position only the units left are handed to Ray Data."""
+    from a recorded position only the units left are handed to Ray Data. url: data.path as a file://
+    URL, the hub route's code path (hf:// differs only in the fsspec filesystem)."""
     from nsa.data.ray_data import iter_ray_units
-    files = _files(small_rg_data)
+    from nsa.data.shards import check_data_path
+    files = check_data_path(f"file://{small_rg_data}") if url else _files(small_rg_data)
+    assert all(str(f).startswith("file://") for f in files) == url
     rg = P.row_group_rows(files)
     tok = get_tokenizer("byte")
     handed: list = []
@@ -226,7 +230,7 @@ def test_ray_stream_is_the_local_stream_and_seeks(ray_session, small_rg_data):
         return P.rank_epoch(files, rg, epoch=0, rank=1, world=2, seq_len=SEQ, batch_size=BATCH,
                             source=ray_source, shuffle_seed=3, start=start)
 
-    local = list(_epoch(files, rg, 1, 2, seed=3))
+    local = list(_epoch(_files(small_rg_data), rg, 1, 2, seed=3))
     ep = ray_epoch()
     it = iter(ep)
     head = [next(it) for _ in range(3)]

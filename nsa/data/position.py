@@ -77,15 +77,10 @@ class DataPosition:
 
 
 def open_parquet(path: str | os.PathLike) -> Any:
-    """The one place a unit reader opens a shard: local paths directly, URLs (``hf://...``, ``s3://...``)
-    through the fsspec filesystem their scheme names."""
-    import pyarrow.parquet as pq
-    p = str(path)
-    if "://" in p and not p.startswith("file://"):
-        import fsspec
-        fs, inner = fsspec.core.url_to_fs(p)
-        return pq.ParquetFile(fs.open(inner, "rb"))
-    return pq.ParquetFile(p[len("file://"):] if p.startswith("file://") else p)
+    """The one place a unit reader opens a shard: nsa.data.sources.open_parquet (local paths directly,
+    data.path URLs such as ``hf://datasets/...`` or ``file:///...`` through their fsspec filesystem)."""
+    from nsa.data.sources import open_parquet as _open
+    return _open(path)
 
 
 def row_group_rows(files: Sequence[str | os.PathLike]) -> list[list[int]]:

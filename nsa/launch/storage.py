@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from nsa.data.sources import is_url
 from nsa.launch.cli import UserError
 
 # the folders Ray unpacks a job's working_dir into: <ray temp>/session_*/runtime_resources/working_dir_files/<pkg>
@@ -117,12 +118,12 @@ def apply_storage(cfg, *, cwd: Optional[str | os.PathLike] = None, script: Optio
         return str(p)
 
     cfg.logging.root = put("logging.root", cfg.logging.root, True)
-    if cfg.data.source == "parquet":
+    if cfg.data.source == "parquet" and not is_url(cfg.data.path):   # hub / file:// URLs stay as given
         # a missing data dir is either built by this run (data.auto_prepare) or prepared there by the user
         missing = not place(cfg.data.path, root, here).exists()
         cfg.data.path = put("data.path", cfg.data.path, missing)
-        if cfg.data.val_path:
-            cfg.data.val_path = put("data.val_path", cfg.data.val_path, False)
+    if cfg.data.source == "parquet" and cfg.data.val_path and not is_url(cfg.data.val_path):
+        cfg.data.val_path = put("data.val_path", cfg.data.val_path, False)
     if cfg.train.resume_from:
         cfg.train.resume_from = put("train.resume_from", cfg.train.resume_from, False)
     uri = cfg.logging.mlflow_uri
