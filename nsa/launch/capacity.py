@@ -163,5 +163,18 @@ def ensure_gpus(cfg: Any, n: int, *, cluster: Optional[Cluster] = None) -> None:
                   echo=lambda s: print(s, flush=True))
 
 
-__all__ = ["Snapshot", "RayCluster", "autoscaler_report", "progress_line", "timeout_error", "wait_for_gpus",
+def ensure_lane_gpus(cfgs: list[Any], concurrent: Optional[int] = None, *, cluster: Optional[Cluster] = None) -> None:
+    """The lanes' hook, before any Tune trial starts: GPUs for ``concurrent`` (default 1) of the largest
+    lane. The trials' own check then finds them up; the grid's concurrency is sized from what is up."""
+    from nsa.launch.builder import resolve_num_workers
+    gpu = [(resolve_num_workers(c) * c.runtime.gpus_per_worker, c) for c in cfgs if c.runtime.use_gpu]
+    if not gpu:
+        return
+    cfg = max(gpu, key=lambda t: t[0])[1]
+    n = resolve_num_workers(cfg) * max(1, concurrent or 1)
+    if n > 0:
+        ensure_gpus(cfg, n, cluster=cluster)
+
+
+__all__ = ["ensure_lane_gpus", "Snapshot", "RayCluster", "autoscaler_report", "progress_line", "timeout_error", "wait_for_gpus",
            "worker_bundles", "ensure_gpus"]
