@@ -106,7 +106,7 @@ class NSAConfig:
 
 @dataclass
 class RuntimeConfig:
-    num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = runtime.gpus / gpus_per_worker
+    num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = gpus / gpus_per_worker
     use_gpu: bool = False
     cpus_per_worker: float = 0.5         # fractional on purpose: RAY_NOTES "the 2-core deadlock"
     gpus_per_worker: float = 1.0
@@ -136,7 +136,8 @@ class RuntimeConfig:
     cuda_graph_warmup: int = 3
 
     def __post_init__(self) -> None:
-        _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU of runtime.gpus)")
+        _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU of "
+                 "runtime.gpus)")
         _require(self.cpus_per_worker >= 0, f"runtime.cpus_per_worker={self.cpus_per_worker} must be >= 0")
         _require(self.gpus is None or self.gpus >= 1, f"runtime.gpus={self.gpus} must be >= 1 (or null: the GPUs "
                  "alive at start)")

@@ -82,9 +82,23 @@ def test_timeout_error_text():
                    "failed (a100): check `ray status` on the head (GPU quota/capacity, the GPU node type's "
                    "max_workers), raise runtime.gpu_wait_seconds, or lower runtime.gpus")
     assert "\n" not in msg
-    assert "no autoscaler reports on it" in timeout_error(2, Snapshot(0, 0, 1), 5)
+    assert "no autoscaler status was seen" in timeout_error(2, Snapshot(0, 0, 1), 5)
     local = timeout_error(2, Snapshot(1, 1, 1), 0, autoscaled=False)
     assert "no autoscaler" in local and "set runtime.gpus" in local and "has 1 GPUs on 1 alive node" in local
+
+
+def test_autoscaler_report_reads_the_status_for_ray_status(monkeypatch):
+    """The v1 autoscaler's status (the JSON `ray status` prints from) -> (nodes starting, failures)."""
+    pytest.importorskip("ray")
+    import ray.experimental.internal_kv as kv
+    from nsa.launch.capacity import autoscaler_report
+    status = {"autoscaler_report": {"active_nodes": {"ray.head.default": 1}, "pending_launches": {"a100": 1},
+                                    "pending_nodes": [["10.0.0.7", "a100", "setting-up"]],
+                                    "failed_nodes": [["10.0.0.9", "a100"], ["10.0.0.8", "a100"]]}}
+    monkeypatch.setattr(kv, "_internal_kv_get", lambda key: json.dumps(status).encode())
+    assert autoscaler_report() == (2, "2 node launch(es) failed (a100)")
+    monkeypatch.setattr(kv, "_internal_kv_get", lambda key: (_ for _ in ()).throw(RuntimeError("not connected")))
+    assert autoscaler_report() == (None, "")
 
 
 # ------------------------------------------------------------------------------------------ waiting
@@ -130,6 +144,13 @@ def test_repeats_an_unchanged_line_as_a_sign_of_life():
         "(20s of 30s, runtime.gpu_wait_seconds)"]
 
 
+def test_a_cluster_without_autoscaler_status_fails_after_a_minute():
+    c = ScriptedCluster(Snapshot(gpus=0, free_gpus=0, nodes=3, starting=None))
+    with pytest.raises(UserError, match=r"^waited 60s for 2 GPUs: .* no autoscaler status was seen"):
+        _wait(c, poll_s=5.0)
+    assert c.requests[-1] == []
+
+
 def test_without_an_autoscaler_or_wait_it_fails_at_once():
     for kw in ({"autoscaled": False}, {"timeout_s": 0}):
         c = ScriptedCluster(Snapshot(gpus=1, free_gpus=1, nodes=1, starting=None))
@@ -168,7 +189,8 @@ def test_unset_gpus_falls_back_to_the_gpus_alive(monkeypatch):
 def test_ensure_gpus_asks_for_the_worker_bundles():
     cfg = _prod("runtime.ray_address=127.0.0.1:6379", "runtime.gpus=2", "runtime.cpus_per_worker=4")
     c = ScriptedCluster(Snapshot(0, 0, 1, 0), Snapshot(2, 2, 3, 0))
-    ensure_gpus(cfg, 2, cluster=c)
+    clock = FakeClock()
+    ensure_gpus(cfg, 2, cluster=c, clock=clock, sleep=clock.sleep)
     assert c.requests == [[{"CPU": 4.0, "GPU": 1.0}] * 2, []]
     cpu = resolve_config(str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml"), [])[0]
     c2 = ScriptedCluster(Snapshot(0, 0, 1, None))
@@ -183,7 +205,8 @@ def test_lanes_wait_for_the_largest_lane_times_the_concurrency():
     small = _prod("runtime.ray_address=127.0.0.1:6379", "runtime.gpus=1")
     tiny = resolve_config(str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml"), [])[0]
     c = ScriptedCluster(Snapshot(0, 0, 1, 0), Snapshot(4, 4, 3, 0))
-    ensure_lane_gpus([small, tiny, big], 2, cluster=c)
+    clock = FakeClock()
+    ensure_lane_gpus([small, tiny, big], 2, cluster=c, clock=clock, sleep=clock.sleep)
     assert c.requests == [[{"CPU": 4.0, "GPU": 1.0}] * 4, []]
     c = ScriptedCluster(Snapshot(0, 0, 1, None))
     ensure_lane_gpus([tiny], None, cluster=c)                       # CPU lanes: nothing to wait for
@@ -256,7 +279,8 @@ def autoscaling_head():
                                  "--node-ip-address=127.0.0.1", f"--autoscaling-config={cfg_path}", *extra],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and "Ray runtime started" not in (Path(tmp) / "head.log").read_text():
+        head_log = Path(tmp) / "head.log"
+        while time.time() < deadline and proc.poll() is None and "Ray runtime started" not in head_log.read_text():
             time.sleep(1)
         if proc.poll() is None and time.time() < deadline:
             break

@@ -29,6 +29,8 @@ from nsa.launch.cli import UserError
 
 POLL_SECONDS = 5.0          # between looks at the cluster: node starts take minutes, a poll is cheap
 REPEAT_SECONDS = 60.0       # an unchanged progress line is printed again this often (a sign of life in job logs)
+NO_AUTOSCALER_SECONDS = 60.0  # no autoscaler status for this long: nothing will add nodes (a plain `ray start`
+                              # cluster); an autoscaler publishes its status every few seconds
 
 
 @dataclass(frozen=True)
@@ -66,21 +68,33 @@ class RayCluster:
 
 
 def autoscaler_report() -> tuple[Optional[int], str]:
-    """(nodes starting, latest failure) from the status the autoscaler publishes for `ray status`
-    (GCS key __autoscaling_status); (None, "") when no autoscaler publishes one."""
+    """(nodes starting, latest launch failures) from what the autoscaler publishes for `ray status`;
+    (None, "") when no autoscaler publishes anything. Autoscaler v1 (Ray's default, the launcher and
+    KubeRay without v2 switched on) writes a JSON status to the GCS key __autoscaling_status; v2 keeps its
+    state in the GCS, read through ray.autoscaler.v2.sdk (that branch was not exercised here)."""
     try:
         from ray._private import ray_constants
         from ray.experimental.internal_kv import _internal_kv_get
         raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
-        if not raw:
+        if raw:
+            rep = json.loads(raw).get("autoscaler_report") or {}
+            starting = sum((rep.get("pending_launches") or {}).values()) + len(rep.get("pending_nodes") or [])
+            return starting, _failures([str(f[1]) for f in rep.get("failed_nodes") or []])
+        from ray.autoscaler.v2.utils import is_autoscaler_v2
+        if not is_autoscaler_v2():
             return None, ""
-        rep = json.loads(raw).get("autoscaler_report") or {}
-    except Exception:                 # a private API: a missing or changed report only loses detail
+        import ray
+        from ray.autoscaler.v2.sdk import get_cluster_status
+        st = get_cluster_status(ray.get_runtime_context().gcs_address)
+        starting = sum(r.count for r in st.pending_launches) + len(st.pending_nodes)
+        return starting, _failures([r.ray_node_type_name for r in st.failed_launches for _ in range(r.count)]
+                                   + [n.ray_node_type_name for n in st.failed_nodes])
+    except Exception:             # private APIs: a missing or changed report only loses detail
         return None, ""
-    starting = sum((rep.get("pending_launches") or {}).values()) + len(rep.get("pending_nodes") or [])
-    failed = rep.get("failed_nodes") or []
-    note = f"{len(failed)} node launch(es) failed ({', '.join(sorted({str(f[1]) for f in failed}))})" if failed else ""
-    return starting, note
+
+
+def _failures(types: list[str]) -> str:
+    return f"{len(types)} node launch(es) failed ({', '.join(sorted(set(types)))})" if types else ""
 
 
 def _n(x: float) -> str:
@@ -105,7 +119,8 @@ def timeout_error(need: float, snap: Snapshot, waited: float, *, autoscaled: boo
         return (f"the job needs {_n(need)} GPUs and {seen} (a Ray instance started by this driver: no autoscaler "
                 "can add any): set runtime.gpus (or runtime.num_workers) to what this machine has")
     if snap.starting is None:
-        seen += ", and no autoscaler reports on it (a cluster started without an autoscaling config never adds nodes)"
+        seen += (", and no autoscaler status was seen (a cluster started without an autoscaling config never adds "
+                 "nodes)")
     else:
         seen += f", {snap.starting} starting" + (f", {snap.note}" if snap.note else "")
     return (f"waited {waited:.0f}s for {_n(need)} GPUs: {seen}: check `ray status` on the head (GPU quota/capacity, "
@@ -114,10 +129,12 @@ def timeout_error(need: float, snap: Snapshot, waited: float, *, autoscaled: boo
 
 def wait_for_gpus(need: float, bundles: list[dict[str, float]], *, timeout_s: float, cluster: Cluster,
                   autoscaled: bool = True, poll_s: float = POLL_SECONDS, repeat_s: float = REPEAT_SECONDS,
+                  no_autoscaler_s: float = NO_AUTOSCALER_SECONDS,
                   echo: Callable[[str], Any] = print, clock: Callable[[], float] = time.monotonic,
                   sleep: Callable[[float], Any] = time.sleep) -> Snapshot:
     """Return once ``cluster`` has ``need`` GPUs; before that ask it for ``bundles`` and print progress.
-    Raises UserError (timeout_error) after ``timeout_s``, at once where nothing can add GPUs."""
+    Raises UserError (timeout_error) after ``timeout_s``, at once where nothing can add GPUs, and after
+    ``no_autoscaler_s`` without any autoscaler status."""
     snap = cluster.snapshot()
     if snap.gpus + 1e-9 >= need:
         return snap
@@ -133,7 +150,7 @@ def wait_for_gpus(need: float, bundles: list[dict[str, float]], *, timeout_s: fl
             if snap.gpus + 1e-9 >= need:
                 echo(f"{_n(snap.gpus)} GPUs ready after {elapsed:.0f}s")
                 return snap
-            if elapsed >= timeout_s:
+            if elapsed >= timeout_s or (snap.starting is None and elapsed >= no_autoscaler_s):
                 raise UserError(timeout_error(need, snap, elapsed))
             line = progress_line(need, snap, elapsed, timeout_s)
             key = line.split(" (", 1)[0]           # the state without the clock: print on change or every repeat_s
@@ -153,17 +170,19 @@ def worker_bundles(cfg: Any, n: int) -> list[dict[str, float]]:
     return [dict(worker_resources(cfg)) for _ in range(n)]
 
 
-def ensure_gpus(cfg: Any, n: int, *, cluster: Optional[Cluster] = None) -> None:
-    """The builder's hook: a GPU job of ``n`` workers waits for ``n x gpus_per_worker`` GPUs."""
+def ensure_gpus(cfg: Any, n: int, *, cluster: Optional[Cluster] = None, **wait: Any) -> None:
+    """The builder's hook: a GPU job of ``n`` workers waits for ``n x gpus_per_worker`` GPUs.
+    ``wait``: more keyword arguments for wait_for_gpus (tests pass a fake clock)."""
     if not cfg.runtime.use_gpu or n <= 0:
         return
     autoscaled = bool(cfg.runtime.ray_address)      # a local instance of our own has no autoscaler
     wait_for_gpus(n * cfg.runtime.gpus_per_worker, worker_bundles(cfg, n), timeout_s=cfg.runtime.gpu_wait_seconds,
                   cluster=cluster or RayCluster(autoscaled), autoscaled=autoscaled,
-                  echo=lambda s: print(s, flush=True))
+                  **{"echo": lambda s: print(s, flush=True), **wait})
 
 
-def ensure_lane_gpus(cfgs: list[Any], concurrent: Optional[int] = None, *, cluster: Optional[Cluster] = None) -> None:
+def ensure_lane_gpus(cfgs: list[Any], concurrent: Optional[int] = None, *, cluster: Optional[Cluster] = None,
+                     **wait: Any) -> None:
     """The lanes' hook, before any Tune trial starts: GPUs for ``concurrent`` (default 1) of the largest
     lane. The trials' own check then finds them up; the grid's concurrency is sized from what is up."""
     from nsa.launch.builder import resolve_num_workers
@@ -173,8 +192,8 @@ def ensure_lane_gpus(cfgs: list[Any], concurrent: Optional[int] = None, *, clust
     cfg = max(gpu, key=lambda t: t[0])[1]
     n = resolve_num_workers(cfg) * max(1, concurrent or 1)
     if n > 0:
-        ensure_gpus(cfg, n, cluster=cluster)
+        ensure_gpus(cfg, n, cluster=cluster, **wait)
 
 
-__all__ = ["ensure_lane_gpus", "Snapshot", "RayCluster", "autoscaler_report", "progress_line", "timeout_error", "wait_for_gpus",
-           "worker_bundles", "ensure_gpus"]
+__all__ = ["Snapshot", "RayCluster", "autoscaler_report", "progress_line", "timeout_error", "wait_for_gpus",
+           "worker_bundles", "ensure_gpus", "ensure_lane_gpus"]
