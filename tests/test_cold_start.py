@@ -26,8 +26,9 @@ import pytest
 from conftest import REPO, tiny_overrides
 from nsa.config import resolve_config
 from nsa.launch import builder
-from nsa.launch.capacity import Snapshot, ensure_gpus, ensure_lane_gpus, progress_line, timeout_error, wait_for_gpus
+from nsa.launch.capacity import Snapshot, ensure_gpus, progress_line, timeout_error, wait_for_gpus
 from nsa.launch.cli import UserError
+from nsa.launch.lanes.resources import ensure_lane_gpus
 
 PROD = str(REPO / "pipelines" / "configs" / "prod_50k.yaml")
 
@@ -190,14 +191,15 @@ def test_ensure_gpus_asks_for_the_worker_bundles():
     cfg = _prod("runtime.ray_address=127.0.0.1:6379", "runtime.gpus=2", "runtime.cpus_per_worker=4")
     c = ScriptedCluster(Snapshot(0, 0, 1, 0), Snapshot(2, 2, 3, 0))
     clock = FakeClock()
-    ensure_gpus(cfg, 2, cluster=c, clock=clock, sleep=clock.sleep)
+    ensure_gpus(cfg, 2, builder.worker_resources(cfg), cluster=c, clock=clock, sleep=clock.sleep)
     assert c.requests == [[{"CPU": 4.0, "GPU": 1.0}] * 2, []]
     cpu = resolve_config(str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml"), [])[0]
     c2 = ScriptedCluster(Snapshot(0, 0, 1, None))
-    ensure_gpus(cpu, 2, cluster=c2)                                  # CPU profiles never wait
+    ensure_gpus(cpu, 2, builder.worker_resources(cpu), cluster=c2)   # CPU profiles never wait
     assert c2.requests == []
     with pytest.raises(UserError, match="no autoscaler can add any"):
-        ensure_gpus(_prod("runtime.gpus=2"), 2, cluster=ScriptedCluster(Snapshot(0, 0, 1, None)))  # local Ray
+        local = _prod("runtime.gpus=2")                              # no ray_address: Ray started locally
+        ensure_gpus(local, 2, builder.worker_resources(local), cluster=ScriptedCluster(Snapshot(0, 0, 1, None)))
 
 
 def test_lanes_wait_for_the_largest_lane_times_the_concurrency():

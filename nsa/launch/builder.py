@@ -244,8 +244,8 @@ def check_resources(cfg: RunConfig, n: int) -> None:
         return
     import ray
     from nsa.launch.capacity import ensure_gpus
-    ensure_gpus(cfg, n)
     per = worker_resources(cfg)
+    ensure_gpus(cfg, n, per)
     total = ray.cluster_resources()
     nodes = _alive_nodes()
     for key, amount in per.items():

@@ -15,8 +15,8 @@ placed, and from then on the group's own placement group is the demand the autos
 Ray Train restarts the group after a lost node). request_resources is "last call wins" for the whole
 cluster, so two drivers waiting at once overwrite each other's request; each still waits for its own count.
 
-    ensure_gpus(cfg, n)          # builder.check_resources calls it for GPU jobs
-    wait_for_gpus(need, bundle, cluster=FakeCluster(...), ...)   # the logic, testable without Ray
+    ensure_gpus(cfg, n, per_worker)   # builder.check_resources calls it (a no-op for CPU jobs)
+    wait_for_gpus(need, bundles, cluster=<snapshot/request object>, ...)   # the logic, testable without Ray
 """
 from __future__ import annotations
 
@@ -163,37 +163,20 @@ def wait_for_gpus(need: float, bundles: list[dict[str, float]], *, timeout_s: fl
         cluster.request([])
 
 
-def worker_bundles(cfg: Any, n: int) -> list[dict[str, float]]:
-    """One bundle per worker, as the worker group will ask: the autoscaler then picks node types that fit
-    whole workers (GPUs with their CPUs), not just loose GPUs."""
-    from nsa.launch.builder import worker_resources
-    return [dict(worker_resources(cfg)) for _ in range(n)]
-
-
-def ensure_gpus(cfg: Any, n: int, *, cluster: Optional[Cluster] = None, **wait: Any) -> None:
-    """The builder's hook: a GPU job of ``n`` workers waits for ``n x gpus_per_worker`` GPUs.
+def ensure_gpus(cfg: Any, n: int, per_worker: dict[str, float], *, cluster: Optional[Cluster] = None,
+                **wait: Any) -> None:
+    """The builder's hook: a GPU job of ``n`` workers of ``per_worker`` resources (builder.worker_resources)
+    waits for ``n x gpus_per_worker`` GPUs. The request is one bundle per worker, as the worker group will
+    ask: the autoscaler then picks node types that fit whole workers (GPUs with their CPUs), not loose GPUs.
     ``wait``: more keyword arguments for wait_for_gpus (tests pass a fake clock)."""
     if not cfg.runtime.use_gpu or n <= 0:
         return
     autoscaled = bool(cfg.runtime.ray_address)      # a local instance of our own has no autoscaler
-    wait_for_gpus(n * cfg.runtime.gpus_per_worker, worker_bundles(cfg, n), timeout_s=cfg.runtime.gpu_wait_seconds,
-                  cluster=cluster or RayCluster(autoscaled), autoscaled=autoscaled,
+    wait_for_gpus(n * cfg.runtime.gpus_per_worker, [dict(per_worker) for _ in range(n)],
+                  timeout_s=cfg.runtime.gpu_wait_seconds, cluster=cluster or RayCluster(autoscaled),
+                  autoscaled=autoscaled,
                   **{"echo": lambda s: print(s, flush=True), **wait})
 
 
-def ensure_lane_gpus(cfgs: list[Any], concurrent: Optional[int] = None, *, cluster: Optional[Cluster] = None,
-                     **wait: Any) -> None:
-    """The lanes' hook, before any Tune trial starts: GPUs for ``concurrent`` (default 1) of the largest
-    lane. The trials' own check then finds them up; the grid's concurrency is sized from what is up."""
-    from nsa.launch.builder import resolve_num_workers
-    gpu = [(resolve_num_workers(c) * c.runtime.gpus_per_worker, c) for c in cfgs if c.runtime.use_gpu]
-    if not gpu:
-        return
-    cfg = max(gpu, key=lambda t: t[0])[1]
-    n = resolve_num_workers(cfg) * max(1, concurrent or 1)
-    if n > 0:
-        ensure_gpus(cfg, n, cluster=cluster, **wait)
-
-
 __all__ = ["Snapshot", "RayCluster", "autoscaler_report", "progress_line", "timeout_error", "wait_for_gpus",
-           "worker_bundles", "ensure_gpus", "ensure_lane_gpus"]
+           "ensure_gpus"]

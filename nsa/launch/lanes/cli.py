@@ -22,12 +22,11 @@ from typing import Optional, Sequence
 
 from nsa.config import ConfigError
 from nsa.launch import builder
-from nsa.launch.capacity import ensure_lane_gpus
 from nsa.launch.cli import EXIT_USAGE, UserError
 from nsa.launch.lanes.effective import describe
 from nsa.launch.lanes.plan import DEFAULT_BASE, GridPlan, plan_grid
 from nsa.launch.lanes.report import format_table, rank, write_figures, write_summary
-from nsa.launch.lanes.resources import size_concurrency
+from nsa.launch.lanes.resources import ensure_lane_gpus, size_concurrency
 from nsa.launch.lanes.schema import DEFAULT_LANES, LaneError, load_lanes
 from nsa.launch.lanes.tracking import add_histories, finalize_mlflow, log_summary_run
 from nsa.launch.lanes.tuner import collect, run_tuner
