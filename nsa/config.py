@@ -109,10 +109,16 @@ class NSAConfig:
 
 @dataclass
 class RuntimeConfig:
-    num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = one per GPU of the cluster
+    num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = gpus / gpus_per_worker
     use_gpu: bool = False
     cpus_per_worker: float = 0.5         # fractional on purpose: RAY_NOTES "the 2-core deadlock"
     gpus_per_worker: float = 1.0
+    # the GPUs the job wants when num_workers=-1 (the world size, so the global batch, follows from the
+    # profile, not from what happens to be alive); None: the GPUs alive in the cluster at start
+    gpus: Optional[int] = None
+    # a GPU job on a cluster with fewer GPUs than it needs asks the autoscaler for them and waits this long
+    # before failing with what the cluster reported (nsa/launch/capacity.py); 0: fail at once
+    gpu_wait_seconds: float = 900.0
     placement_strategy: str = "PACK"
     precision: str = "fp32"              # fp32 | bf16 | fp16 (autocast; fp32 master weights)
     tf32: bool = True
@@ -136,11 +142,15 @@ class RuntimeConfig:
     cuda_graph_warmup: int = 3
 
     def __post_init__(self) -> None:
-        _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU)")
+        _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU of "
+                 "runtime.gpus)")
         _require(self.storage_root is None or os.path.isabs(os.path.expanduser(self.storage_root)),
                  f"runtime.storage_root={self.storage_root!r} must be an absolute path (the shared mount, "
                  "e.g. runtime.storage_root=/mnt/shared)")
         _require(self.cpus_per_worker >= 0, f"runtime.cpus_per_worker={self.cpus_per_worker} must be >= 0")
+        _require(self.gpus is None or self.gpus >= 1, f"runtime.gpus={self.gpus} must be >= 1 (or null: the GPUs "
+                 "alive at start)")
+        _require(self.gpu_wait_seconds >= 0, f"runtime.gpu_wait_seconds={self.gpu_wait_seconds} must be >= 0")
         _require(self.max_failures >= -1, "runtime.max_failures must be >= -1 (-1 = retry forever)")
         _one_of("runtime.precision", self.precision, ("fp32", "bf16", "fp16"))
         _one_of("runtime.placement_strategy", self.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))

@@ -7,12 +7,14 @@
     python pipelines/prod_50k.py runtime.num_workers=1                        # local GPU box, local Ray
 
 Under `ray job submit` (RAY_ADDRESS set) it connects to the cluster; otherwise it starts a local Ray
-instance. runtime.num_workers=-1 (the profile's value) = one worker per GPU of the cluster. Before any
-worker starts it checks the config, the data path (data/fineweb_edu by default: prepare it with
-pipelines/prepare_data.py --source hub|jsonl --out ...), any checkpoint to resume, and that the requested
-GPUs/CPUs fit the cluster. Relative paths (runs, data/fineweb_edu) resolve against runtime.storage_root
-($NSA_STORAGE_ROOT: /mnt/shared on the cluster configs); a job never writes into Ray's working-dir copy
-(refused, naming the field). Same exit codes as train.py.
+instance. runtime.num_workers=-1 (the profile's value) = one worker per GPU of runtime.gpus (16); on a
+cluster with fewer GPUs the driver asks the autoscaler for them and waits up to runtime.gpu_wait_seconds
+(cluster/README.md, "Cold start"). Before any worker starts it checks the config, the data path
+(data/fineweb_edu by default: prepare it with pipelines/prepare_data.py --source hub|jsonl --out ...), any
+checkpoint to resume, and that the requested GPUs/CPUs fit the cluster. Relative paths (runs,
+data/fineweb_edu) resolve against runtime.storage_root ($NSA_STORAGE_ROOT: /mnt/shared on the cluster
+configs); a job never writes into Ray's working-dir copy (refused, naming the field). Same exit codes as
+train.py.
 """
 from __future__ import annotations
 

@@ -213,13 +213,23 @@ def _alive_nodes() -> list[dict[str, float]]:
 
 
 def resolve_num_workers(cfg: RunConfig) -> int:
+    """runtime.num_workers, with -1 = runtime.gpus / gpus_per_worker (the GPUs the profile asks for, which
+    check_resources then waits for); with runtime.gpus unset, -1 = the GPUs alive in the cluster now."""
     n = cfg.runtime.num_workers
     if n != -1:
         return n
+    per = max(cfg.runtime.gpus_per_worker, 1e-9)
+    if cfg.runtime.gpus is not None:
+        n = int(cfg.runtime.gpus // per)
+        if n < 1:
+            raise UserError(f"runtime.gpus={cfg.runtime.gpus} is less than runtime.gpus_per_worker="
+                            f"{cfg.runtime.gpus_per_worker:g}: raise runtime.gpus")
+        return n
     import ray
-    gpus = int(ray.cluster_resources().get("GPU", 0) // max(cfg.runtime.gpus_per_worker, 1e-9))
+    gpus = int(ray.cluster_resources().get("GPU", 0) // per)
     if gpus < 1:
-        raise UserError("runtime.num_workers=-1 (one worker per GPU) but the Ray cluster has no GPU")
+        raise UserError("runtime.num_workers=-1 with runtime.gpus unset means one worker per GPU alive now, and the "
+                        "Ray cluster has no GPU: set runtime.gpus=N (the autoscaler is then asked for N GPUs)")
     return gpus
 
 
@@ -231,11 +241,14 @@ def worker_resources(cfg: RunConfig) -> dict[str, float]:
 
 
 def check_resources(cfg: RunConfig, n: int) -> None:
-    """Fail fast if the worker group cannot be placed: Ray would retry an unplaceable group forever."""
+    """Fail fast if the worker group cannot be placed: Ray would retry an unplaceable group forever.
+    A GPU job first asks the autoscaler for missing GPUs and waits for them (nsa/launch/capacity.py)."""
     if n == 0:
         return
     import ray
+    from nsa.launch.capacity import ensure_gpus
     per = worker_resources(cfg)
+    ensure_gpus(cfg, n, per)
     total = ray.cluster_resources()
     nodes = _alive_nodes()
     for key, amount in per.items():

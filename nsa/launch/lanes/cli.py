@@ -26,7 +26,7 @@ from nsa.launch.cli import EXIT_USAGE, UserError
 from nsa.launch.lanes.effective import describe
 from nsa.launch.lanes.plan import DEFAULT_BASE, GridPlan, plan_grid
 from nsa.launch.lanes.report import format_table, rank, write_figures, write_summary
-from nsa.launch.lanes.resources import size_concurrency
+from nsa.launch.lanes.resources import ensure_lane_gpus, size_concurrency
 from nsa.launch.lanes.schema import DEFAULT_LANES, LaneError, load_lanes
 from nsa.launch.lanes.tracking import add_histories, finalize_mlflow, log_summary_run
 from nsa.launch.lanes.tuner import collect, run_tuner
@@ -36,6 +36,7 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
     """Connect Ray, size the grid, run it, tag MLflow, print and write the summary. Returns the exit code."""
     t0 = time.time()
     print(builder.connect_ray(plan.base_cfg), flush=True)
+    ensure_lane_gpus([lc.cfg for lc in plan.lanes], max_concurrent)   # a cold GPU cluster: autoscale first
     plan.max_concurrent = size_concurrency(plan, max_concurrent)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if plan.mlflow_uri:    # create the SQLite tables here: two lanes creating a fresh store at once could race

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from nsa.config import RunConfig
-from nsa.launch import builder
+from nsa.launch import builder, capacity
 from nsa.launch.lanes.plan import GridPlan
 from nsa.launch.lanes.schema import LaneError
 
@@ -17,6 +17,17 @@ def lane_demand(cfg: RunConfig) -> dict[str, float]:
     """Logical resources one running lane holds: its worker group plus its trial's driver."""
     n, per = builder.resolve_num_workers(cfg), builder.worker_resources(cfg)
     return {"CPU": n * per["CPU"] + TRIAL_CPU, "GPU": n * per.get("GPU", 0.0)}
+
+
+def ensure_lane_gpus(cfgs: list[RunConfig], concurrent: Optional[int] = None, **wait: Any) -> None:
+    """Before any Tune trial starts on a GPU base: the GPUs of ``concurrent`` (default 1) of the largest
+    lane, asked of the autoscaler and waited for (nsa/launch/capacity.py). The trials' own check then finds
+    them up, and size_concurrency sizes the grid from what is up."""
+    gpu = [c for c in cfgs if c.runtime.use_gpu]
+    if gpu:
+        cfg = max(gpu, key=lambda c: builder.resolve_num_workers(c) * c.runtime.gpus_per_worker)
+        n = builder.resolve_num_workers(cfg) * max(1, concurrent or 1)
+        capacity.ensure_gpus(cfg, n, builder.worker_resources(cfg), **wait)
 
 
 def size_concurrency(plan: GridPlan, requested: Optional[int]) -> int:
