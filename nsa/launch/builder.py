@@ -303,8 +303,10 @@ def val_rows(cfg: RunConfig) -> Any:
 
 def make_datasets(cfg: RunConfig) -> dict[str, Any]:
     """{"train": ds, "val": ds?} of rows {"input_ids": int64[seq_len+1]}: train is a streaming Ray Data
-    pipeline (read parquet -> tokenize + pack), split across workers; val is the small fixed in-memory
-    set of ``val_rows`` (not split: every rank evaluates the same rows)."""
+    pipeline split across workers, consumed for synthetic data only (with parquet data each worker streams
+    its own row groups, seekable on resume: nsa/train/ray_loop.py, nsa/data/position.py; this lazy
+    pipeline is never executed then); val is the small fixed in-memory set of ``val_rows`` (not split:
+    every rank evaluates the same rows)."""
     import ray.data
     ctx = ray.data.DataContext.get_current()          # travels with the datasets to the split coordinator
     ctx.enable_progress_bars = False                  # tqdm bars interleave badly with progress lines
