@@ -340,6 +340,33 @@ def test_union_kernel_matches_bruteforce(m, mode):
     assert torch.equal(tt._run_union(bi, m, size_only=True)[2], size)
 
 
+def test_sampled_choice_and_guarded_union_kernel():
+    """The per-call choice measures a strided sample of tiles: the kernel's sampled sizes are the full
+    sizes at tiles 0, s, 2s, ... (interpreted kernel and the CPU torch path alike), the flag compares
+    their mean fraction with the threshold; the guarded full-union launch writes nothing when the flag
+    says per-token and the whole union when it says tiles."""
+    from nsa.ops.triton.guard import GUARD_IF_SET
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, S, l_sel, m = 1, 70, 2, 4, 4, 4
+    bi = make_block_idx(B, T, H, S, l_sel, "random", gen)
+    full = tt._run_union(bi, m, size_only=False)[2]
+    for stride in (1, 3, 5):
+        assert torch.equal(tt._run_union(bi, m, size_only=True, stride=stride)[2], full[..., ::stride])
+    frac = float(full[..., ::3].sum()) / (full[..., ::3].numel() * m * S)
+    nt = full.shape[-1]
+    tiles = -(-nt // 3)   # a sample stride of nt // tiles = 3 when the sample holds this many tiles
+    assert nt // tiles == 3
+    assert int(tt.tile_choice(bi, m, frac + 1e-6, tiles=tiles)) == 1
+    assert int(tt.tile_choice(bi, m, frac - 1e-3, tiles=tiles)) == 0
+    for flag in (0, 1):
+        f = torch.tensor([flag], dtype=torch.int32)
+        blocks, bits, size = tt._run_union(bi, m, size_only=False, guard=(f, GUARD_IF_SET))
+        if flag:
+            check_union(bi, m, tt.TileUnion(blocks, bits, size))
+        else:   # the poisoned buffers (conftest: -7) were never written
+            assert (size == -7).all() and (blocks == -7).all() and (bits == -7).all()
+
+
 def test_union_fraction_extremes():
     """Identical selections in a tile: fraction 1/m for full tiles; disjoint ones: 1."""
     gen = torch.Generator().manual_seed(0)

@@ -124,9 +124,9 @@ class NSATritonFunction(torch.autograd.Function):
                                   tuning=tuning.scores)
         m = tuning.tile.m
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
-            union = tile_unions(block_idx, m)
-            flag = tile_choice(union, m, n_sel, tuning.tile.auto_union)
+            flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
+            union = tile_unions(block_idx, m, guard=on_tile)          # built only when tiles run
             B, T, HQ = q.shape[:3]
             out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
             slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select, out=out,

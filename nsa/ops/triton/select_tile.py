@@ -90,15 +90,20 @@ def _tile_unions_torch(block_idx: torch.Tensor, m: int) -> TileUnion:
 
 
 @triton.jit
-def _union_kernel(BI, UB, UBITS, USZ, FIRST, sbb, sbt, sbh, T, H, NT,
+def _union_kernel(BI, UB, UBITS, USZ, FIRST, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
                   M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
-                  SIZE_ONLY: tl.constexpr):
+                  SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
     """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S.
     Pass 1 flags each entry that is the first occurrence of its block (pairwise compare against all
     entries, RC rows at a time; flags go through FIRST because a register tensor cannot be sliced);
     pass 2 puts each first entry at its rank among the distinct blocks (= count of smaller first
-    entries) with the OR of its tokens' bits (a token lists a block once, so OR = sum)."""
-    n = tl.program_id(0)
+    entries) with the OR of its tokens' bits (a token lists a block once, so OR = sum).
+    Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
+    STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
+    n = tl.program_id(0) * STRIDE
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
@@ -120,7 +125,7 @@ def _union_kernel(BI, UB, UBITS, USZ, FIRST, sbb, sbt, sbh, T, H, NT,
     tl.debug_barrier()
     firstj = tl.load(FIRST + out + ej, mask=ej < UW, other=0) != 0
     size = tl.sum(firstj.to(tl.int32), 0)
-    tl.store(USZ + pid_bh.to(tl.int64) * NT + n, size)
+    tl.store(USZ + pid_bh.to(tl.int64) * NS + tl.program_id(0), size)
     if not SIZE_ONLY:
         for c in tl.static_range(LP // RC):
             ei = c * RC + tl.arange(0, RC)
@@ -141,29 +146,34 @@ def _check_m(m: int) -> None:
         raise ValueError(f"tile size m must be in 1..{MAX_M}, got {m}")
 
 
-def _run_union(block_idx: torch.Tensor, m: int, size_only: bool):
+def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1, guard: Guard | None = None):
+    """(blocks, bits, size [B,H,ns]) of tiles 0, stride, 2*stride, ... (ns of them; stride > 1: sizes only)."""
     _check_m(m)
     B, T, H, S = block_idx.shape
     nt, uw = triton.cdiv(T, m), m * S
+    ns = triton.cdiv(nt, stride)
     dev = block_idx.device
-    size = torch.empty(B, H, nt, device=dev, dtype=torch.int32)
+    size = torch.empty(B, H, ns, device=dev, dtype=torch.int32)
     first = torch.empty(B, H, nt, uw, device=dev, dtype=torch.int8)     # scratch of pass 1
     blocks = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
     bits = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
     lp = max(16, next_pow2(uw))
-    _union_kernel[(nt, B * H)](block_idx, blocks, bits, size, first, block_idx.stride(0), block_idx.stride(1),
-                               block_idx.stride(2), T, H, nt, M=m, S=S, UW=uw, LP=lp,
-                               RC=max(1, min(lp, 4096 // lp)), SIZE_ONLY=size_only, num_warps=4)
+    flag, mode = guard if guard is not None else (size, 0)
+    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, first, flag, block_idx.stride(0), block_idx.stride(1),
+                               block_idx.stride(2), T, H, nt, stride, ns, M=m, S=S, UW=uw, LP=lp,
+                               RC=max(1, min(lp, 4096 // lp)), SIZE_ONLY=size_only or stride > 1, GUARD=mode,
+                               num_warps=4)
     return blocks, bits, size
 
 
-def tile_unions(block_idx: torch.Tensor, m: int) -> TileUnion:
+def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None) -> TileUnion:
     """block_idx [B,T,H,n_sel] (ascending, -1 padded; unit stride in n_sel) -> TileUnion for tiles of
-    m consecutive tokens. On CUDA one kernel launch (_union_kernel), else torch ops; no host sync."""
+    m consecutive tokens. On CUDA one kernel launch (_union_kernel), else torch ops; no host sync.
+    guard: built only where the device flag chose the tile kernels (else left unwritten: unread)."""
     if not block_idx.is_cuda:
         _check_m(m)
         return _tile_unions_torch(block_idx, m)
-    blocks, bits, size = _run_union(block_idx, m, size_only=False)
+    blocks, bits, size = _run_union(block_idx, m, size_only=False, guard=guard)
     return TileUnion(blocks=blocks, bits=bits, size=size)
 
 
@@ -182,11 +192,22 @@ def tile_union_fraction(block_idx: torch.Tensor, m: int) -> torch.Tensor:
     return sizes.sum(dtype=torch.float32) / float(max(1, sizes.numel() * m * block_idx.shape[3]))
 
 
-def tile_choice(un: TileUnion, m: int, n_sel: int, max_union: float) -> torch.Tensor:
-    """int32 [1] device flag: 1 when the tiles' mean union fraction (sum of union sizes over
-    n_tiles * m * n_sel) is <= max_union, i.e. the tile kernels should run, else 0. No host sync."""
-    size = un.size
-    budget = max_union * float(max(1, size.numel() * m * n_sel))
+CHOICE_TILES = 256   # tiles per (batch, kv head) whose unions the per-call choice measures
+
+
+def tile_choice(block_idx: torch.Tensor, m: int, max_union: float, tiles: int = CHOICE_TILES) -> torch.Tensor:
+    """int32 [1] device flag: 1 when the mean union fraction (union sizes over m * n_sel) of about
+    `tiles` evenly strided tiles per head is <= max_union, i.e. the tile kernels should run, else 0.
+    A size-only pass over the sample (1/stride of the full union's cost); no host sync."""
+    B, T, H, S = block_idx.shape
+    nt = triton.cdiv(T, m)
+    stride = max(1, nt // max(1, tiles))
+    if block_idx.is_cuda:
+        size = _run_union(block_idx, m, size_only=True, stride=stride)[2]
+    else:
+        _check_m(m)
+        size = _sorted_tiles(block_idx, m)[3].sum(-1, dtype=torch.int32)[..., ::stride]
+    budget = max_union * float(max(1, size.numel() * m * S))
     return (size.sum(dtype=torch.float32) <= budget).to(torch.int32).reshape(1)
 
 
