@@ -26,8 +26,10 @@ def test_presets_are_frozen_and_named():
     # the CPU preset differs only where the interpreter / the CPU torch path want it to
     assert CPU.scores.tile.map_small == CPU.scores.tile.map_big == 0 and CPU.torch.dense_factor == 8.0
     assert HOPPER.torch.dense_factor == 4.0 and CPU.attn == HOPPER.attn and CPU.decode == HOPPER.decode
-    # query-tile selection is off (m=1: per-token kernels) in every preset; its launches are shared
-    assert all(t.tile.m == 1 and t.tile == TileTuning() for t in PRESETS.values())
+    # query tiles: Hopper chooses m=8 tiles or the per-token kernels per call on the device (measured);
+    # the others run the per-token kernels (m=1); the launches are shared
+    assert HOPPER.tile == TileTuning(m=8, auto_union=0.42)
+    assert CPU.tile == AMPERE.tile == TileTuning() and CPU.tile.m == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         HOPPER.tile.m = 4
 

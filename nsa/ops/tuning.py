@@ -80,9 +80,9 @@ class TileTuning:
     """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
     of a KV head per program, loading each block of the tile's union of selections once.
 
-    m: tokens per tile; 1 runs the per-token kernels of SelectTuning (the default: on an H100 the
-    tile kernels lost to them on the op's random selections and on trained-like ones, and won
-    2.4-3.4x only on strongly local selections, union fraction <= 0.25 at m=4).
+    m: tokens per tile; 1 runs the per-token kernels of SelectTuning (the default here; the Hopper
+    preset takes m=8 with auto_union: on an H100 the tile kernels lost to the per-token ones on the
+    op's random selections and on non-local layers, and won on local ones, union fraction <= ~0.4).
     Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch for rows <= 64, launch
     for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
     accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16,
@@ -282,8 +282,12 @@ class KernelTuning:
 # sm_90 (H100 / H200): the measured defaults. Window and compressed branches on FlashAttention-4 from
 # 8k where installed: the 125M model's CUDA-graph training step gained 2.8% / 2.7% / 3.3% tokens/s at
 # 8k / 32k / 64k (H100, bench/RESULTS.md table 0b); eager op calls at 8k-16k are slower on FA4's host
-# path (table 1c), which the graphed step does not pay.
-HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192))
+# path (table 1c), which the graphed step does not pay. Selection on query tiles of 8 tokens when a
+# strided sample of the call's tiles has a union fraction <= 0.42 (chosen on the device, per call), else
+# per token: on a model trained at 64k the local (deep) layers' op ran 9-14% faster and the others within
+# noise; training tokens/s rose 5% / 3% / 2% at 8k / 32k / 64k relative to the dense twin (table 0c).
+HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
+                      tile=TileTuning(m=8, auto_union=0.42))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;
