@@ -156,23 +156,31 @@ def test_dense_cmp_probe_is_isolated_from_checkpointing(monkeypatch):
     assert len(calls) == 2 and torch.allclose(x.grad, 2 * x * (x * x).cos())
 
 
-def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
-    """A dense-kernel refusal at run time: same result from the Triton kernel, counted and warned."""
+def _refuse(*a, **k):
+    raise RuntimeError("simulated refusal")
+
+
+def _refused_then_plain(refused, plain):
+    """The op under a tuning whose dense kernel refuses (a warning expected), then under the plain one:
+    ((o, block_idx) of each, the inputs); the fallback counters start from zero."""
     from nsa.ops import dispatch
-    from nsa.ops.triton import cmp_dense
-
-    def refuse(*a, **k):
-        raise RuntimeError("simulated refusal")
-
-    monkeypatch.setattr(cmp_dense, "cmp_attention_dense", refuse)
-    monkeypatch.setattr(cmp_dense, "_PROBES", {})
     dispatch.reset_fallback_counts()
     x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=3)
     args = [x[n].detach() for n in NAMES]
     kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
     with pytest.warns(RuntimeWarning, match="simulated refusal"):
-        o, bi = nsa_triton_apply(*args, **kw, tuning=with_cmp_dense("math"))
-    o2, bi2 = nsa_triton_apply(*args, **kw, tuning=with_cmp_dense("off"))
+        first = nsa_triton_apply(*args, **kw, tuning=refused)
+    return first, nsa_triton_apply(*args, **kw, tuning=plain), args
+
+
+def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
+    """A dense-kernel refusal at run time: same result from the Triton kernel, counted and warned."""
+    from nsa.ops import dispatch
+    from nsa.ops.triton import cmp_dense
+
+    monkeypatch.setattr(cmp_dense, "cmp_attention_dense", _refuse)
+    monkeypatch.setattr(cmp_dense, "_PROBES", {})
+    (o, bi), (o2, bi2), args = _refused_then_plain(with_cmp_dense("math"), with_cmp_dense("off"))
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
     assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
 
@@ -218,18 +226,9 @@ def test_flash_window_failure_falls_back_to_triton(monkeypatch):
     from nsa.ops import dispatch
     from nsa.ops.triton import function as tfn
 
-    def refuse(*a, **k):
-        raise RuntimeError("simulated refusal")
-
-    monkeypatch.setattr(tfn, "dense_attention", refuse)
+    monkeypatch.setattr(tfn, "dense_attention", _refuse)
     monkeypatch.setattr(tfn, "_WIN_OFF", {})
-    dispatch.reset_fallback_counts()
-    x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=3)
-    args = [x[n].detach() for n in NAMES]
-    kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
-    with pytest.warns(RuntimeWarning, match="simulated refusal"):
-        o, bi = nsa_triton_apply(*args, **kw, tuning=with_flash(win="reference"))
-    o2, bi2 = nsa_triton_apply(*args, **kw, tuning=with_flash())
+    (o, bi), (o2, bi2), args = _refused_then_plain(with_flash(win="reference"), with_flash())
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
     assert dispatch.fallback_counts() == {"win_flash:reference->triton": 1}
     assert tfn.window_flash_backend(args[0], args[6], with_flash(win="reference")) is None
