@@ -34,6 +34,8 @@
 # <name>.json. Time limits per step: T_TESTS, T_BENCH (seconds).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# the repository as a package root: the device image has no editable install of nsa
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
 export OUT

@@ -61,6 +61,27 @@ class SelectTuning:
     fwd_keys: int = 64          # key rows per pipeline stage (capped by l_sel); smaller tiles were slower
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
+    # the forward's loop order (select_block.py): "token" = one program per (token, kv head) over its
+    # n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose it), the
+    # per-pair partials merged per token; "auto" = "block" when G = HQ/H <= block_max_g (the MMA tile is
+    # mostly padding per token), else "token"
+    fwd_by: Literal["token", "block", "auto"] = "token"
+    block_max_g: int = 8
+    pair_rows: int = 64         # (token, head) rows per step of the block-order forward
+    pair_warps: int = 4
+    pair_stages: int = 2
+    pair_dtype: Literal["fp32", "input"] = "fp32"   # the pair partials' o: fp32, or q's dtype
+    merge_warps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.fwd_by not in ("token", "block", "auto"):
+            raise ValueError(f"select.fwd_by must be token, block or auto, got {self.fwd_by!r}")
+        if self.pair_dtype not in ("fp32", "input"):
+            raise ValueError(f"select.pair_dtype must be fp32 or input, got {self.pair_dtype!r}")
+
+    def by_block(self, G: int) -> bool:
+        """Whether the forward runs block by block for G query heads per KV head."""
+        return self.fwd_by == "block" or (self.fwd_by == "auto" and G <= self.block_max_g)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32

@@ -2,8 +2,9 @@
 
 Forward: compressed attention (o_cmp, lse_cmp) -> block_idx from recomputed p_cmp (scores and top-n
 fused in scores.select_blocks; no score tensor is stored) -> selected attention (o_slc, lse_slc; per
-token, or with tuning.tile.m > 1 on query tiles of m tokens, select_tile.py, whose block unions the
-backward reuses) -> window attention (o_win, lse_win) -> gated sum.
+token, block by block with tuning.select.fwd_by (select_block.py, whose inversion of the selection the
+dK/dV kernel reuses), or with tuning.tile.m > 1 on query tiles of m tokens, select_tile.py, whose block
+unions the backward reuses) -> window attention (o_win, lse_win) -> gated sum.
 Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
@@ -27,7 +28,8 @@ from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
 from .guard import pair
-from .select import dq_buffer, slc_bwd, slc_dkdv, slc_dq, slc_fwd
+from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_dq, slc_fwd
+from .select_block import slc_fwd_pairs
 from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
 
 
@@ -123,14 +125,18 @@ class NSATritonFunction(torch.autograd.Function):
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tuning.scores)
         m = tuning.tile.m
+        G = q.shape[2] // k_slc.shape[2]
+        # block-order forward: the pair inversion it needs is the one the dK/dV kernel walks, kept for it
+        pairs = tuning.select.by_block(G) and (m == 1 or tuning.tile.auto_union > 0)
+        ctx.inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if pairs else None
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
             union = tile_unions(block_idx, m, guard=on_tile)          # built only when tiles run
             B, T, HQ = q.shape[:3]
             out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-            slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select, out=out,
-                    guard=on_token)
+            _slc_fwd_token(ctx.inv, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
+                           tuning=tuning.select, out=out, guard=on_token)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m, union=union,
                                           tuning=tuning.tile, out=out, guard=on_tile)
             union = (*union, flag)
@@ -140,11 +146,14 @@ class NSATritonFunction(torch.autograd.Function):
                                           union=union, tuning=tuning.tile)
         else:
             union = ()
-            o_slc, lse_slc = slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tuning.select)
+            o_slc, lse_slc = _slc_fwd_token(ctx.inv, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale,
+                                            chunk=chunk, tuning=tuning.select)
         if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
             o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
         else:
             o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
+        if ctx.inv is not None:
+            del ctx.inv["rank"]   # only the forward's merge reads it
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
@@ -178,14 +187,15 @@ class NSATritonFunction(torch.autograd.Function):
             slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
             dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=tuning.tile.m, **kw, tuning=tuning.tile, dq_out=buf,
                          guard=on_tile)
-            dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning.select)
+            dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning.select,
+                                inv=ctx.inv)
         elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)
         else:
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                   gates[..., 1], tuning=tuning.select, **slc_kw)
+                                   gates[..., 1], tuning=tuning.select, inv=ctx.inv, **slc_kw)
         if ctx.ext_win:
             dkw = dvw = None
         else:
@@ -194,6 +204,16 @@ class NSATritonFunction(torch.autograd.Function):
                                     tuning=tuning.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
                 None, None, None, None, None, None, None, None, None)
+
+
+def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: float, chunk: int, tuning,
+                   out=None, guard=None):
+    """The selection forward without query tiles: block by block when the forward inverted the
+    selection (inv, tuning.by_block), else one program per token."""
+    if inv is not None:
+        return slc_fwd_pairs(q, k, v, block_idx, inv, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning,
+                             out=out, guard=guard)
+    return slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=tuning, out=out, guard=guard)
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,

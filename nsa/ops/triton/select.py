@@ -434,13 +434,14 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     return o, lse
 
 
-def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int):
+def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
     """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
 
     Device-only (sort + searchsorted, no host sync). Returns a dict of int64 tensors:
     toks [P] (tokens, grouped by segment, ascending t within one), segoff [NSEG+1], wseg/wchunk
     [W_max] (work item -> segment, chunk; segment NSEG marks an empty item), nch [NSEG], xoff [NSEG]
-    (first fp32 scratch slot of a segment's chunks 1..), and the host ints n_slots, w_max.
+    (first fp32 scratch slot of a segment's chunks 1..), and the host ints n_slots, w_max; with ranks
+    also rank [B,H,T,S] (the position of slot (b, h, t, s) in toks, -1 for an empty slot).
     """
     B, T, H, S = block_idx.shape
     dev = block_idx.device
@@ -463,8 +464,13 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int):
     segc = wseg.clamp(max=nseg - 1)
     wchunk = w - (cum[segc] - nch[segc])
     xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    return dict(toks=toks, segoff=segoff, wseg=wseg, wchunk=wchunk, nch=nch, xoff=xoff,
-                n_slots=n_slots, w_max=w_max, nseg=nseg, nsb=nsb)
+    inv = dict(toks=toks, segoff=segoff, wseg=wseg, wchunk=wchunk, nch=nch, xoff=xoff,
+               n_slots=n_slots, w_max=w_max, nseg=nseg, nsb=nsb, chunk=chunk)
+    if ranks:
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=dev, dtype=order.dtype)
+        inv["rank"] = torch.where(key < nseg, pos, -1).view(B, H, T, S)
+    return inv
 
 
 def _bwd_args(q, k, v, do, lse, delta, gate):
@@ -508,15 +514,18 @@ def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.T
 
 def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
-             chunk: int = 1024, tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             chunk: int = 1024, tuning: SelectTuning | None = None,
+             inv: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
-    <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics)."""
+    <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
+    invert_selection(block_idx, l_sel, chunk) when it made one."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
-    inv = invert_selection(block_idx, l_sel, chunk)
+    if inv is None or inv["chunk"] != chunk:
+        inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
     xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
@@ -538,8 +547,10 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
             lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
             chunk: int = 1024, dq_in: torch.Tensor | None = None,
             dq_dtype: torch.dtype | None = None,
-            tuning: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd)."""
+            tuning: SelectTuning | None = None,
+            inv: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd; inv as in
+    slc_dkdv)."""
     kw = dict(l_sel=l_sel, scale=scale, tuning=tuning)
     dq = slc_dq(q, k, v, block_idx, do, lse, delta, gate, dq_in=dq_in, dq_dtype=dq_dtype, **kw)
-    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, **kw))
+    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, inv=inv, **kw))

@@ -1,0 +1,162 @@
+"""Selection forward one selected block at a time: pair partials merged per token.
+
+The per-token forward (select.py) loads each selected block's K/V for the G query rows of one token:
+with few heads per KV head (the production model's G=6, padded to 16 MMA rows) that is ~16 KB of K/V
+per (token, block) pair for 6 useful rows, and L2 bandwidth bounds it. Here the loop order is turned
+around, as in the dK/dV kernel: one program per (b, kv head, block j, chunk of <= CH of the tokens that
+selected j) (select.invert_selection) loads the block's K/V once and walks its tokens ROWS // GP at a
+time (row r = head r % GP of token r // GP, so a step fills a full MMA tile). Each (token, block) pair
+gets its softmax partial over that block: o normalised [G, dv] and lse (log2 domain), stored at the
+pair's position in the sorted pair list. A second kernel merges every token's n_sel partials (its
+slots' positions come from the inverse permutation, `rank`) into o [B,T,HQ,dv] and lse (natural log),
+the same quantities slc_fwd writes; the backward is unchanged.
+
+Traffic per pair: the q rows in (G*dk) and the partial out and back ((G*dv + G) * partial bytes), against
+l_sel*(dk+dv) K/V elements per pair in the per-token kernel. Partials are fp32 unless tuning says
+"input" (q's dtype; for bf16 that rounds each block's o to bf16 before the merge).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import LOG2E
+from ..tuning import SelectTuning, tuning_for
+from ._utils import dot_precision, next_pow2
+from .guard import Guard, skip_program
+
+
+@triton.jit
+def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+                     T, H, NSB, NSEG, scale_log2,
+                     G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
+                     CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+    """One work item (segment = (b, h, block j), chunk c of its token list): partials of its pairs."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
+    w = tl.program_id(0)
+    seg = tl.load(WSEG + w)
+    chunk = tl.load(WCHUNK + w)
+    ok = seg < NSEG
+    seg = tl.where(ok, seg, 0)
+    j = seg % NSB
+    bh = seg // NSB
+    b = bh // H
+    h = bh % H
+    start = tl.load(SEGOFF + seg) + chunk * CH
+    end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
+    kk = tl.arange(0, BS)
+    kp = j * LSEL + kk                                                      # [BS] int64 key positions
+    k_ok = (kk < LSEL) & (kp < T)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
+                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
+    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
+    QB: tl.constexpr = ROWS // GP                                           # tokens per step
+    rows = tl.arange(0, ROWS)
+    g = rows % GP
+    hq = (h * G + g).to(tl.int64)
+    for idx in range(start, end, QB):
+        qidx = idx + rows // GP                                             # [ROWS] pair positions
+        q_ok = qidx < end
+        t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)
+        row_ok = q_ok & (g < G)
+        q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
+                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [ROWS, BS]
+        vis = (kp[None, :] <= t64[:, None]) & k_ok[None, :] & row_ok[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m = tl.max(s, 1)
+        m = tl.where(m == float("-inf"), 0.0, m)        # padded rows (a selected block has a key <= t)
+        p = tl.where(vis, tl.exp2(s - m[:, None]), 0.0)
+        l_sum = tl.sum(p, 1)
+        has = l_sum > 0.0
+        o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) / tl.where(has, l_sum, 1.0)[:, None]
+        lse2 = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+        pr = qidx.to(tl.int64) * G + g                                      # partial row of (pair, head)
+        tl.store(OP + pr[:, None] * DV + offs_dv[None, :], o.to(OP.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(LP + pr, lse2, mask=row_ok)
+
+
+@triton.jit
+def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
+                       G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr,
+                       BDV: tl.constexpr, GUARD: tl.constexpr):
+    """o, lse of one (token, kv head): the softmax merge of its slots' partials (slot order)."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t64 = t.to(tl.int64)
+    rows = tl.arange(0, GR)
+    row_ok = rows < G
+    hq = (h * G + rows).to(tl.int64)
+    offs_dv = tl.arange(0, BDV)
+    dv_ok = offs_dv[None, :] < DV
+    m_i = tl.full([GR], float("-inf"), tl.float32)
+    l_i = tl.zeros([GR], tl.float32)
+    acc = tl.zeros([GR, BDV], tl.float32)
+    r_base = RANK + b * srb + t64 * srt + h * srh
+    for s in range(NSEL):
+        r = tl.zeros([GR], tl.int64) + tl.load(r_base + s)              # -1: an empty slot (vector form)
+        ok = row_ok & (r >= 0)
+        pr = tl.where(ok, r, 0) * G + rows
+        lp = tl.load(LP + pr, mask=ok, other=float("-inf"))
+        op = tl.load(OP + pr[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
+        m_new = tl.maximum(m_i, lp)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lp - m_safe)
+        acc = acc * alpha[:, None] + beta[:, None] * op.to(tl.float32)
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(O + b * sob + t64 * sot + hq[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok)
+    tl.store(LSE + (b * T + t64) * (H * G) + hq, lse, mask=row_ok)
+
+
+def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, inv: dict, *,
+                  l_sel: int, scale: float, chunk: int, tuning: SelectTuning | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """slc_fwd's (o [B,T,HQ,dv], lse fp32 [B,T,HQ]) block by block. inv: invert_selection(block_idx,
+    l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd."""
+    tn = tuning or tuning_for(q.device).select
+    B, T, HQ, dk = q.shape
+    H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
+    G = HQ // H
+    o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
+                                          torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
+    n_rows = max(1, B * H * T * n_sel * G)        # pair positions past the valid ones are never written
+    pdt = torch.float32 if tn.pair_dtype == "fp32" else q.dtype
+    op = torch.empty(n_rows, dv, device=q.device, dtype=pdt)
+    lp = torch.empty(n_rows, device=q.device, dtype=torch.float32)
+    flag, mode = guard if guard is not None else (lp, 0)
+    bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
+    prec = dot_precision(q.dtype, q.is_cuda)
+    _pair_fwd_kernel[(inv["w_max"],)](
+        q, k, v, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], op, lp, flag,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
+        G=G, GP=gp, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=chunk, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
+        BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
+        num_stages=tn.pair_stages)
+    rank = inv["rank"]
+    _pair_merge_kernel[(T, B * H)](
+        rank, op, lp, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
+        o.stride(0), o.stride(1), o.stride(2), T, H, G=G, GR=max(16, gp), NSEL=n_sel, DV=dv, BDV=bdv,
+        GUARD=mode, num_warps=tn.merge_warps)
+    return o, lse

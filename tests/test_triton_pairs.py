@@ -1,0 +1,120 @@
+"""The block-order selection forward (nsa/ops/triton/select_block.py) against the per-token forward
+(select.slc_fwd), the fp64 oracle of tests/test_triton_tile.py and, through the whole op, the
+per-token op and nsa.ops.reference.
+
+CPU: Triton's interpreter on tiny odd shapes (G = 1, 2, 3, 16; -1 padded rows, ties, chunked token
+lists); outputs are NaN-poisoned (conftest), so a slot the merge leaves unwritten fails. GPU (`gpu`):
+the production shape in bf16 at 8k and 64k, whole op forward and backward against the per-token op.
+"""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+triton = pytest.importorskip("triton")
+
+from test_triton_tile import CASES, DEV, case_inputs, oracle, rel_err, tol  # noqa: E402
+
+from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton import select_block as sb  # noqa: E402
+from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
+from nsa.ops.testing import make_inputs  # noqa: E402
+from nsa.ops.tuning import SelectTuning, TileTuning, tuning_for  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("poison_allocations")   # unwritten outputs fail (conftest)
+
+
+def by_block(**kw) -> SelectTuning:
+    return SelectTuning(fwd_by="block", **kw)
+
+
+@pytest.mark.parametrize("case", ["g2_m4_random", "g1_m8_disjoint", "g16_m2_identical", "g2_m1_chunked",
+                                  "g3_m8_lsel24_chunked", "g2_m3_ties", "fp16_g2_m4"])
+def test_pairs_match_per_token_and_oracle(case):
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 1)
+    inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
+    # 16 rows per step: several steps per chunk, and G=3 / G=16 rows that do not divide ROWS evenly
+    o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=scale, chunk=chunk,
+                              tuning=by_block(pair_rows=16))
+    o_tok, lse_tok = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
+    ro, rlse = oracle(q, k, v, bi, gate, do, l_sel, scale)[:2]
+    assert o.dtype == q.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    for name, a, b, r in (("o", o, o_tok, ro), ("lse", lse, lse_tok, rlse)):
+        assert rel_err(a, b) <= tol(dtype), f"{name} vs per-token: {rel_err(a, b):.2e}"
+        assert rel_err(a, r) <= tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
+
+
+def test_rank_inverts_the_sorted_pairs():
+    """rank[b, h, t, s] is the position of slot s of (b, t, h) in toks (its token there), -1 when empty."""
+    q, k, v, do, gate, bi, scale = case_inputs("g2_m1_chunked", seed=5)
+    inv = tsel.invert_selection(bi, 8, 4, ranks=True)
+    rank, toks = inv["rank"].cpu(), inv["toks"].cpu()
+    B, T, H, S = bi.shape
+    empty = bi.permute(0, 2, 1, 3).cpu() < 0
+    assert ((rank == -1) == empty).all()
+    t = torch.arange(T).view(1, 1, T, 1).expand(B, H, T, S)
+    assert (toks[rank[~empty]] == t[~empty]).all()
+    assert len(set(rank[~empty].tolist())) == int((~empty).sum())   # one position per slot
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "input"])
+def test_op_by_block_matches_per_token_op(pdt):
+    """The whole op with select.fwd_by=block (forward, and the backward reusing the forward's
+    inversion) against the per-token op: same block_idx, o and every gradient."""
+    B, T, HQ, H, dk, dv, l, d, l_sel, n_sel, w = 2, 53, 6, 2, 16, 16, 8, 4, 8, 3, 12
+    xs = make_inputs(B, T, HQ, H, dk, dv, l=l, d=d, device=DEV, dtype=torch.float32, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(B, T, HQ, dv, generator=gen).to(DEV)
+    base = dataclasses.replace(tuning_for(DEV), tile=TileTuning(m=1))
+    res = []
+    for sel in (base.select, by_block(pair_rows=32, pair_dtype=pdt)):
+        x = [a.detach().clone().requires_grad_() for a in xs]
+        o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5,
+                                 dkdv_chunk=5, tuning=dataclasses.replace(base, select=sel))
+        g = torch.autograd.grad(o, x, do)
+        res.append((o, bi, g))
+    (o0, bi0, g0), (o1, bi1, g1) = res
+    assert torch.equal(bi0, bi1)
+    assert rel_err(o1, o0) <= tol(torch.float32)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert rel_err(a, b) <= 2 * tol(torch.float32), f"grad {i}: {rel_err(a, b):.2e}"
+
+
+def test_auto_picks_block_order_by_group_size():
+    tn = SelectTuning(fwd_by="auto", block_max_g=8)
+    assert tn.by_block(6) and tn.by_block(8) and not tn.by_block(16)
+    assert not SelectTuning().by_block(1) and SelectTuning(fwd_by="block").by_block(64)
+    with pytest.raises(ValueError, match="select.fwd_by"):
+        SelectTuning(fwd_by="pairs")
+    with pytest.raises(ValueError, match="select.pair_dtype"):
+        SelectTuning(pair_dtype="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+@pytest.mark.parametrize("pdt", ["fp32", "input"])
+def test_gpu_op_by_block_matches_per_token_bf16(T, pdt):
+    """Production shape (HQ=12, H=2, d=64), bf16: o and every gradient of the block-order op within
+    0.5% relative RMS of the per-token op's, block_idx identical."""
+    B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 12, 2, 64, 32, 16, 64, 16, 512
+    xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=1)
+    do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
+    base = tuning_for("cuda")
+    res = []
+    for sel in (base.select, dataclasses.replace(base.select, fwd_by="block", pair_dtype=pdt)):
+        x = [a.detach().clone().requires_grad_() for a in xs]
+        o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5,
+                                 tuning=dataclasses.replace(base, select=sel))
+        res.append((o, bi, torch.autograd.grad(o, x, do)))
+    (o0, bi0, g0), (o1, bi1, g1) = res
+    assert torch.equal(bi0, bi1)
+    assert rel_err(o1, o0) <= 5e-3
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert rel_err(a, b) <= 5e-3, f"grad {i}: {rel_err(a, b):.2e}"
