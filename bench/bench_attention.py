@@ -112,7 +112,7 @@ def sweep_space() -> dict[str, list[dict]]:
         "select.warps": [sel("warps", w) for w in [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2),
                                                    (4, 4, 2), (4, 2, 4)]],
         "select.dkdv_rows": [{"select.dkdv_rows": r} for r in (16, 32, 64)],
-        "select.fwd_by": [{"select.fwd_by": "block", **{f"select.{k}": v for k, v in ch.items()}} for ch in [
+        "select.loop": [{"select.loop": "block", **{f"select.{k}": v for k, v in ch.items()}} for ch in [
             {}, dict(pair_dtype="input"), dict(pair_rows=32), dict(pair_rows=128), dict(pair_warps=8),
             dict(pair_rows=128, pair_warps=8, pair_dtype="input"), dict(pair_stages=3), dict(merge_warps=4)]],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],

@@ -23,6 +23,7 @@ ncu-attention / ncu-decode: drivers for Nsight Compute that run only the kernels
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import sys
 import time
@@ -88,15 +89,35 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
+def parse_changes(items: list[str]) -> dict:
+    """["select.loop=block", "scores.tile=ScoreTile(128,64,8,2,2,2)"] -> {dotted field: value}: a value
+    is a Python expression over literals and nsa.ops.tuning's classes, else the plain string."""
+    from nsa.ops import tuning as names
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--tuning takes FIELD=VALUE (e.g. select.loop=block), got {item!r}")
+        try:
+            tree = ast.parse(raw, mode="eval")
+            calls_ok = all(isinstance(n.func, ast.Name) for n in ast.walk(tree) if isinstance(n, ast.Call))
+            out[key] = eval(compile(tree, "<tuning>", "eval"), {"__builtins__": {}}, vars(names)) \
+                if calls_ok else raw
+        except (ValueError, SyntaxError, NameError, TypeError):
+            out[key] = raw
+    return out
+
+
 def run_kernels(a) -> None:
     B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
-    result = {"hp": HP, "runs": {}}
+    result = {"hp": HP, "runs": {}, "tuning": a.tuning}
+    tuning = common.tuning_variant(common.base_tuning(), parse_changes(a.tuning)) if a.tuning else None
     for T in a.T:
         x = common.nsa_inputs(B, T, HQ, H, dk, dv)
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
 
         def nsa_step():
-            o, _ = common.nsa_op(x)
+            o, _ = common.nsa_op(x, tuning)
             return torch.autograd.grad(o, x, do)
 
         bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -243,6 +264,8 @@ def main() -> int:
     k.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
     k.add_argument("--iters", type=int, default=5)
     k.add_argument("--ops", action="store_true", help="also list the aten ops with the most own device time")
+    k.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="changes to the device's KernelTuning, e.g. select.loop=block")
     for name in ("HQ", "H", "dk", "dv"):
         k.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
     common.result_args(k)

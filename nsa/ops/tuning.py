@@ -61,27 +61,28 @@ class SelectTuning:
     fwd_keys: int = 64          # key rows per pipeline stage (capped by l_sel); smaller tiles were slower
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
-    # the forward's loop order (select_block.py): "token" = one program per (token, kv head) over its
-    # n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose it), the
-    # per-pair partials merged per token; "auto" = "block" when G = HQ/H <= block_max_g (the MMA tile is
-    # mostly padding per token), else "token"
-    fwd_by: Literal["token", "block", "auto"] = "token"
+    # loop order of the forward and of dq (select_block.py): "token" = one program per (token, kv head)
+    # over its n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose
+    # it) -- the forward writes per-pair partials merged per token, dq's partials come from the dK/dV
+    # kernel's walk and are summed per token; "auto" = "block" when G = HQ/H <= block_max_g (per token
+    # the MMA tile is mostly padding), else "token"
+    loop: Literal["token", "block", "auto"] = "token"
     block_max_g: int = 8
     pair_rows: int = 64         # (token, head) rows per step of the block-order forward
     pair_warps: int = 4
     pair_stages: int = 2
-    pair_dtype: Literal["fp32", "input"] = "fp32"   # the pair partials' o: fp32, or q's dtype
+    pair_dtype: Literal["fp32", "input"] = "fp32"   # pair partials (o, dq): fp32, or q's dtype
     merge_warps: int = 2
 
     def __post_init__(self) -> None:
-        if self.fwd_by not in ("token", "block", "auto"):
-            raise ValueError(f"select.fwd_by must be token, block or auto, got {self.fwd_by!r}")
+        if self.loop not in ("token", "block", "auto"):
+            raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
         if self.pair_dtype not in ("fp32", "input"):
             raise ValueError(f"select.pair_dtype must be fp32 or input, got {self.pair_dtype!r}")
 
     def by_block(self, G: int) -> bool:
-        """Whether the forward runs block by block for G query heads per KV head."""
-        return self.fwd_by == "block" or (self.fwd_by == "auto" and G <= self.block_max_g)
+        """Whether the forward and dq run block by block for G query heads per KV head."""
+        return self.loop == "block" or (self.loop == "auto" and G <= self.block_max_g)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
@@ -307,8 +308,11 @@ class KernelTuning:
 # strided sample of the call's tiles has a union fraction <= 0.42 (chosen on the device, per call), else
 # per token: on a model trained at 64k the local (deep) layers' op ran 9-14% faster and the others within
 # noise; training tokens/s rose 5% / 3% / 2% at 8k / 32k / 64k relative to the dense twin (table 0c).
+# Forward and dq block by block for G <= 8 with partials in q's dtype: at the production shape (HQ=12,
+# H=2, d=64) the op's fwd+bwd device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per
+# token (not measured block by block).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      tile=TileTuning(m=8, auto_union=0.42))
+                      tile=TileTuning(m=8, auto_union=0.42), select=SelectTuning(loop="auto", pair_dtype="input"))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

@@ -2,7 +2,7 @@
 
 Forward: compressed attention (o_cmp, lse_cmp) -> block_idx from recomputed p_cmp (scores and top-n
 fused in scores.select_blocks; no score tensor is stored) -> selected attention (o_slc, lse_slc; per
-token, block by block with tuning.select.fwd_by (select_block.py, whose inversion of the selection the
+token, block by block with tuning.select.loop (select_block.py, whose inversion of the selection the
 dK/dV kernel reuses), or with tuning.tile.m > 1 on query tiles of m tokens, select_tile.py, whose block
 unions the backward reuses) -> window attention (o_win, lse_win) -> gated sum.
 Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so each branch's
@@ -29,7 +29,7 @@ from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
 from .guard import pair
 from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_dq, slc_fwd
-from .select_block import slc_fwd_pairs
+from .select_block import pair_buffer, pair_dq, slc_fwd_pairs
 from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
 
 
@@ -152,8 +152,6 @@ class NSATritonFunction(torch.autograd.Function):
             o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
         else:
             o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
-        if ctx.inv is not None:
-            del ctx.inv["rank"]   # only the forward's merge reads it
         o = combine(o_cmp, o_slc, o_win, gates)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
@@ -184,18 +182,25 @@ class NSATritonFunction(torch.autograd.Function):
             args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
             kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
             buf = dq_buffer(q, dq, slc_kw["dq_dtype"])
-            slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
+            if ctx.inv is None:
+                slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
+                dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
+                                    tuning=tuning.select)
+            else:   # dq of the per-token choice from the dK/dV walk's pair partials
+                _, dks, dvs = _slc_bwd_pairs(ctx.inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
+                                             dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token)
             dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=tuning.tile.m, **kw, tuning=tuning.tile, dq_out=buf,
                          guard=on_tile)
-            dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning.select,
-                                inv=ctx.inv)
         elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)
+        elif ctx.inv is not None:
+            dq, dks, dvs = _slc_bwd_pairs(ctx.inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
+                                          gates[..., 1], tuning=tuning.select, **slc_kw)
         else:
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                   gates[..., 1], tuning=tuning.select, inv=ctx.inv, **slc_kw)
+                                   gates[..., 1], tuning=tuning.select, **slc_kw)
         if ctx.ext_win:
             dkw = dvw = None
         else:
@@ -214,6 +219,18 @@ def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: f
         return slc_fwd_pairs(q, k, v, block_idx, inv, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning,
                              out=out, guard=guard)
     return slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=tuning, out=out, guard=guard)
+
+
+def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int,
+                   dq_in, tuning, dq_dtype=None, buf=None, guard=None):
+    """(dq, dK, dV) of the selection block by block: one dK/dV walk that also writes each (token, block)
+    pair's dq partial, then their per-token sum (+ dq_in) into buf (default dq_buffer's)."""
+    H, n_sel = k.shape[2], block_idx.shape[3]
+    buf = buf if buf is not None else dq_buffer(q, dq_in, dq_dtype)
+    dqp = pair_buffer(q, n_sel, H, q.shape[-1], tuning)
+    dks, dvs = slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
+                        tuning=tuning, inv=inv, dq_pairs=dqp, guard=guard)
+    return pair_dq(q, dqp, inv, n_sel, H, dq=buf, dq_in=dq_in, guard=guard), dks, dvs
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,

@@ -295,14 +295,20 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
 
 @triton.jit
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                         DKO, DVO, XDK, XDV,
+                         DKO, DVO, XDK, XDV, DQP, FLAG,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                          T, H, NSB, NSEG, scale_log2, scale,
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
+                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
+                         DQ_PAIRS: tl.constexpr, DQ_GUARD: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
-    takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP."""
+    takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
+    also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
+    token by select_block.pair_dq), only when the device flag allows it under DQ_GUARD (0: always)."""
+    run_dq = True
+    if DQ_GUARD != 0:
+        run_dq = skip_program(FLAG, DQ_GUARD) == 0
     w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
@@ -352,6 +358,12 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
         dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
+        if DQ_PAIRS:
+            if run_dq:
+                dqp = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * scale   # [ROWS, BDK]
+                pr = qidx.to(tl.int64) * G + g
+                tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
+                         mask=row_ok[:, None] & (offs_dk[None, :] < DK))
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
@@ -515,10 +527,13 @@ def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.T
 def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
              chunk: int = 1024, tuning: SelectTuning | None = None,
-             inv: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             inv: dict | None = None, dq_pairs: torch.Tensor | None = None,
+             guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
-    invert_selection(block_idx, l_sel, chunk) when it made one."""
+    invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
+    (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv), where guard
+    (the device's per-call choice) allows it."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -531,9 +546,11 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
     xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
     bs = max(16, next_pow2(l_sel))
+    flag, mode = guard if guard is not None else (lse, 0)
     _slc_bwd_dkdv_kernel[(inv["w_max"],)](
         q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
-        dk32, dv32, xdk, xdv, *strides, T, H, inv["nsb"], inv["nseg"], scale * LOG2E, scale,
+        dk32, dv32, xdk, xdv, dk32 if dq_pairs is None else dq_pairs, flag, *strides, T, H, inv["nsb"],
+        inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dq_pairs is not None, DQ_GUARD=mode,
         CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
         GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)),
         **{k: v for k, v in meta.items() if k != "GR"})

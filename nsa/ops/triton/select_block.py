@@ -128,6 +128,59 @@ def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh,
     tl.store(LSE + (b * T + t64) * (H * G) + hq, lse, mask=row_ok)
 
 
+@triton.jit
+def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
+                    G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr,
+                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr):
+    """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in)."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
+    t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t64 = t.to(tl.int64)
+    rows = tl.arange(0, GR)
+    row_ok = rows < G
+    hq = (h * G + rows).to(tl.int64)
+    offs_dk = tl.arange(0, BDK)
+    dk_ok = offs_dk[None, :] < DK
+    acc = tl.zeros([GR, BDK], tl.float32)
+    r_base = RANK + b * srb + t64 * srt + h * srh
+    for s in range(NSEL):
+        r = tl.zeros([GR], tl.int64) + tl.load(r_base + s)              # -1: an empty slot (vector form)
+        ok = row_ok & (r >= 0)
+        pr = tl.where(ok, r, 0) * G + rows
+        acc += tl.load(DQP + pr[:, None] * DK + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0).to(tl.float32)
+    off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
+    if ACC_DQ:
+        acc += tl.load(DQ_IN + off, mask=row_ok[:, None] & dk_ok, other=0.0)
+    tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok)
+
+
+def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTuning) -> torch.Tensor:
+    """[B*H*T*n_sel*G, dim] rows of pair partials (one per (pair, head)), fp32 or q's dtype per tuning."""
+    B, T, HQ = q.shape[:3]
+    pdt = torch.float32 if tuning.pair_dtype == "fp32" else q.dtype
+    return torch.empty(max(1, B * T * n_sel * HQ), dim, device=q.device, dtype=pdt)
+
+
+def pair_dq(q: torch.Tensor, dq_pairs: torch.Tensor, inv: dict, n_sel: int, H: int, *, dq: torch.Tensor,
+            dq_in: torch.Tensor | None, guard: Guard | None = None) -> torch.Tensor:
+    """dq [B,T,HQ,dk] (contiguous, written) = the sum of each token's pair partials (from the dK/dV
+    kernel, select.slc_dkdv(dq_pairs=)) + dq_in; guard: the device's per-call choice."""
+    B, T, HQ, dk = q.shape
+    G = HQ // H
+    rank = inv["rank"]
+    flag, mode = guard if guard is not None else (rank, 0)
+    _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, flag,
+                                rank.stride(0), rank.stride(2), rank.stride(1), T, H, G=G,
+                                GR=max(16, next_pow2(G)), NSEL=n_sel, DK=dk, BDK=max(16, next_pow2(dk)),
+                                ACC_DQ=dq_in is not None, GUARD=mode, num_warps=2)
+    return dq
+
+
 def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, inv: dict, *,
                   l_sel: int, scale: float, chunk: int, tuning: SelectTuning | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -140,10 +193,8 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     G = HQ // H
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    n_rows = max(1, B * H * T * n_sel * G)        # pair positions past the valid ones are never written
-    pdt = torch.float32 if tn.pair_dtype == "fp32" else q.dtype
-    op = torch.empty(n_rows, dv, device=q.device, dtype=pdt)
-    lp = torch.empty(n_rows, device=q.device, dtype=torch.float32)
+    op = pair_buffer(q, n_sel, H, dv, tn)      # positions past the valid pairs are never written
+    lp = torch.empty(op.shape[0], device=q.device, dtype=torch.float32)
     flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     prec = dot_precision(q.dtype, q.is_cuda)
