@@ -32,7 +32,7 @@ from ..common import FORCED_STEP, LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import online_softmax_step
-from .guard import Guard, skip_program
+from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .scores import SCORE_GRID
 
 
@@ -301,14 +301,14 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, DQ_GUARD: tl.constexpr):
+                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
-    token by select_block.pair_dq), only when the device flag allows it under DQ_GUARD (0: always)."""
-    run_dq = True
-    if DQ_GUARD != 0:
-        run_dq = skip_program(FLAG, DQ_GUARD) == 0
+    token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py)."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
     w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
@@ -359,11 +359,10 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
         if DQ_PAIRS:
-            if run_dq:
-                dqp = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * scale   # [ROWS, BDK]
-                pr = qidx.to(tl.int64) * G + g
-                tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
-                         mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+            dqp = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * scale   # [ROWS, BDK]
+            pr = qidx.to(tl.int64) * G + g
+            tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_dk[None, :] < DK))
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
@@ -532,8 +531,9 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
     invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
-    (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv), where guard
-    (the device's per-call choice) allows it."""
+    (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv); with guard (the
+    device's per-call choice) only where it holds: the walk without dq runs where it does not (the
+    extra dot and registers would slow the walk when the tile kernels compute dq)."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -547,13 +547,17 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
     bs = max(16, next_pow2(l_sel))
     flag, mode = guard if guard is not None else (lse, 0)
-    _slc_bwd_dkdv_kernel[(inv["w_max"],)](
-        q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
-        dk32, dv32, xdk, xdv, dk32 if dq_pairs is None else dq_pairs, flag, *strides, T, H, inv["nsb"],
-        inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dq_pairs is not None, DQ_GUARD=mode,
-        CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-        GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)),
-        **{k: v for k, v in meta.items() if k != "GR"})
+    walks = [(dq_pairs, mode)]
+    if dq_pairs is not None and mode != 0:
+        walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
+    for dqp, gm in walks:
+        _slc_bwd_dkdv_kernel[(inv["w_max"],)](
+            q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
+            dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
+            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
+            CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
+            GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)),
+            **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
                                        num_warps=8)
