@@ -384,7 +384,7 @@ def flash_installed_names() -> list[str]:
     """The flash-attn backends (fa4, fa2) that import and may run on this GPU (nsa.ops.flash's rules)."""
     from nsa.ops import flash
     dev = torch.device("cuda")
-    return [n for n in flash.FLASH_BACKENDS if flash._eligible(n, dev, torch.bfloat16, 64, True) is None]
+    return [n for n in flash.FLASH_BACKENDS if flash.ineligible(n, dev, torch.bfloat16, 64, True) is None]
 
 
 def tuning_dict(tuning) -> dict[str, Any]:

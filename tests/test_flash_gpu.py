@@ -18,7 +18,7 @@ ALL = flash.FLASH_BACKENDS + flash.SDPA_BACKENDS + ("sdpa",)
 def _need(backend: str, dtype: torch.dtype, d: int) -> None:
     if backend == "sdpa":
         return
-    why = flash._eligible(backend, DEV, dtype, d, allow_flash=True)
+    why = flash.ineligible(backend, DEV, dtype, d, allow_flash=True)
     if why is not None:
         pytest.skip(f"{backend}: {why}")
 
@@ -70,7 +70,7 @@ def test_decode_shapes_are_bottom_right_causal(backend, Tq):
 def test_choice_prefers_flash_when_installed_and_never_when_disabled():
     flash.reset_choices()
     name, why = flash.choose_dense_backend(DEV, torch.bfloat16, 64, allow_flash=True)
-    installed = [b for b in flash.FLASH_BACKENDS if flash._eligible(b, DEV, torch.bfloat16, 64, True) is None]
+    installed = [b for b in flash.FLASH_BACKENDS if flash.ineligible(b, DEV, torch.bfloat16, 64, True) is None]
     if installed:
         assert name == installed[0], why
     assert "skipped" in why or name == "fa4"

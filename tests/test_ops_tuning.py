@@ -30,6 +30,10 @@ def test_presets_are_frozen_and_named():
     # the others run the per-token kernels (m=1); the launches are shared
     assert HOPPER.tile == TileTuning(m=8, auto_union=0.42)
     assert CPU.tile == AMPERE.tile == TileTuning() and CPU.tile.m == 1
+    # selection forward and dq block by block on Hopper for the production model's G=6 (measured), per
+    # token for the paper's G=16 and on the other presets (not measured block by block)
+    assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "input"
+    assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         HOPPER.tile.m = 4
 

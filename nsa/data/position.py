@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from nsa.data.packing import doc_ends, encode_stream
+from nsa.data.sources import open_parquet
 
 # Documents read (and so tokenized) by this process's unit readers: tests spy on it to show that a
 # resume does not read what the checkpoint had consumed.
@@ -74,13 +75,6 @@ class DataPosition:
         """JSON-friendly summary (meta.json, heartbeats): the carry as its length only."""
         return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch, "shard": self.shard_name or None,
                 "row_group": self.row_group, "offset": self.offset, "carry_tokens": int(self.carry.size)}
-
-
-def open_parquet(path: str | os.PathLike) -> Any:
-    """The one place a unit reader opens a shard: nsa.data.sources.open_parquet (local paths directly,
-    data.path URLs such as ``hf://datasets/...`` or ``file:///...`` through their fsspec filesystem)."""
-    from nsa.data.sources import open_parquet as _open
-    return _open(path)
 
 
 def row_group_rows(files: Sequence[str | os.PathLike]) -> list[list[int]]:

@@ -5,6 +5,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .batched import nsa_torch
@@ -19,6 +21,17 @@ from .tuning import FlashBranchTuning, KernelTuning, tuning_for
 __all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "KernelPolicy",
            "resolve_backend", "fallback_counts", "count_fallback", "reset_fallback_counts",
            "validate_hparams", "num_cmp_tokens", "NSAParams", "KernelTuning", "tuning_for"]
+
+
+@functools.lru_cache(maxsize=64)
+def _flash_override(tuning: KernelTuning, flash_branches: str, allow_flash: bool) -> KernelTuning:
+    """tuning with its flash part replaced by nsa.flash_branches / off under allow_flash=False; cached,
+    since every eager layer call asks again with the same few frozen tunings."""
+    if flash_branches != "preset":
+        tuning = tuning.replace(flash=FlashBranchTuning.parse(flash_branches))
+    if not allow_flash and (tuning.flash.win != "off" or tuning.flash.cmp != "off"):
+        tuning = tuning.replace(flash=FlashBranchTuning())
+    return tuning
 
 
 def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
@@ -59,11 +72,7 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     if policy.fallback is not None:
         count_fallback(policy.fallback)
     used = policy.backend
-    tuning = tuning or policy.tuning
-    if flash_branches != "preset":
-        tuning = tuning.replace(flash=FlashBranchTuning.parse(flash_branches))
-    if not allow_flash and (tuning.flash.win != "off" or tuning.flash.cmp != "off"):
-        tuning = tuning.replace(flash=FlashBranchTuning())
+    tuning = _flash_override(tuning or policy.tuning, flash_branches, allow_flash)
     kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
     if used == "triton":
         mod = triton_module()

@@ -93,7 +93,7 @@ def _head_ok(head_dim: int, lo: int = 8, hi: int = 256) -> bool:
     return lo <= head_dim <= hi and head_dim % 8 == 0
 
 
-def _eligible(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+def ineligible(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
               allow_flash: bool) -> str | None:
     """None when backend `name` may run here, else why not (one phrase)."""
     cap = device_capability(device)
@@ -314,7 +314,7 @@ def choose_dense_backend(device: torch.device | str, dtype: torch.dtype, head_di
         skipped = []
         choice = ("sdpa_math", "")
         for name in CUDA_ORDER:
-            why = _eligible(name, dev, dtype, head_dim, allow_flash)
+            why = ineligible(name, dev, dtype, head_dim, allow_flash)
             if why is None:
                 if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                     ok, why = True, "not probed (inside a CUDA-graph capture)"
@@ -370,7 +370,7 @@ def branch_flash_backend(branch: str, cfg, q: torch.Tensor, dv: int) -> tuple[st
         if name not in FLASH_BACKENDS:
             return None, f"no flash-attn backend chosen here ({name})"
         return name, f"{name} (tuning.flash.{branch}=auto)"
-    why = _eligible(mode, q.device, q.dtype, dk, True)
+    why = ineligible(mode, q.device, q.dtype, dk, True)
     return (None, f"{mode}: {why}") if why is not None else (mode, f"{mode} (forced by tuning.flash.{branch})")
 
 
