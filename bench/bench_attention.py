@@ -217,7 +217,7 @@ def run_op(a, dims) -> dict:
 
 
 def print_op_table(rows: list[list], what: str) -> None:
-    print(f"\nms; x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels)")
+    print(f"\nms ({common.TIMER['mode']} calls); x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels)")
     common.print_table(["T", "inputs", "m", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB",
                         "dense GiB", "best dense fwd / f+b"], rows)
 
@@ -493,6 +493,9 @@ def main() -> None:
                     help="dense baselines to try (name prefixes: sdpa-cudnn sdpa-flash sdpa-efficient sdpa-math "
                          "fa4 fa2; default all present)")
     ap.add_argument("--breakdown", type=int, nargs="*", default=[], help="T values for per-stage times")
+    ap.add_argument("--timer", choices=["eager", "graph"], default="eager",
+                    help="eager calls (host time included) or CUDA-graph replays (what a graphed training "
+                         "step sees; every op and dense baseline is captured once per shape)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
     ap.add_argument("--sweep-only", default="", help="sweep only the groups with this prefix (e.g. select.)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
@@ -519,9 +522,11 @@ def main() -> None:
     if not common.has_cuda():
         raise SystemExit("bench_attention.py needs a CUDA device (the Triton kernels run natively)")
     torch.manual_seed(0)
+    common.set_timer(a.timer)
     dims = (a.B, a.HQ, a.H, a.dk, a.dv)
     run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select, "flash": run_flash}[a.branch]
     result = run(a, dims)
+    result["timer"] = a.timer
     name = f"attention_{a.branch}" if a.branch != "op" else "attention" if a.inputs == "random" else "attention_captured"
     common.write_result(result, name, a)
 

@@ -59,14 +59,33 @@ def flush_l2() -> None:
     _FLUSH.fill_(1)
 
 
+# how gpu_time runs fn on CUDA: "eager" (each call launches its kernels from Python, so host time shows
+# wherever the GPU waits for it) or "graph" (fn captured once in a CUDA graph and replayed: device time
+# plus launch gaps, what a CUDA-graphed training step sees). Set per process by a benchmark's --timer.
+TIMER = {"mode": "eager"}
+
+
+def set_timer(mode: str) -> None:
+    if mode not in ("eager", "graph"):
+        raise SystemExit(f"--timer must be eager or graph, got {mode!r}")
+    TIMER["mode"] = mode
+
+
 def gpu_time(fn: Callable[[], Any], warmup: int = 2, iters: int = 5, *, inner: int = 1,
              flush: bool = False, sync_each: bool = True) -> float:
     """Median milliseconds of one fn() call. CUDA: CUDA events around `inner` back-to-back calls per
     sample (iters samples after warmup calls); flush=True evicts L2 before each sample; sync_each=False
-    records every sample's events first and syncs once (the host may run ahead, as in a model). Off
-    CUDA: wall-clock time (perf_counter) of the same loop."""
+    records every sample's events first and syncs once (the host may run ahead, as in a model); under
+    TIMER "graph" the calls are replays of fn captured once (a capture failure is printed and times
+    fn eagerly). Off CUDA: wall-clock time (perf_counter) of the same loop."""
     for _ in range(warmup):
         fn()
+    if has_cuda() and TIMER["mode"] == "graph":
+        try:
+            fn = graphed(fn)
+        except Exception as exc:  # noqa: BLE001 - e.g. a host sync inside fn: the eager figure instead
+            torch.cuda.synchronize()
+            print(f"graph capture failed ({error_text(exc, 100)}); timing eager calls", flush=True)
     sync()
     if not has_cuda():
         times = []

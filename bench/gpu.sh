@@ -31,7 +31,8 @@
 # install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
 #
 # Logs and JSON go to $OUT (default bench/out/gpu); every script also copies its JSON there as
-# <name>.json. Time limits per step: T_TESTS, T_BENCH (seconds).
+# <name>.json. Time limits per step: T_TESTS, T_BENCH (seconds). TIMER=graph times the op tables (attention,
+# flash, capture-bench) as CUDA-graph replays instead of eager calls.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # the repository as a package root: the device image has no editable install of nsa
@@ -41,6 +42,7 @@ mkdir -p "$OUT"
 export OUT
 T_TESTS=${T_TESTS:-260}
 T_BENCH=${T_BENCH:-500}
+TIMER=${TIMER:-eager}     # bench_attention.py --timer: eager calls, or graph (CUDA-graph replays)
 
 gpu_info() {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -115,7 +117,7 @@ run_capture_model() {  # trained model + captures in bench/captured (git-ignored
 run_capture_bench() {
   local T=${*:-$CAPTURE_T}
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured --T $T \
-    --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
+    --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
 run_tests() {
@@ -129,7 +131,7 @@ run_tests() {
 run_attention() {
   local T=${*:-8192 16384 32768 65536}
   peers
-  timeout "$T_BENCH" python3 bench/bench_attention.py --T $T --breakdown 65536 --iters 5 2>&1 \
+  timeout "$T_BENCH" python3 bench/bench_attention.py --T $T --breakdown 65536 --iters 5 --timer "$TIMER" 2>&1 \
     | tee "$OUT/attention.log" | tail -25
 }
 
@@ -137,7 +139,7 @@ run_flash() {
   local T=${*:-8192 16384 32768 65536} b
   for b in window cmp flash; do
     timeout "$T_BENCH" python3 bench/bench_attention.py --branch "$b" --T $T --HQ 12 --H 2 --dk 64 --dv 64 \
-      --iters 5 2>&1 | tee "$OUT/attention_$b.log" | grep -vE "^T=|Warning|warn" | tail -22
+      --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_$b.log" | grep -vE "^T=|Warning|warn" | tail -22
   done
 }
 
