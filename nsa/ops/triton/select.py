@@ -294,6 +294,40 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
 
 
 @triton.jit
+def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
+    """This program's work item of an inverted selection (invert_selection): segment seg = (b, h, block
+    j) and chunk c of its list, whose entries start..end-1 it walks (none when ok is false: a spare
+    item past the last one). Returns (seg, chunk, ok, j, b, h, start, end)."""
+    w = tl.program_id(0)
+    seg = tl.load(WSEG + w)
+    chunk = tl.load(WCHUNK + w)
+    ok = seg < NSEG
+    seg = tl.where(ok, seg, 0)
+    j = seg % NSB
+    bh = seg // NSB
+    start = tl.load(SEGOFF + seg) + chunk * CH
+    end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
+    return seg, chunk, ok, j, bh // H, bh % H, start, end
+
+
+@triton.jit
+def block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL: tl.constexpr, BS: tl.constexpr,
+             DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr):
+    """Selection block j of (b, kv head h): K [BS, BDK] and V [BS, BDV] (rows past the block or T are 0),
+    with its key offsets kk, positions kp (int64) and their mask k_ok, and the head-dim offsets."""
+    kk = tl.arange(0, BS)
+    kp = j * LSEL + kk
+    k_ok = (kk < LSEL) & (kp < T)
+    offs_dk = tl.arange(0, BDK)
+    offs_dv = tl.arange(0, BDV)
+    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
+                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
+                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return kk, kp, k_ok, offs_dk, offs_dv, k, v
+
+
+@triton.jit
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                          DKO, DVO, XDK, XDV, DQP, FLAG,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
@@ -309,28 +343,9 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    w = tl.program_id(0)
-    seg = tl.load(WSEG + w)
-    chunk = tl.load(WCHUNK + w)
-    ok = seg < NSEG
-    seg = tl.where(ok, seg, 0)
-    j = seg % NSB
-    bh = seg // NSB
-    b = bh // H
-    h = bh % H
-    seg_lo = tl.load(SEGOFF + seg)
-    seg_hi = tl.load(SEGOFF + seg + 1)
-    start = seg_lo + chunk * CH
-    end = tl.where(ok, tl.minimum(seg_hi, start + CH), start)
-    kk = tl.arange(0, BS)
-    kp = j * LSEL + kk                                                      # [BS] int64
-    k_ok = (kk < LSEL) & (kp < T)
-    offs_dk = tl.arange(0, BDK)
-    offs_dv = tl.arange(0, BDV)
-    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
-                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
-    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
-                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
+    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                    DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # queries per step
     rows = tl.arange(0, ROWS)
     g = rows % GP

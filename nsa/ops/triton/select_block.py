@@ -25,6 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
+from .select import block_kv, work_item
 
 
 @triton.jit
@@ -38,26 +39,9 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    w = tl.program_id(0)
-    seg = tl.load(WSEG + w)
-    chunk = tl.load(WCHUNK + w)
-    ok = seg < NSEG
-    seg = tl.where(ok, seg, 0)
-    j = seg % NSB
-    bh = seg // NSB
-    b = bh // H
-    h = bh % H
-    start = tl.load(SEGOFF + seg) + chunk * CH
-    end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
-    kk = tl.arange(0, BS)
-    kp = j * LSEL + kk                                                      # [BS] int64 key positions
-    k_ok = (kk < LSEL) & (kp < T)
-    offs_dk = tl.arange(0, BDK)
-    offs_dv = tl.arange(0, BDV)
-    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
-                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
-    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
-                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
+    _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                    DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # tokens per step
     rows = tl.arange(0, ROWS)
     g = rows % GP
@@ -86,6 +70,25 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
 
 
 @triton.jit
+def _token_rows(H, G: tl.constexpr, GR: tl.constexpr):
+    """This program's (token t, b, kv head h) of a (T, B*H) grid and its G head rows, padded to GR."""
+    t64 = tl.program_id(0).to(tl.int64)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    rows = tl.arange(0, GR)
+    return t64, b, h, rows, rows < G, (h * G + rows).to(tl.int64)
+
+
+@triton.jit
+def _slot_rows(RANK, s, rows, row_ok, G: tl.constexpr):
+    """(rows holding a partial, their partial rows) of slot s; RANK points at the token's slots."""
+    r = tl.zeros(rows.shape, tl.int64) + tl.load(RANK + s)      # -1: an empty slot (vector form)
+    ok = row_ok & (r >= 0)
+    return ok, tl.where(ok, r, 0) * G + rows
+
+
+@triton.jit
 def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
                        G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr,
                        BDV: tl.constexpr, GUARD: tl.constexpr):
@@ -93,14 +96,7 @@ def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh,
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t64 = t.to(tl.int64)
-    rows = tl.arange(0, GR)
-    row_ok = rows < G
-    hq = (h * G + rows).to(tl.int64)
+    t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dv = tl.arange(0, BDV)
     dv_ok = offs_dv[None, :] < DV
     m_i = tl.full([GR], float("-inf"), tl.float32)
@@ -108,9 +104,7 @@ def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh,
     acc = tl.zeros([GR, BDV], tl.float32)
     r_base = RANK + b * srb + t64 * srt + h * srh
     for s in range(NSEL):
-        r = tl.zeros([GR], tl.int64) + tl.load(r_base + s)              # -1: an empty slot (vector form)
-        ok = row_ok & (r >= 0)
-        pr = tl.where(ok, r, 0) * G + rows
+        ok, pr = _slot_rows(r_base, s, rows, row_ok, G)
         lp = tl.load(LP + pr, mask=ok, other=float("-inf"))
         op = tl.load(OP + pr[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
         m_new = tl.maximum(m_i, lp)
@@ -136,22 +130,13 @@ def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    t64 = t.to(tl.int64)
-    rows = tl.arange(0, GR)
-    row_ok = rows < G
-    hq = (h * G + rows).to(tl.int64)
+    t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dk = tl.arange(0, BDK)
     dk_ok = offs_dk[None, :] < DK
     acc = tl.zeros([GR, BDK], tl.float32)
     r_base = RANK + b * srb + t64 * srt + h * srh
     for s in range(NSEL):
-        r = tl.zeros([GR], tl.int64) + tl.load(r_base + s)              # -1: an empty slot (vector form)
-        ok = row_ok & (r >= 0)
-        pr = tl.where(ok, r, 0) * G + rows
+        ok, pr = _slot_rows(r_base, s, rows, row_ok, G)
         acc += tl.load(DQP + pr[:, None] * DK + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0).to(tl.float32)
     off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     if ACC_DQ:

@@ -37,7 +37,7 @@ from ._utils import dot_precision, next_pow2
 from .attn import attn_fwd, online_softmax_step
 from .scores import select_blocks
 from .guard import Guard, skip_program
-from .select import _bwd_args, _slc_reduce_kernel, dq_buffer, slc_bwd, slc_dkdv, slc_fwd
+from .select import _bwd_args, _slc_reduce_kernel, block_kv, dq_buffer, slc_bwd, slc_dkdv, slc_fwd, work_item
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -346,28 +346,9 @@ def _tile_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, SRC, UBITS, SEGOFF, WSE
                           HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its tile list). Each step takes
     QB tiles of the list: row r is tile r // (M*G), token (r % (M*G)) // G of it, head r % G."""
-    w = tl.program_id(0)
-    seg = tl.load(WSEG + w)
-    chunk = tl.load(WCHUNK + w)
-    ok = seg < NSEG
-    seg = tl.where(ok, seg, 0)
-    j = seg % NSB
-    bh = seg // NSB
-    b = bh // H
-    h = bh % H
-    seg_lo = tl.load(SEGOFF + seg)
-    seg_hi = tl.load(SEGOFF + seg + 1)
-    start = seg_lo + chunk * CH
-    end = tl.where(ok, tl.minimum(seg_hi, start + CH), start)
-    kk = tl.arange(0, BS)
-    kp = j * LSEL + kk                                                      # [BS] int64
-    k_ok = (kk < LSEL) & (kp < T)
-    offs_dk = tl.arange(0, BDK)
-    offs_dv = tl.arange(0, BDV)
-    k = tl.load(K + b * skb + h * skh + kp[:, None] * skt + offs_dk[None, :],
-                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)    # [BS, BDK]
-    v = tl.load(V + b * svb + h * svh + kp[:, None] * svt + offs_dv[None, :],
-                mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)    # [BS, BDV]
+    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                    DK, DV, BDK, BDV)
     MG: tl.constexpr = M * G
     rows = tl.arange(0, ROWS)
     slot = rows // MG
