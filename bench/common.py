@@ -392,11 +392,10 @@ def tile_m_variant(base, m: int, auto: float = 0.0):
 
 
 def flash_variant(base, spec: str):
-    """base with NSA branches on flash-attn: spec "off" or "+"-joined branches ("win", "cmp", "win+cmp"),
-    each in mode "auto" from T = 0 (nsa.ops.tuning.FlashBranchTuning)."""
+    """base with NSA branches on flash-attn as nsa.flash_branches spells them (FlashBranchTuning.parse):
+    "off" or "+"-joined branches ("win", "cmp", "win+cmp"), each in mode "auto" from T = 0."""
     from nsa.ops.tuning import FlashBranchTuning
-    parts = [] if spec == "off" else spec.split("+")
-    return tuning_variant(base, {"flash": FlashBranchTuning(**{b: "auto" for b in parts}, min_t=0)})
+    return tuning_variant(base, {"flash": FlashBranchTuning.parse(spec) or base.flash})
 
 
 def flash_installed_names() -> list[str]:

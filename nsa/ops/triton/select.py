@@ -328,6 +328,16 @@ def block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL: tl.constexpr,
 
 
 @triton.jit
+def walk_rows(TOKS, idx, end, rows, G: tl.constexpr, GP: tl.constexpr):
+    """One step of a block's token list from entry idx: row r is head r % GP of entry idx + r // GP.
+    Returns (entry [ROWS], its token [ROWS] int64, row valid: entry < end and head < G)."""
+    qidx = idx + rows // GP
+    q_ok = qidx < end
+    t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)
+    return qidx, t64, q_ok & (rows % GP < G)
+
+
+@triton.jit
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                          DKO, DVO, XDK, XDV, DQP, FLAG,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
@@ -353,10 +363,7 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     dk = tl.zeros([BS, BDK], tl.float32)
     dv = tl.zeros([BS, BDV], tl.float32)
     for idx in range(start, end, QB):
-        qidx = idx + rows // GP
-        q_ok = qidx < end
-        t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)                      # [ROWS] token of each row
-        row_ok = q_ok & (g < G)
+        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP)
         x_off = b * sqb + t64[:, None] * sqt + hq[:, None] * sqh
         q = tl.load(Q + x_off + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],

@@ -25,7 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, work_item
+from .select import block_kv, walk_rows, work_item
 
 
 @triton.jit
@@ -47,10 +47,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
     for idx in range(start, end, QB):
-        qidx = idx + rows // GP                                             # [ROWS] pair positions
-        q_ok = qidx < end
-        t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)
-        row_ok = q_ok & (g < G)
+        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP)         # qidx: pair positions
         q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
                     mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [ROWS, BS]
