@@ -115,6 +115,12 @@ def sweep_space() -> dict[str, list[dict]]:
         "select.loop": [{"select.loop": "block", **{f"select.{k}": v for k, v in ch.items()}} for ch in [
             {}, dict(pair_dtype="input"), dict(pair_rows=32), dict(pair_rows=128), dict(pair_warps=8),
             dict(pair_rows=128, pair_warps=8, pair_dtype="input"), dict(pair_stages=3), dict(merge_warps=4)]],
+        # the block-order path (G <= 8 on Hopper): pair forward tile, merge, and the dK/dV walk that
+        # also writes the dq partials
+        "select.block": [{f"select.{k}": v for k, v in ch.items()} for ch in [
+            dict(pair_rows=128, pair_warps=8), dict(pair_rows=128, pair_warps=4), dict(pair_stages=3),
+            dict(pair_stages=1), dict(pair_warps=8), dict(merge_warps=4), dict(dkdv_rows=64),
+            dict(dkdv_rows=64, dkdv_warps=8), dict(dkdv_stages=3), dict(dkdv_rows=16)]],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
         "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
         "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
@@ -124,13 +130,13 @@ def sweep_space() -> dict[str, list[dict]]:
 
 
 def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
-    """The whole op (fwd and fwd+bwd ms) under each sweep_space() variant whose group starts with `only`,
-    each built from the device's default tuning and passed as tuning=."""
+    """The whole op (fwd and fwd+bwd ms) under each sweep_space() variant whose group starts with one of
+    the comma-separated prefixes `only`, each built from the device's default tuning and passed as tuning=."""
     base = common.base_tuning()
     out = {"defaults": bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, base, mem=False)}
     print(f"sweep T={T} defaults: {out['defaults']}", flush=True)
     for group, variants in sweep_space().items():
-        if not group.startswith(only):
+        if not group.startswith(tuple(only.split(","))):
             continue
         for changes in variants:
             key = ",".join(f"{k}={v}" for k, v in changes.items())
@@ -497,7 +503,7 @@ def main() -> None:
                     help="eager calls (host time included) or CUDA-graph replays (what a graphed training "
                          "step sees; every op and dense baseline is captured once per shape)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
-    ap.add_argument("--sweep-only", default="", help="sweep only the groups with this prefix (e.g. select.)")
+    ap.add_argument("--sweep-only", default="", help="sweep only the groups with these prefixes (comma-separated, e.g. select.block,scores.)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")

@@ -189,7 +189,7 @@ def preset_smem(tn, d: int) -> dict[str, int]:
     fwd, dq, dkdv = tn.attn.tiles(big)
     st = tn.select
     g = MAX_GROUP
-    score = tn.scores.tile_for(big)
+    scores = {tn.scores.tile_for(big, gg) for gg in (1, MAX_GROUP)}   # small-group tile too
     return {
         # attention: Q held, K|V streamed; dq: Q|dO held, K|V streamed; dK/dV: K|V held, Q|dO streamed
         "attn.fwd": smem_bytes(fwd.rows, dp, fwd.stages, fwd.keys, 2 * dp),
@@ -199,9 +199,10 @@ def preset_smem(tn, d: int) -> dict[str, int]:
         # by *_keys); dK/dV: a block's K|V held (<= fwd_keys rows), query rows streamed
         "select.fwd": smem_bytes(g, dp, st.fwd_stages, st.fwd_keys, 2 * dp),
         "select.dq": smem_bytes(g, 2 * dp, st.dq_stages, st.dq_keys, 2 * dp),
-        "select.dkdv": smem_bytes(st.fwd_keys, 2 * dp, st.dkdv_stages, max(st.dkdv_rows, g), 2 * dp),
+        "select.dkdv": smem_bytes(st.fwd_keys, 2 * dp, st.dkdv_stages,
+                                  max(st.dkdv_rows_for(gg, big) for gg in (1, g)), 2 * dp),
         # block scores: query rows held, compressed keys streamed (K only)
-        "scores": smem_bytes(score.rows, dp, score.stages, score.min_keys, dp),
+        "scores": max(smem_bytes(sc.rows, dp, sc.stages, sc.min_keys, dp) for sc in scores),
     }
 
 

@@ -34,6 +34,13 @@ def test_presets_are_frozen_and_named():
     # token for the paper's G=16 and on the other presets (not measured block by block)
     assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "input"
     assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
+    # where the forward runs block by block, the dK/dV walk takes 64 rows per step and the score tiles
+    # 128 rows (both measured at G=6); G=16 and the other presets keep their tiles
+    assert HOPPER.select.dkdv_rows_for(6) == 64 and HOPPER.select.dkdv_rows_for(16) == HOPPER.select.dkdv_rows == 32
+    assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
+    assert HOPPER.scores.tile_for(False, 6).rows == 128 and HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
+    assert HOPPER.scores.tile_for(True, 6) is HOPPER.scores.big
+    assert AMPERE.scores.tile_for(False, 6) is AMPERE.scores.tile and CPU.scores.small_group is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         HOPPER.tile.m = 4
 
@@ -48,6 +55,13 @@ def test_tuning_for_device():
 def test_cmp_dense_mode_is_checked():
     with pytest.raises(ValueError, match="CmpDenseTuning.mode"):
         CmpDenseTuning("fast")
+
+
+def test_select_chunk_is_checked():
+    from nsa.ops.tuning import SelectTuning
+    with pytest.raises(ValueError, match="select.chunk must be >= 1"):
+        SelectTuning(chunk=0)
+    assert SelectTuning().chunk == HOPPER.select.chunk == 1024
 
 
 def test_tile_tuning_is_checked():

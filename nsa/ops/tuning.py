@@ -61,6 +61,10 @@ class SelectTuning:
     fwd_keys: int = 64          # key rows per pipeline stage (capped by l_sel); smaller tiles were slower
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
+    # the same where the forward runs block by block (by_block(G)): there the walk also writes the dq
+    # partials, and 64 rows beat 32 (H100, HQ=12/H=2/d=64: op fwd+bwd -6.4% at 16k, -6.8% at 64k)
+    block_dkdv_rows: int = 32
+    chunk: int = 1024           # tokens of one block's list per dK/dV (and block-order forward) program
     # loop order of the forward and of dq (select_block.py): "token" = one program per (token, kv head)
     # over its n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose
     # it) -- the forward writes per-pair partials merged per token, dq's partials come from the dK/dV
@@ -79,10 +83,17 @@ class SelectTuning:
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
         if self.pair_dtype not in ("fp32", "input"):
             raise ValueError(f"select.pair_dtype must be fp32 or input, got {self.pair_dtype!r}")
+        if self.chunk < 1:
+            raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
 
     def by_block(self, G: int) -> bool:
         """Whether the forward and dq run block by block for G query heads per KV head."""
         return self.loop == "block" or (self.loop == "auto" and G <= self.block_max_g)
+
+    def dkdv_rows_for(self, G: int, big: bool = False) -> int:
+        """(query, head) rows per dK/dV step for G query heads per KV head; big: padded head dims
+        above 128 (block_dkdv_rows is measured at 64 only; twice the rows would not fit sm_80 there)."""
+        return self.block_dkdv_rows if self.by_block(G) and not big else self.dkdv_rows
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
@@ -167,9 +178,18 @@ class ScoreTuning:
     tile: ScoreTile = ScoreTile(256, 64, 8, 3, 0, 2)   # 16 tokens per tile on the exact fp32 map: best at 64k
     big: ScoreTile = ScoreTile(128, 64, 8, 2, 2, 2)    # head dims in (128, 256]
     skip_merge: bool = False   # skip a chunk's merge when no token of the tile gains (no gain on random data)
+    # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
+    # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows
+    small_group: ScoreTile | None = None
+    small_group_max_g: int = 8
 
-    def tile_for(self, big: bool) -> ScoreTile:
-        return self.big if big else self.tile
+    def tile_for(self, big: bool, G: int = 16) -> ScoreTile:
+        """The tile for padded head dims > 128 (big) or not, with G query heads per KV head."""
+        if big:
+            return self.big
+        if self.small_group is not None and G <= self.small_group_max_g:
+            return self.small_group
+        return self.tile
 
 
 @dataclass(frozen=True)
@@ -311,8 +331,13 @@ class KernelTuning:
 # Forward and dq block by block for G <= 8 with partials in q's dtype: at the production shape (HQ=12,
 # H=2, d=64) the op's fwd+bwd device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per
 # token (not measured block by block).
+# For G <= 8: the dK/dV walk 64 rows per step, and score tiles of 128 rows (16 tokens at G=6, on the same
+# fp16-split map as 256 rows' 32 tokens): H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -6.4% / -2.3% at
+# 16k and -6.8% / -5.2% at 64k (table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      tile=TileTuning(m=8, auto_union=0.42), select=SelectTuning(loop="auto", pair_dtype="input"))
+                      tile=TileTuning(m=8, auto_union=0.42),
+                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64),
+                      scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

@@ -234,18 +234,20 @@ def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
-                     n_sel: int, w: int, scale: float, dkdv_chunk: int = 1024,
+                     n_sel: int, w: int, scale: float, dkdv_chunk: int | None = None,
                      tuning: KernelTuning | None = None):
     """Make layouts kernel-friendly and run the autograd.Function (inputs already validated).
 
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
-    fp32 partials added in a fixed order); small values exercise that path in tests."""
+    fp32 partials added in a fixed order; None: tuning.select.chunk); small values exercise that path
+    in tests."""
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
     q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
     tuning = tuning or tuning_for(q.device)
+    dkdv_chunk = tuning.select.chunk if dkdv_chunk is None else dkdv_chunk
     o_cmp = lse_cmp = o_win = None
     be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
     if be is not None:

@@ -281,7 +281,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     nsb = triton.cdiv(T, l_sel)
     bdk = max(16, next_pow2(dk))
     tuning = tuning or tuning_for(q.device).scores
-    tile = tuning.tile_for(bdk > 128)
+    tile = tuning.tile_for(bdk > 128, G)
     rows, bn_min, warps, stages = tile.rows, tile.min_keys, tile.warps, tile.stages
     block_r = row_block(GP, rows)
     bn = max(16, bn_min, next_pow2(R + LC - 1))

@@ -578,7 +578,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-            GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows, next_pow2(HQ // H)),
+            GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
             **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
