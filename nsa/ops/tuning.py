@@ -337,7 +337,7 @@ class KernelTuning:
 # fp16-split map as 256 rows' 32 tokens): H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -6.4% / -2.3% at
 # 16k and -6.8% / -5.2% at 64k (table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      tile=TileTuning(m=8, auto_union=0.3),
+                      tile=TileTuning(m=8, auto_union=0.2),
                       select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
