@@ -51,6 +51,31 @@ def test_pairs_match_per_token_and_oracle(case):
         assert rel_err(a, r) <= tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
 
 
+@pytest.mark.parametrize("pair_chunk", [3, 8])
+def test_forward_chunk_of_its_own_changes_nothing(pair_chunk):
+    """select.pair_chunk: the forward walks its own (shorter) pieces of each block's list, split
+    inside a step of QB tokens and off the inversion's chunks; every pair's partial is its own, so o and
+    lse are those of the inversion's chunking up to the matmul's rounding (the interpreter's BLAS may
+    round a row differently beside other rows), and the oracle's."""
+    case = "g3_m8_lsel24_chunked"
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
+    inv = tsel.invert_selection(bi, l_sel, 64, ranks=True)
+    items = tsel.work_items(inv["segoff"], inv["n_pairs"], pair_chunk)
+    assert items["w_max"] > inv["w_max"] and int(items["nch"].sum()) <= items["w_max"]
+    kw = dict(l_sel=l_sel, scale=scale, chunk=64)
+    o0, lse0 = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=by_block(pair_rows=16))
+    o1, lse1 = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=by_block(pair_rows=16, pair_chunk=pair_chunk))
+    assert rel_err(o1, o0) <= 1e-6 and rel_err(lse1, lse0) <= 1e-6
+    ro, rlse = oracle(q, k, v, bi, gate, do, l_sel, scale)[:2]
+    assert rel_err(o1, ro) <= tol(dtype) and rel_err(lse1, rlse) <= tol(dtype)
+
+
+def test_pair_chunk_is_checked():
+    with pytest.raises(ValueError, match="select.pair_chunk"):
+        SelectTuning(pair_chunk=-1)
+
+
 @pytest.mark.parametrize("case", ["g2_m1_chunked", "g16_m2_identical", "g3_m8_lsel24_chunked"])
 def test_dq_from_pairs_matches_per_token_dq(case):
     """dq summed from the dK/dV walk's pair partials (+ dq_in) against slc_dq; dK/dV unchanged."""

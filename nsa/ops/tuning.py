@@ -64,7 +64,8 @@ class SelectTuning:
     # the same where the forward runs block by block (by_block(G)): there the walk also writes the dq
     # partials, and 64 rows beat 32 (H100, HQ=12/H=2/d=64: op fwd+bwd -6.4% at 16k, -6.8% at 64k)
     block_dkdv_rows: int = 32
-    chunk: int = 1024           # tokens of one block's list per dK/dV (and block-order forward) program
+    chunk: int = 1024           # tokens of one block's list per dK/dV program
+    pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
     # loop order of the forward and of dq (select_block.py): "token" = one program per (token, kv head)
     # over its n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose
     # it) -- the forward writes per-pair partials merged per token, dq's partials come from the dK/dV
@@ -85,6 +86,8 @@ class SelectTuning:
             raise ValueError(f"select.pair_dtype must be fp32 or input, got {self.pair_dtype!r}")
         if self.chunk < 1:
             raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
+        if self.pair_chunk < 0:
+            raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
 
     def by_block(self, G: int) -> bool:
         """Whether the forward and dq run block by block for G query heads per KV head."""

@@ -486,24 +486,35 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: boo
     skey, order = torch.sort(key, stable=True)
     toks = (order // S) % T
     segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=torch.int64))
-    cnt = segoff[1:] - segoff[:-1]
-    nch = torch.clamp((cnt + chunk - 1) // chunk, min=1)                    # >= 1: empty blocks write 0
-    cum = torch.cumsum(nch, 0)
     n_pairs = B * H * T * S
-    w_max = nseg + (n_pairs + chunk - 1) // chunk
+    items = work_items(segoff, n_pairs, chunk)
+    nch = items["nch"]
     n_slots = max(1, (n_pairs + chunk - 1) // chunk)
-    w = torch.arange(w_max, device=dev, dtype=torch.int64)
-    wseg = torch.searchsorted(cum, w, right=True)                           # == nseg past the last item
-    segc = wseg.clamp(max=nseg - 1)
-    wchunk = w - (cum[segc] - nch[segc])
     xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    inv = dict(toks=toks, segoff=segoff, wseg=wseg, wchunk=wchunk, nch=nch, xoff=xoff,
-               n_slots=n_slots, w_max=w_max, nseg=nseg, nsb=nsb, chunk=chunk)
+    inv = dict(toks=toks, segoff=segoff, xoff=xoff, n_slots=n_slots, nseg=nseg, nsb=nsb, n_pairs=n_pairs,
+               **items)
     if ranks:
         pos = torch.empty_like(order)
         pos[order] = torch.arange(order.numel(), device=dev, dtype=order.dtype)
         inv["rank"] = torch.where(key < nseg, pos, -1).view(B, H, T, S)
     return inv
+
+
+def work_items(segoff: torch.Tensor, n_pairs: int, chunk: int) -> dict:
+    """Work items over an inversion's segments (segoff [NSEG+1]) in chunks of <= chunk list entries:
+    nch [NSEG] (chunks per segment, >= 1: an empty block's one item writes its zero dK/dV), wseg /
+    wchunk [w_max] (item -> segment, chunk; segment NSEG marks a spare item past the last one), w_max
+    (a host int from the sizes alone: no sync), chunk. Device-only."""
+    nseg = segoff.numel() - 1
+    cnt = segoff[1:] - segoff[:-1]
+    nch = torch.clamp((cnt + chunk - 1) // chunk, min=1)
+    cum = torch.cumsum(nch, 0)
+    w_max = nseg + (n_pairs + chunk - 1) // chunk
+    w = torch.arange(w_max, device=segoff.device, dtype=torch.int64)
+    wseg = torch.searchsorted(cum, w, right=True)                           # == nseg past the last item
+    segc = wseg.clamp(max=nseg - 1)
+    wchunk = w - (cum[segc] - nch[segc])
+    return dict(nch=nch, wseg=wseg, wchunk=wchunk, w_max=w_max, chunk=chunk)
 
 
 def _bwd_args(q, k, v, do, lse, delta, gate):

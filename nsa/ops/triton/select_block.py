@@ -25,7 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, walk_rows, work_item
+from .select import block_kv, walk_rows, work_item, work_items
 
 
 @triton.jit
@@ -168,7 +168,9 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
                   guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """slc_fwd's (o [B,T,HQ,dv], lse fp32 [B,T,HQ]) block by block. inv: invert_selection(block_idx,
-    l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd."""
+    l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd. Programs walk
+    tuning.pair_chunk entries of a block's list (0: the inversion's chunk): pairs are independent here,
+    so short lists cost nothing but balance the long ones (block 0, each token's own block)."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
@@ -180,11 +182,14 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     prec = dot_precision(q.dtype, q.is_cuda)
-    _pair_fwd_kernel[(inv["w_max"],)](
-        q, k, v, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], op, lp, flag,
+    items = (inv if tn.pair_chunk in (0, inv["chunk"])
+             else work_items(inv["segoff"], inv["n_pairs"], tn.pair_chunk))
+    _pair_fwd_kernel[(items["w_max"],)](
+        q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, flag,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
-        G=G, GP=gp, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=chunk, DK=dk, DV=dv, BDK=bdk, BDV=bdv,
+        G=G, GP=gp, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
+        BDV=bdv,
         BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
         num_stages=tn.pair_stages)
     rank = inv["rank"]
