@@ -51,6 +51,27 @@ def test_pairs_match_per_token_and_oracle(case):
         assert rel_err(a, r) <= tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
 
 
+@pytest.mark.parametrize("case", ["g3_m8_lsel24_chunked", "g2_m1_chunked"])
+def test_padded_head_rows_match_packed(case):
+    """select.pack_heads=False (each token's G head rows padded to a power of two, as the per-token
+    kernels hold them) against the packed walks the tests above run: forward, dq partials, dK/dV."""
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 3)
+    inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
+    kw = dict(l_sel=l_sel, scale=scale, chunk=chunk)
+    outs = []
+    for pack in (True, False):
+        tn = by_block(pair_rows=16, dkdv_rows=16, pack_heads=pack)
+        o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=tn)
+        delta = (do * o).sum(-1)
+        dqp = sb.pair_buffer(q, n_sel, H, dk, tn)
+        dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, inv=inv, dq_pairs=dqp, tuning=tn, **kw)
+        dq = sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(q), dq_in=None)
+        outs.append((o, lse, dq, dk_, dv_))
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), *outs):
+        assert rel_err(a, b) <= 1e-6, f"{name}: {rel_err(a, b):.2e}"
+
+
 @pytest.mark.parametrize("pair_chunk", [3, 8])
 def test_forward_chunk_of_its_own_changes_nothing(pair_chunk):
     """select.pair_chunk: the forward walks its own (shorter) pieces of each block's list, split

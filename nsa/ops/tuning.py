@@ -66,6 +66,10 @@ class SelectTuning:
     block_dkdv_rows: int = 32
     chunk: int = 1024           # tokens of one block's list per dK/dV program
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
+    # the walks over a block's token list (dK/dV, block-order forward) pack each token's G head rows
+    # densely (G=6: 10 tokens in 64 rows) instead of padding them to a power of two (8 tokens, 48 of
+    # 64 rows useful)
+    pack_heads: bool = True
     # loop order of the forward and of dq (select_block.py): "token" = one program per (token, kv head)
     # over its n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose
     # it) -- the forward writes per-pair partials merged per token, dq's partials come from the dK/dV
@@ -338,10 +342,11 @@ class KernelTuning:
 # token (not measured block by block).
 # For G <= 8: the dK/dV walk 64 rows per step, and score tiles of 128 rows (16 tokens at G=6, on the same
 # fp16-split map as 256 rows' 32 tokens): H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -6.4% / -2.3% at
-# 16k and -6.8% / -5.2% at 64k (table 8).
+# 16k and -6.8% / -5.2% at 64k; the block-order forward on pieces of 128 list entries: -3.4% / -0.9%
+# (table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       tile=TileTuning(m=8, auto_union=0.2),
-                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64),
+                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64, pair_chunk=128),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128

@@ -328,11 +328,13 @@ def block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL: tl.constexpr,
 
 
 @triton.jit
-def walk_rows(TOKS, idx, end, rows, G: tl.constexpr, GP: tl.constexpr):
-    """One step of a block's token list from entry idx: row r is head r % GP of entry idx + r // GP.
-    Returns (entry [ROWS], its token [ROWS] int64, row valid: entry < end and head < G)."""
+def walk_rows(TOKS, idx, end, rows, G: tl.constexpr, GP: tl.constexpr, QB: tl.constexpr):
+    """One step of a block's token list from entry idx: row r is head r % GP of entry idx + r // GP,
+    for QB entries (GP = G packs the heads densely, e.g. 10 tokens x 6 heads in 64 rows; rows from
+    QB * GP on belong to the next step). Returns (entry [ROWS], its token [ROWS] int64, row valid:
+    entry < end, row < QB * GP and head < G)."""
     qidx = idx + rows // GP
-    q_ok = qidx < end
+    q_ok = (qidx < end) & (rows < QB * GP)
     t64 = tl.load(TOKS + qidx, mask=q_ok, other=0)
     return qidx, t64, q_ok & (rows % GP < G)
 
@@ -363,7 +365,7 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     dk = tl.zeros([BS, BDK], tl.float32)
     dv = tl.zeros([BS, BDV], tl.float32)
     for idx in range(start, end, QB):
-        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP)
+        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
         x_off = b * sqb + t64[:, None] * sqt + hq[:, None] * sqh
         q = tl.load(Q + x_off + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
@@ -500,6 +502,12 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: boo
     return inv
 
 
+def walk_group(G: int, tn: SelectTuning) -> int:
+    """Rows per token in the walks over a block's token list: G (heads packed densely) or G padded to
+    a power of two (tuning.pack_heads)."""
+    return G if tn.pack_heads else next_pow2(G)
+
+
 def work_items(segoff: torch.Tensor, n_pairs: int, chunk: int) -> dict:
     """Work items over an inversion's segments (segoff [NSEG+1]) in chunks of <= chunk list entries:
     nch [NSEG] (chunks per segment, >= 1: an empty block's one item writes its zero dK/dV), wseg /
@@ -589,7 +597,8 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-            GP=next_pow2(HQ // H), ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
+            GP=walk_group(HQ // H, tn),
+            ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
             **{k: v for k, v in meta.items() if k != "GR"})
     _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
                                        LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,

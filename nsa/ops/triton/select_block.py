@@ -25,7 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, walk_rows, work_item, work_items
+from .select import block_kv, walk_group, walk_rows, work_item, work_items
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
     for idx in range(start, end, QB):
-        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP)         # qidx: pair positions
+        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)     # qidx: pair positions
         q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
                     mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [ROWS, BS]
@@ -181,6 +181,7 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     lp = torch.empty(op.shape[0], device=q.device, dtype=torch.float32)
     flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
+    wg = walk_group(G, tn)
     prec = dot_precision(q.dtype, q.is_cuda)
     items = (inv if tn.pair_chunk in (0, inv["chunk"])
              else work_items(inv["segoff"], inv["n_pairs"], tn.pair_chunk))
@@ -188,7 +189,7 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, flag,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
-        G=G, GP=gp, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
+        G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
         BDV=bdv,
         BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
         num_stages=tn.pair_stages)
