@@ -62,7 +62,7 @@ class SelectTuning:
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
     # the same where the forward runs block by block (by_block(G)): there the walk also writes the dq
-    # partials, and 64 rows beat 32 (H100, HQ=12/H=2/d=64: op fwd+bwd -6.4% at 16k, -6.8% at 64k)
+    # partials, and 128 rows beat 64 and 32 (H100, HQ=12/H=2/d=64; Hopper preset)
     block_dkdv_rows: int = 32
     chunk: int = 1024           # tokens of one block's list per dK/dV program
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
@@ -340,13 +340,13 @@ class KernelTuning:
 # Forward and dq block by block for G <= 8 with partials in q's dtype: at the production shape (HQ=12,
 # H=2, d=64) the op's fwd+bwd device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per
 # token (not measured block by block).
-# For G <= 8: the dK/dV walk 64 rows per step, and score tiles of 128 rows (16 tokens at G=6, on the same
-# fp16-split map as 256 rows' 32 tokens): H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -6.4% / -2.3% at
-# 16k and -6.8% / -5.2% at 64k; the block-order forward on pieces of 128 list entries: -3.4% / -0.9%
-# (table 8).
+# For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
+# tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 128 rows (21 packed
+# tokens) per step: H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -2.3% / -3.4% / -12% (32 -> 64 -> 128
+# rows) at 16k and -5.2% / -0.9% / -13% at 64k (bench/RESULTS.md table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       tile=TileTuning(m=8, auto_union=0.2),
-                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64, pair_chunk=128),
+                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=128, pair_chunk=128),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
