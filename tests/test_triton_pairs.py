@@ -165,7 +165,7 @@ def test_op_by_block_matches_per_token_op(tile):
 
 
 def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
-    """Wide dK/dV steps on the block path (block_dkdv_rows=64, packed: 10 tokens of 3 heads each)
+    """Wide dK/dV steps on the block path (block_dkdv_rows=64, packed: 21 tokens of 3 heads each)
     and the list chunk from select.chunk (no dkdv_chunk argument): same block_idx, o and gradients as
     the per-token op, and the inversion is made with the tuned chunk."""
     from nsa.ops.triton import function as fn
