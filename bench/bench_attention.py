@@ -123,8 +123,8 @@ def sweep_space() -> dict[str, list[dict]]:
             dict(dkdv_rows=64, dkdv_warps=8), dict(dkdv_stages=3), dict(dkdv_rows=16)]],
         "select.chunk": [{"select.chunk": c} for c in (256, 512, 2048)],
         "select.pair_chunk": [{"select.pair_chunk": c} for c in (64, 128, 256)],
-        "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 128},
-                        {"select.block_dkdv_rows": 32}, {"select.pair_rows": 32}],
+        "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 64},
+                        {"select.block_dkdv_rows": 256}, {"select.block_dkdv_rows": 128, "select.dkdv_warps": 8}],
         # the per-call choice between query tiles (m=8) and the per-token / block-order kernels
         "tile.auto": [{"tile.auto_union": u} for u in (0.3, 0.36, 0.5)] + [{"tile.m": 1}],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
