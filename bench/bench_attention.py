@@ -129,8 +129,6 @@ def sweep_space() -> dict[str, list[dict]]:
         "tile.auto": [{"tile.auto_union": u} for u in (0.3, 0.36, 0.5)] + [{"tile.m": 1}],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
         "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
-        "scores.group": [{"scores.small_group": ScoreTile(128, 64, 8, 2, 2, 2, g)} for g in (2, 4)]
-        + [{"scores.tile": ScoreTile(256, 64, 8, 3, 0, 2, g)} for g in (2, 4)],
         "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
             (256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 128, 8, 3, 0, 2), (128, 128, 8, 3, 2, 2),
             (256, 128, 8, 2, 0, 2), (512, 64, 8, 3, 0, 2)]],
@@ -492,10 +490,9 @@ def select_variants() -> dict[str, object]:
     tokens, map > 16 tokens) and the merge skip on the default tile."""
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
-    for t in [(128, 64, 8, 2, 2, 2), (128, 64, 8, 2, 2, 2, 2), (128, 64, 8, 2, 2, 2, 4), (256, 64, 8, 3, 0, 2),
-              (256, 64, 8, 3, 0, 2, 2), (256, 64, 8, 3, 0, 2, 4), (256, 64, 8, 2, 2, 2), (128, 64, 4, 2, 2, 2, 4)]:
-        tile = common.score_tile(*t)   # for every G: small-group tile too
-        out[str(t)] = common.tuning_variant(base, {"scores.tile": tile, "scores.small_group": tile})
+    for t in [(128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2), (128, 64, 8, 3, 2, 2),
+              (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2)]:
+        out[str(t)] = common.tuning_variant(base, {"scores.tile": common.score_tile(*t)})
     return out
 
 

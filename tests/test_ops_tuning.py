@@ -58,13 +58,6 @@ def test_cmp_dense_mode_is_checked():
         CmpDenseTuning("fast")
 
 
-def test_score_group_is_checked():
-    from nsa.ops.tuning import ScoreTile
-    with pytest.raises(ValueError, match="ScoreTile.group must be 1, 2 or 4"):
-        ScoreTile(128, 64, 8, 2, 2, 2, 3)
-    assert ScoreTile(128, 64, 8, 2, 2, 2).group == 1
-
-
 def test_select_chunk_is_checked():
     from nsa.ops.tuning import SelectTuning
     with pytest.raises(ValueError, match="select.chunk must be >= 1"):

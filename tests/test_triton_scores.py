@@ -104,12 +104,6 @@ CASES = {
     "nsel_above_blocks": (1, 45, 2, 1, 16, 8, 4, 8, 9, SMALL),
     "t_below_l": (2, 6, 4, 2, 16, 8, 4, 8, 2, None),
     "t_1": (1, 1, 2, 1, 16, 8, 4, 8, 3, None),
-    # chunks merged into the running best 2 or 4 at a time (ScoreTile.group; T long enough for several
-    # unmasked chunks per tile), incl. more keys than KR per chunk (n_sel=5: KR=8, 16 keys a chunk) and
-    # G=6 on the fp16 map (the Hopper small-group tile)
-    "group4_many_chunks": (1, 600, 4, 2, 16, 8, 4, 8, 5, SMALL + (4,)),
-    "group2_g6_f16": (1, 400, 6, 1, 16, 8, 4, 8, 4, F16 + (2,)),
-    "group4_nsel5_fold": (1, 520, 2, 2, 16, 8, 4, 8, 5, SMALL + (4,)),
 }
 
 

@@ -170,8 +170,7 @@ class ScoreTile:
     map_small serves tiles of <= 16 tokens with BT * BN * NBJ_PAD <= 16384, map_big the others:
     0 = head sum then band sum on CUDA cores (exact fp32); 1 = p @ cnt on tensor cores at tf32x3
     (spills; tests only) then head sum; 2 = p @ cnt as two fp16 products (hi + lo * 2**-12,
-    ~22-bit p) then head sum. group: chunks whose keys are reduced to the best n_sel together before
-    one merge into a token's running best (1, 2 or 4): the same comparisons, fewer network stages."""
+    ~22-bit p) then head sum."""
 
     rows: int
     min_keys: int       # min compressed tokens per chunk (BN is at least this)
@@ -179,11 +178,6 @@ class ScoreTile:
     stages: int
     map_small: int
     map_big: int
-    group: int = 1
-
-    def __post_init__(self) -> None:
-        if self.group not in (1, 2, 4):
-            raise ValueError(f"ScoreTile.group must be 1, 2 or 4 (chunks per top-n merge), got {self.group}")
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,9 @@ fp64), exactly as select._topn_kernel does. Forced blocks (block of t, block 0, 
 kept out of the running set; every other eligible block j (1 <= j <= t//l_sel - 2) becomes the key
 grid * 2**IB + (2**IB - 1 - j), so a larger key is a better block and equal grids prefer the lower
 index (IB = index bits; keys are int32 when 21 + IB <= 31, else int64). Each token keeps its best KR
-(= next_pow2(n_sel)) keys sorted descending. The keys of U chunks (ScoreTile.group; the unmasked
-chunks only) are joined, sorted in runs of KR, reduced pairwise to their best KR (max of an ascending
-and a descending run, then one bitonic merge), and merged with max(run, new) (the top KR of the union,
-a bitonic sequence) plus one bitonic merge: U chunks cost one merge into the run instead of U. At the end forced blocks are placed by priority, the best n_sel - #forced others fill
+(= next_pow2(n_sel)) keys sorted descending; a chunk's keys are bitonic-sorted ascending, folded to
+their best KR, and merged with max(run, new) (the top KR of the union, a bitonic sequence) plus one
+bitonic merge. At the end forced blocks are placed by priority, the best n_sel - #forced others fill
 the rest, and the row is sorted ascending and -1 padded: the same block_idx as
 select.block_scores + select.select_topn and nsa.ops.reference (on the GPU up to rounding-level near
 ties of fp32 scores: at T=64k, HQ=64, H=4, 1 row in 262144 differs from the unfused kernels).
@@ -125,9 +124,11 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
 
 
 @triton.jit
-def _chunk_keys(s, j0, cur, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, IB: tl.constexpr,
-                KEY64: tl.constexpr, G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr):
-    """s [BT, NBJ_PAD] scores of blocks j0.. -> ranking keys [BT, NBJ_PAD] (-1: not a candidate)."""
+def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
+                 KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
+                 KEY64: tl.constexpr, G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
+                 SKIP: tl.constexpr):
+    """run [BT, KR] best keys so far (descending); s [BT, NBJ_PAD] scores of blocks j0.. -> new run."""
     cols = tl.arange(0, NBJ_PAD)
     jj = (j0 + cols).to(tl.int64)                                            # [NBJ_PAD]
     mult = tl.full([1, 1], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
@@ -138,72 +139,22 @@ def _chunk_keys(s, j0, cur, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, IB: tl.con
     key = tl.where(ok, key, -1)
     if not KEY64:
         key = key.to(tl.int32)
-    return key
-
-
-@triton.jit
-def _merge_into(run, key, BT: tl.constexpr, W: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr,
-                LOGW: tl.constexpr, SKIP: tl.constexpr):
-    """run [BT, KR] best keys so far (descending) and new keys [BT, W] -> the new run."""
     if SKIP:
         gain = tl.max((tl.max(key, 1) > tl.min(run, 1)).to(tl.int32), 0)
         if gain > 0:
-            run = _merge_keys(run, key, BT, W, KR, LOGKR, LOGW)
+            run = _merge_keys(run, key, BT, NBJ_PAD, KR, LOGKR, LOGNB)
     else:
-        run = _merge_keys(run, key, BT, W, KR, LOGKR, LOGW)
+        run = _merge_keys(run, key, BT, NBJ_PAD, KR, LOGKR, LOGNB)
     return run
 
 
 @triton.jit
-def _merge_keys(run, key, BT: tl.constexpr, W: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr,
-                LOGW: tl.constexpr):
-    """Top-KR of key [BT, W] (a bitonic top-k: sorted runs of KR, then pairwise max + merge) merged
-    into the descending run."""
-    # sorted runs of KR, ascending where bit KR of the index is 0 and descending where it is 1 (all
-    # ascending when W == KR)
-    x = key
-    for i in tl.static_range(1, LOGKR + 1):
-        for jj in tl.static_range(0, i):
-            x = _cmpx(x, BT, W, 1 << (i - 1 - jj), 1 << i, 0)
-    for lvl in tl.static_range(0, LOGW - LOGKR):
-        x = _fold(x, BT, W >> lvl, KR, LOGKR)
-    return _bitonic_merge(tl.maximum(run, x), BT, KR, LOGKR, 1)             # descending
-
-
-@triton.jit
-def _fold(x, BT: tl.constexpr, W: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr):
-    """[BT, W] runs of KR alternating ascending / descending -> [BT, W // 2] of the same form holding
-    the best KR of each pair of runs: the elementwise max of an ascending and a descending run is a
-    bitonic sequence with the pair's top KR, which one merge sorts (ascending at index bit KR = 0, so
-    the last single run is ascending)."""
-    y = tl.reshape(tl.max(tl.reshape(x, [BT, W // (2 * KR), 2, KR]), 2), [BT, W // 2])
-    for jj in tl.static_range(0, LOGKR):
-        y = _cmpx(y, BT, W // 2, 1 << (LOGKR - 1 - jj), KR, 0)
-    return y
-
-
-@triton.jit
-def _keys_at(c, q, lse2, tok, cur, cnt, kc_base, skt, N, scale_log2,
-             G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
-             R: tl.constexpr, LC: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BT: tl.constexpr,
-             BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, IB: tl.constexpr,
-             KEY64: tl.constexpr, MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
-             MASKED: tl.constexpr):
-    """Ranking keys [BT, NBJ_PAD] of chunk c (selection blocks c*NBJ ..)."""
-    offs_dk = tl.arange(0, BDK)
-    j0 = c * NBJ
-    ki = j0 * R - (LC - 1) + tl.arange(0, BN)                                # [BN] compressed tokens
-    k_ok = (ki >= 0) & (ki < N)
-    k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
-                mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)       # [BN, BDK]
-    x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2 - lse2[:, None]
-    if MASKED:
-        vis = ((ki * STRIDE + L_CMP - 1)[None, :] <= tok[:, None]) & k_ok[None, :]
-        p = tl.where(vis, tl.exp2(x), 0.0)
-    else:
-        p = tl.exp2(x)
-    s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC)
-    return _chunk_keys(s, j0, cur, NBJ, NBJ_PAD, IB, KEY64, G, L_CMP, STRIDE)
+def _merge_keys(run, key, BT: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr,
+                LOGKR: tl.constexpr, LOGNB: tl.constexpr):
+    new = _bitonic_sort(key, BT, NBJ_PAD, LOGNB, 0)                         # ascending
+    if NBJ_PAD > KR:   # sorted ascending: the last KR-slice is the elementwise max of all slices
+        new = tl.max(tl.reshape(new, [BT, NBJ_PAD // KR, KR]), 1)
+    return _bitonic_merge(tl.maximum(run, new), BT, KR, LOGKR, 1)           # descending
 
 
 @triton.jit
@@ -213,24 +164,25 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
           BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr,
           LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr, KEY64: tl.constexpr,
           MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr, SKIP: tl.constexpr,
-          MASKED: tl.constexpr, U: tl.constexpr):
-    """Chunks c_lo .. c_hi-1, U at a time (c_hi - c_lo must be a multiple of U): their keys are joined
-    ([BT, U * NBJ_PAD]; order is irrelevant to a top-k) and merged into run once. MASKED=False only
-    for chunks whose loaded tokens all exist (>= 0, < N) and are visible to every token of the tile."""
-    for c in range(c_lo, c_hi, U):
-        key = _keys_at(c, q, lse2, tok, cur, cnt, kc_base, skt, N, scale_log2, G, GP, L_CMP, STRIDE, R, LC,
-                       DK, BDK, BT, BN, NBJ, NBJ_PAD, IB, KEY64, MAP, P_PREC, DOT_PREC, MASKED)
-        if U >= 2:
-            k1 = _keys_at(c + 1, q, lse2, tok, cur, cnt, kc_base, skt, N, scale_log2, G, GP, L_CMP, STRIDE,
-                          R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, IB, KEY64, MAP, P_PREC, DOT_PREC, MASKED)
-            key = tl.reshape(tl.join(key, k1), [BT, 2 * NBJ_PAD])
-        if U >= 4:
-            k2 = _keys_at(c + 2, q, lse2, tok, cur, cnt, kc_base, skt, N, scale_log2, G, GP, L_CMP, STRIDE,
-                          R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, IB, KEY64, MAP, P_PREC, DOT_PREC, MASKED)
-            k3 = _keys_at(c + 3, q, lse2, tok, cur, cnt, kc_base, skt, N, scale_log2, G, GP, L_CMP, STRIDE,
-                          R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, IB, KEY64, MAP, P_PREC, DOT_PREC, MASKED)
-            key = tl.reshape(tl.join(key, tl.reshape(tl.join(k2, k3), [BT, 2 * NBJ_PAD])), [BT, 4 * NBJ_PAD])
-        run = _merge_into(run, key, BT, U * NBJ_PAD, KR, LOGKR, LOGNB + U // 2, SKIP)   # log2(U) = U // 2
+          MASKED: tl.constexpr):
+    """Chunks c_lo .. c_hi-1. MASKED=False only for chunks whose loaded tokens all exist (>= 0, < N)
+    and are visible to every token of the tile."""
+    offs_dk = tl.arange(0, BDK)
+    for c in range(c_lo, c_hi):
+        j0 = c * NBJ
+        ki = j0 * R - (LC - 1) + tl.arange(0, BN)                            # [BN] compressed tokens
+        k_ok = (ki >= 0) & (ki < N)
+        k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
+                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)   # [BN, BDK]
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2 - lse2[:, None]
+        if MASKED:
+            vis = ((ki * STRIDE + L_CMP - 1)[None, :] <= tok[:, None]) & k_ok[None, :]
+            p = tl.where(vis, tl.exp2(x), 0.0)
+        else:
+            p = tl.exp2(x)
+        s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC)
+        run = _merge_chunk(run, s, j0, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
+                           G, L_CMP, STRIDE, SKIP)
     return run
 
 
@@ -246,7 +198,7 @@ def _select_kernel(Q, KC, LSE, BI, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
                    BLOCK_R: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                    KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                    KEY64: tl.constexpr, MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKIP: tl.constexpr, U: tl.constexpr):
+                   SKIP: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     R: tl.constexpr = LSEL // STRIDE       # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE     # stride chunks per compression block
@@ -286,18 +238,13 @@ def _select_kernel(Q, KC, LSE, BI, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
         run = tl.full([BT, KR], -1, tl.int32)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, 1)
-    # the unmasked middle (most chunks) U at a time, its remainder one by one
-    c_grp = C_LO + tl.maximum(c_full - C_LO, 0) // U * U
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_grp, N, scale_log2,
+                MAP, P_PREC, DOT_PREC, SKIP, True)
+    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, False, U)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_grp, c_full, N, scale_log2,
-                G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, False, 1)
+                MAP, P_PREC, DOT_PREC, SKIP, False)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, 1)
+                MAP, P_PREC, DOT_PREC, SKIP, True)
     # forced blocks by priority (cur, 0, cur-1; min(cur+1, 3) distinct), then the best others
     pos = tl.arange(0, KR)[None, :]
     nf = tl.minimum(cur + 1, 3)[:, None]
@@ -359,5 +306,5 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=tuning.skip_merge, U=tile.group, num_warps=warps, num_stages=stages)
+        SKIP=tuning.skip_merge, num_warps=warps, num_stages=stages)
     return bi
