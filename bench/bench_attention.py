@@ -491,8 +491,9 @@ def select_variants() -> dict[str, object]:
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
     for t in [(128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2), (128, 64, 8, 3, 2, 2),
-              (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2)]:
-        out[str(t)] = common.tuning_variant(base, {"scores.tile": common.score_tile(*t)})
+              (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2), (256, 64, 8, 3, 0, 2)]:
+        tile = common.score_tile(*t)   # for every G: the small-group tile too
+        out[str(t)] = common.tuning_variant(base, {"scores.tile": tile, "scores.small_group": tile})
     return out
 
 
