@@ -23,7 +23,6 @@ ncu-attention / ncu-decode: drivers for Nsight Compute that run only the kernels
 from __future__ import annotations
 
 import argparse
-import ast
 import statistics
 import sys
 import time
@@ -89,29 +88,10 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
-def parse_changes(items: list[str]) -> dict:
-    """["select.loop=block", "scores.tile=ScoreTile(128,64,8,2,2,2)"] -> {dotted field: value}: a value
-    is a Python expression over literals and nsa.ops.tuning's classes, else the plain string."""
-    from nsa.ops import tuning as names
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--tuning takes FIELD=VALUE (e.g. select.loop=block), got {item!r}")
-        try:
-            tree = ast.parse(raw, mode="eval")
-            calls_ok = all(isinstance(n.func, ast.Name) for n in ast.walk(tree) if isinstance(n, ast.Call))
-            out[key] = eval(compile(tree, "<tuning>", "eval"), {"__builtins__": {}}, vars(names)) \
-                if calls_ok else raw
-        except (ValueError, SyntaxError, NameError, TypeError):
-            out[key] = raw
-    return out
-
-
 def run_kernels(a) -> None:
     B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
     result = {"hp": HP, "runs": {}, "tuning": a.tuning}
-    tuning = common.tuning_variant(common.base_tuning(), parse_changes(a.tuning)) if a.tuning else None
+    tuning = common.tuning_variant(common.base_tuning(), common.parse_changes(a.tuning)) if a.tuning else None
     for T in a.T:
         x = common.nsa_inputs(B, T, HQ, H, dk, dv)
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)

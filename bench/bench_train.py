@@ -141,21 +141,38 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ NSA vs dense
+def _preset_changed(changes: dict[str, Any]):
+    """A context in which the kernel policy of a model built inside takes the device preset with these
+    changes (what --nsa-tuning compares; the library reads no such override)."""
+    import contextlib
+    from unittest import mock
+    from nsa.ops import dispatch
+    if not changes:
+        return contextlib.nullcontext()
+    preset = dispatch.tuning_for
+    return mock.patch.object(dispatch, "tuning_for", lambda dev: common.tuning_variant(preset(dev), changes))
+
+
 def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int,
-                 flash: tuple[str, ...] = ("preset",)) -> list[dict[str, Any]]:
+                 flash: tuple[str, ...] = ("preset",), tuning: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """The bare loop per sequence length, model.attention=nsa (once per nsa.flash_branches value in
-    `flash`) then dense (same seed, same data from the start of the corpus, same steps): one row per
-    (seq, kind) with tokens/s, step time, peak memory, loss; kind "nsa" or "nsa[<flash_branches>]"."""
+    `flash`, and once more with the kernel preset changed by `tuning` FIELD=VALUE items) then dense
+    (same seed, same data from the start of the corpus, same steps): one row per (seq, kind) with
+    tokens/s, step time, peak memory, loss; kind "nsa", "nsa[<flash_branches>]" or "nsa[<tuning>]"."""
     import dataclasses
     rows = []
-    runs = [(f"nsa[{f}]" if f != "preset" else "nsa", "nsa", f) for f in flash] + [("dense", "dense", "preset")]
+    runs = [(f"nsa[{f}]" if f != "preset" else "nsa", "nsa", f, {}) for f in flash]
+    if tuning:
+        runs.append((f"nsa[{' '.join(tuning)}]", "nsa", "preset", common.parse_changes(list(tuning))))
+    runs.append(("dense", "dense", "preset", {}))
     for seq in seqs:
-        for kind, attention, fb in runs:
+        for kind, attention, fb, changes in runs:
             c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq),
                                     model=dataclasses.replace(cfg.model, attention=attention),
                                     nsa=dataclasses.replace(cfg.nsa, flash_branches=fb))
             try:
-                r = run_bare(c, steps, warmup)
+                with _preset_changed(changes):
+                    r = run_bare(c, steps, warmup)
                 r.pop("model")
             except torch.cuda.OutOfMemoryError as exc:   # report the row, keep the other lengths
                 r = {"error": f"out of memory: {str(exc).splitlines()[0][:120]}"}
@@ -258,6 +275,9 @@ def main() -> int:
     ap.add_argument("--nsa-flash", nargs="+", default=["preset"], metavar="BRANCHES",
                     choices=["preset", "off", "win", "cmp", "win+cmp"],
                     help="--vs-dense: one NSA run per nsa.flash_branches value (branches on flash-attn)")
+    ap.add_argument("--nsa-tuning", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="--vs-dense: one more NSA run with the device's kernel preset changed, e.g. tile.m=1 "
+                         "(values as bench_profile.py kernels --tuning)")
     common.result_args(ap)
     ap.add_argument("overrides", nargs="*", metavar="section.key=value")
     a = ap.parse_args()
@@ -268,7 +288,7 @@ def main() -> int:
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if a.vs_dense:
-        rows = run_vs_dense(cfg, a.vs_dense, steps, warmup, tuple(a.nsa_flash))
+        rows = run_vs_dense(cfg, a.vs_dense, steps, warmup, tuple(a.nsa_flash), tuple(a.nsa_tuning))
         print(_vs_dense_table(rows))
         common.write_result({"profile": os.path.relpath(profile, ROOT), "overrides": a.overrides, "steps": steps,
                              "warmup": warmup, "config": cfg.to_dict(), "rows": rows}, "train_vs_dense", a)

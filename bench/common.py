@@ -12,6 +12,7 @@ to bench/results/<name>.json (the one current file per benchmark that bench/RESU
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import datetime as dt
 import json
@@ -370,6 +371,25 @@ def score_tile(*fields: int):
     """A fused-selection tile (nsa.ops.tuning.ScoreTile): rows, min keys, warps, stages, two map kinds."""
     from nsa.ops.tuning import ScoreTile
     return ScoreTile(*fields)
+
+
+def parse_changes(items: list[str]) -> dict:
+    """["select.loop=block", "scores.tile=ScoreTile(128,64,8,2,2,2)"] -> {dotted field: value}: a value
+    is a Python expression over literals and nsa.ops.tuning's classes, else the plain string."""
+    from nsa.ops import tuning as names
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--tuning takes FIELD=VALUE (e.g. select.loop=block), got {item!r}")
+        try:
+            tree = ast.parse(raw, mode="eval")
+            calls_ok = all(isinstance(n.func, ast.Name) for n in ast.walk(tree) if isinstance(n, ast.Call))
+            out[key] = eval(compile(tree, "<tuning>", "eval"), {"__builtins__": {}}, vars(names)) \
+                if calls_ok else raw
+        except (ValueError, SyntaxError, NameError, TypeError):
+            out[key] = raw
+    return out
 
 
 def tuning_variant(base, changes: dict[str, Any]):

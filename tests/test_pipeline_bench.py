@@ -96,6 +96,30 @@ def test_tile_m_variant_sets_only_the_tile_size():
     assert v.tile.m == 4 and base.tile.m == 1 and v.replace(tile=base.tile) == base
 
 
+def test_vs_dense_nsa_tuning_run_changes_only_its_models_preset(monkeypatch):
+    """bench_train --nsa-tuning: the extra NSA run's models resolve the device preset with the changes
+    (values parsed as bench_profile's --tuning), the plain NSA run and the dense twin the preset itself."""
+    import torch
+    from nsa.config import resolve_config
+    from nsa.ops import dispatch
+    bench_train = load_bench("bench_train")
+    seen = []
+
+    def fake_bare(cfg, steps, warmup):
+        pol = dispatch.KernelPolicy.resolve("cpu", torch.float32, "torch")
+        seen.append((cfg.model.attention, pol.tuning.tile.m, pol.tuning.select.pair_chunk))
+        return {"model": None, "toks_per_s": 1.0, "step_ms_p50": 1.0, "step_mode": "eager"}
+
+    monkeypatch.setattr(bench_train, "run_bare", fake_bare)
+    cfg, _ = resolve_config(str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml"), [])
+    rows = bench_train.run_vs_dense(cfg, [64], 1, 0, ("preset",), ("tile.m=4", "select.pair_chunk=32"))
+    assert seen == [("nsa", 1, 0), ("nsa", 4, 32), ("dense", 1, 0)]
+    assert [r["attention"] for r in rows] == ["nsa", "nsa[tile.m=4 select.pair_chunk=32]", "dense"]
+    assert dispatch.KernelPolicy.resolve("cpu", torch.float32, "torch").tuning.tile.m == 1   # restored
+    assert bench_train.common.parse_changes(["select.loop=block", "tile.m=8"]) == {"select.loop": "block",
+                                                                                   "tile.m": 8}
+
+
 def test_bench_train_tiny_bare(tiny_data, tmp_path, monkeypatch, capsys):
     bench_train = load_bench("bench_train")
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
