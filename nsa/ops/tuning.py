@@ -332,11 +332,11 @@ class KernelTuning:
 # 8k where installed: the 125M model's CUDA-graph training step gained 2.8% / 2.7% / 3.3% tokens/s at
 # 8k / 32k / 64k (H100, bench/RESULTS.md table 0b); eager op calls at 8k-16k are slower on FA4's host
 # path (table 1c), which the graphed step does not pay. Selection on query tiles of 8 tokens when a
-# strided sample of the call's tiles has a union fraction <= 0.3 (chosen on the device, per call), else
-# per token / block by block: on a model trained at 64k the local (deep) layers' op ran 9-14% faster than
-# per token and the others within noise (table 0c, threshold 0.42); since the block-order kernels the
-# tiles lose to them at the op's random 8k selections (union just under 0.42: 2.48 vs 2.07 ms graph-timed,
-# H100), so the threshold went down to 0.3 (table 8; 0.3 is also where table 5's tiles stopped paying).
+# strided sample of the call's tiles had a union fraction <= 0.42 (table 0c: against the per-token
+# kernels the local layers' op ran 9-14% faster). Against the block-order kernels the tiles no longer pay
+# at the production shape: graph-timed on an H100, on random inputs and on a model trained at 64k, the
+# per-call choice (threshold 0.2) was 0.3-2.4% slower than no tiles at 8k-64k and training tokens/s was
+# the same (table 8), so the preset runs without them (m=1); TileTuning(m=8, auto_union=...) opts in.
 # Forward and dq block by block for G <= 8 with partials in q's dtype: at the production shape (HQ=12,
 # H=2, d=64) the op's fwd+bwd device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per
 # token (not measured block by block).
@@ -345,7 +345,6 @@ class KernelTuning:
 # tokens) per step: H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -2.3% / -3.4% / -12% (32 -> 64 -> 128
 # rows) at 16k and -5.2% / -0.9% / -13% at 64k (bench/RESULTS.md table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      tile=TileTuning(m=8, auto_union=0.2),
                       select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=128, pair_chunk=128),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
