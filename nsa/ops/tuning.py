@@ -120,9 +120,9 @@ class TileTuning:
     """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
     of a KV head per program, loading each block of the tile's union of selections once.
 
-    m: tokens per tile; 1 runs the per-token kernels of SelectTuning (the default here; the Hopper
-    preset takes m=8 with auto_union: on an H100 the tile kernels lost to the per-token ones on the
-    op's random selections and on non-local layers, and won on local ones, union fraction <= ~0.4).
+    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (every preset: on an
+    H100 the tiles beat the per-token kernels on local layers, union fraction <= ~0.4, but not the
+    block-order ones that G <= 8 now runs, bench/RESULTS.md table 8).
     Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch for rows <= 64, launch
     for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
     accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16,
