@@ -81,7 +81,7 @@ class SelectTuning:
     pair_warps: int = 4
     pair_stages: int = 2
     pair_dtype: Literal["fp32", "input"] = "fp32"   # pair partials (o, dq): fp32, or q's dtype
-    merge_warps: int = 4         # the merge and dq-sum hold all n_sel partials of a token: [16, 8, 64] at G=6
+    merge_warps: int = 2
 
     def __post_init__(self) -> None:
         if self.loop not in ("token", "block", "auto"):

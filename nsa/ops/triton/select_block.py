@@ -78,59 +78,63 @@ def _token_rows(H, G: tl.constexpr, GR: tl.constexpr):
 
 
 @triton.jit
-def _slot_rows(RANK, rows, row_ok, G: tl.constexpr, NSEL: tl.constexpr, NSP: tl.constexpr):
-    """All slots of one (token, kv head) at once (RANK points at its NSEL slot ranks): (rows holding a
-    partial [NSP, GR], their partial rows [NSP, GR]). An empty slot (rank -1) holds none."""
-    slots = tl.arange(0, NSP)
-    r = tl.load(RANK + slots, mask=slots < NSEL, other=-1).to(tl.int64)           # [NSP]
-    ok = (r >= 0)[:, None] & row_ok[None, :]
-    return ok, tl.where(r >= 0, r, 0)[:, None] * G + rows[None, :]
+def _slot_rows(RANK, s, rows, row_ok, G: tl.constexpr):
+    """(rows holding a partial, their partial rows) of slot s; RANK points at the token's slots."""
+    r = tl.zeros(rows.shape, tl.int64) + tl.load(RANK + s)      # -1: an empty slot (vector form)
+    ok = row_ok & (r >= 0)
+    return ok, tl.where(ok, r, 0) * G + rows
 
 
 @triton.jit
 def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
-                       G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, NSP: tl.constexpr,
-                       DV: tl.constexpr, BDV: tl.constexpr, GUARD: tl.constexpr):
-    """o, lse of one (token, kv head): the softmax merge of its slots' partials, all slots loaded at
-    once ([NSP, GR, BDV]: every load in flight together) and reduced over slots in a fixed order."""
+                       G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr,
+                       BDV: tl.constexpr, GUARD: tl.constexpr):
+    """o, lse of one (token, kv head): the softmax merge of its slots' partials (slot order)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
     t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dv = tl.arange(0, BDV)
-    dv_ok = offs_dv[None, None, :] < DV
-    ok, pr = _slot_rows(RANK + b * srb + t64 * srt + h * srh, rows, row_ok, G, NSEL, NSP)
-    lp = tl.load(LP + pr, mask=ok, other=float("-inf"))                              # [NSP, GR]
-    op = tl.load(OP + pr[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None] & dv_ok, other=0.0)
-    m = tl.max(lp, 0)                                                                # [GR]
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lp - m_safe[None, :])                                                # 0 for empty slots
-    l_i = tl.sum(w, 0)
-    acc = tl.sum(w[:, :, None] * op.to(tl.float32), 0)                               # [GR, BDV]
+    dv_ok = offs_dv[None, :] < DV
+    m_i = tl.full([GR], float("-inf"), tl.float32)
+    l_i = tl.zeros([GR], tl.float32)
+    acc = tl.zeros([GR, BDV], tl.float32)
+    r_base = RANK + b * srb + t64 * srt + h * srh
+    for s in range(NSEL):
+        ok, pr = _slot_rows(r_base, s, rows, row_ok, G)
+        lp = tl.load(LP + pr, mask=ok, other=float("-inf"))
+        op = tl.load(OP + pr[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
+        m_new = tl.maximum(m_i, lp)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lp - m_safe)
+        acc = acc * alpha[:, None] + beta[:, None] * op.to(tl.float32)
+        l_i = l_i * alpha + beta
+        m_i = m_new
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, (m + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(O + b * sob + t64 * sot + hq[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+             mask=row_ok[:, None] & dv_ok)
     tl.store(LSE + (b * T + t64) * (H * G) + hq, lse, mask=row_ok)
 
 
 @triton.jit
 def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
-                    G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, NSP: tl.constexpr,
-                    DK: tl.constexpr, BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr):
-    """dq of one (token, kv head): its slots' pair partials, loaded at once and summed over slots in a
-    fixed order (+ dq_in)."""
+                    G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr,
+                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr):
+    """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
     t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dk = tl.arange(0, BDK)
-    ok, pr = _slot_rows(RANK + b * srb + t64 * srt + h * srh, rows, row_ok, G, NSEL, NSP)
-    parts = tl.load(DQP + pr[:, :, None] * DK + offs_dk[None, None, :],
-                    mask=ok[:, :, None] & (offs_dk[None, None, :] < DK), other=0.0)
-    acc = tl.sum(parts.to(tl.float32), 0)                                            # [GR, BDK]
     dk_ok = offs_dk[None, :] < DK
+    acc = tl.zeros([GR, BDK], tl.float32)
+    r_base = RANK + b * srb + t64 * srt + h * srh
+    for s in range(NSEL):
+        ok, pr = _slot_rows(r_base, s, rows, row_ok, G)
+        acc += tl.load(DQP + pr[:, None] * DK + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0).to(tl.float32)
     off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     if ACC_DQ:
         acc += tl.load(DQ_IN + off, mask=row_ok[:, None] & dk_ok, other=0.0)
@@ -154,8 +158,8 @@ def pair_dq(q: torch.Tensor, dq_pairs: torch.Tensor, inv: dict, n_sel: int, H: i
     flag, mode = guard if guard is not None else (rank, 0)
     _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, flag,
                                 rank.stride(0), rank.stride(2), rank.stride(1), T, H, G=G,
-                                GR=next_pow2(G), NSEL=n_sel, NSP=next_pow2(n_sel), DK=dk,
-                                BDK=max(16, next_pow2(dk)), ACC_DQ=dq_in is not None, GUARD=mode, num_warps=4)
+                                GR=max(16, next_pow2(G)), NSEL=n_sel, DK=dk, BDK=max(16, next_pow2(dk)),
+                                ACC_DQ=dq_in is not None, GUARD=mode, num_warps=2)
     return dq
 
 
@@ -192,6 +196,6 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
         rank, op, lp, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
-        o.stride(0), o.stride(1), o.stride(2), T, H, G=G, GR=gp, NSEL=n_sel, NSP=next_pow2(n_sel), DV=dv,
-        BDV=bdv, GUARD=mode, num_warps=tn.merge_warps)
+        o.stride(0), o.stride(1), o.stride(2), T, H, G=G, GR=max(16, gp), NSEL=n_sel, DV=dv, BDV=bdv,
+        GUARD=mode, num_warps=tn.merge_warps)
     return o, lse
