@@ -22,6 +22,9 @@
 #                                                FA2, cuDNN, flash SDPA), selection tiles TILE_M (default
 #                                                "1 2 4 8"), locality table; training 250 steps at 64k takes
 #                                                ~4 min, so capture-model and capture-bench fit one call each
+#   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
+#                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
+#                                                on bench/captured when capture-model made it on this machine
 #   bash bench/gpu.sh all                        tests, attention, decode
 #   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
@@ -120,6 +123,17 @@ run_capture_bench() {
     --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
+run_prod() {  # table 8: graph-timed op at the production shape, random and (when present) captured inputs
+  local T=${*:-$CAPTURE_T}
+  timeout "$T_BENCH" python3 bench/bench_attention.py --T $T --HQ 12 --H 2 --dk 64 --dv 64 --no-peers \
+    --dense sdpa-cudnn fa4 --timer graph 2>&1 | tee "$OUT/attention_prod.log" | grep -vE "^T=|Warning|warn" | tail -12
+  if [ -f bench/captured/meta.json ]; then
+    timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured --T $T \
+      --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_prod_captured.log" \
+      | grep -vE "^T=|Warning|warn" | tail -24
+  fi
+}
+
 run_tests() {
   local args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(tests/)
@@ -193,6 +207,7 @@ case "$cmd" in
             | tee "$OUT/attention_$b.log" | tail -20 ;;
   decode) gpu_info; run_decode "$@" ;;
   flash) gpu_info; run_flash "$@" ;;
+  prod) gpu_info; run_prod "$@" ;;
   train) nvidia-smi -L; run_train "$@" ;;
   profile) gpu_info; m=${1:?profile mode: kernels, step, ncu-attention or ncu-decode}; shift
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \

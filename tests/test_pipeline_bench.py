@@ -48,7 +48,7 @@ def test_help_runs_without_a_gpu(script):
 def test_gpu_driver_help():
     out = subprocess.run(["bash", str(BENCH / "gpu.sh"), "--help"], capture_output=True, text=True, cwd=REPO,
                          timeout=60)
-    assert out.returncode == 0 and "decode" in out.stdout and "attention" in out.stdout
+    assert out.returncode == 0 and "decode" in out.stdout and "attention" in out.stdout and "prod [T" in out.stdout
     bad = subprocess.run(["bash", str(BENCH / "gpu.sh"), "nope"], capture_output=True, text=True, cwd=REPO,
                          timeout=60)
     assert bad.returncode == 2 and "unknown command" in bad.stderr
