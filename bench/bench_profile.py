@@ -5,6 +5,8 @@
     python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
     ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
         python bench/bench_profile.py ncu-attention --T 65536 --calls 1
+    ncu --kernel-name regex:_slc_bwd_dkdv_kernel --launch-skip 1 --launch-count 1 --set full \\
+        python bench/bench_profile.py ncu-attention --T 16384 --HQ 12 --H 2 --dk 64 --dv 64   # production shape
     ncu --kernel-name regex:_cmp_kernel --launch-skip 2 --launch-count 1 --section WarpStateStats \\
         python bench/bench_profile.py ncu-decode --B 16 --S 65536
 
@@ -213,10 +215,11 @@ def run_step(a) -> None:
 # ----------------------------------------------------------------------------------------- ncu drivers
 def run_ncu_attention(a) -> None:
     torch.manual_seed(0)
-    x = common.nsa_inputs(1, a.T, 64, 4, 128, 128)
-    do = torch.randn(1, a.T, 64, 128, device="cuda", dtype=torch.bfloat16)
+    x = common.nsa_inputs(1, a.T, a.HQ, a.H, a.dk, a.dv)
+    do = torch.randn(1, a.T, a.HQ, a.dv, device="cuda", dtype=torch.bfloat16)
+    tuning = common.tuning_variant(common.base_tuning(), common.parse_changes(a.tuning)) if a.tuning else None
     for _ in range(a.calls):
-        o, _ = common.nsa_op(x)
+        o, _ = common.nsa_op(x, tuning)
         torch.autograd.grad(o, x, do)
     torch.cuda.synchronize()
 
@@ -259,6 +262,9 @@ def main() -> int:
     na = sub.add_parser("ncu-attention", help="Nsight Compute driver: a few NSA forward+backward calls")
     na.add_argument("--T", type=int, default=65536)
     na.add_argument("--calls", type=int, default=2)
+    na.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="as for kernels")
+    for name in ("HQ", "H", "dk", "dv"):   # e.g. the production shape: --HQ 12 --H 2 --dk 64 --dv 64
+        na.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
     nd = sub.add_parser("ncu-decode", help="Nsight Compute driver: a few decode steps (device positions)")
     nd.add_argument("--B", type=int, default=16)
     nd.add_argument("--S", type=int, default=65536)
