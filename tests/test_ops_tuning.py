@@ -37,6 +37,7 @@ def test_presets_are_frozen_and_named():
     # 128 rows (both measured at G=6); G=16 and the other presets keep their tiles
     assert HOPPER.select.dkdv_rows_for(6) == 128 and HOPPER.select.dkdv_rows_for(16) == HOPPER.select.dkdv_rows == 32
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
+    assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
     assert HOPPER.scores.tile_for(False, 6).rows == 128 and HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
     assert HOPPER.scores.tile_for(True, 6) is HOPPER.scores.big

@@ -165,7 +165,7 @@ def test_op_by_block_matches_per_token_op(tile):
 
 
 def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
-    """Wide dK/dV steps on the block path (block_dkdv_rows=64, packed: 21 tokens of 3 heads each)
+    """Wide dK/dV steps on the block path (block_dkdv_rows=64, packed heads: 21 tokens of 3 each)
     and the list chunk from select.chunk (no dkdv_chunk argument): same block_idx, o and gradients as
     the per-token op, and the inversion is made with the tuned chunk."""
     from nsa.ops.triton import function as fn
@@ -174,8 +174,8 @@ def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
     monkeypatch.setattr(fn, "invert_selection", lambda bi, l_sel, chunk, **kw: seen.append(chunk) or
                         real(bi, l_sel, chunk, **kw))
     xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()
-    tn = dataclasses.replace(tuning_for(DEV), select=by_block(pair_rows=32, block_dkdv_rows=64, chunk=7),
-                             tile=TileTuning(m=1))
+    sel = by_block(pair_rows=32, block_dkdv_rows=64, chunk=7, pack_heads=True)
+    tn = dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1))
     x = [a.detach().clone().requires_grad_() for a in xs]
     o1, bi1 = nsa_triton_apply(*x, **OP_HP, scale=xs[0].shape[-1] ** -0.5, tuning=tn)
     g1 = torch.autograd.grad(o1, x, do)

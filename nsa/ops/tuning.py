@@ -68,8 +68,9 @@ class SelectTuning:
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
     # the walks over a block's token list (dK/dV, block-order forward) pack each token's G head rows
     # densely (G=6: 10 tokens in 64 rows) instead of padding them to a power of two (8 tokens, 48 of
-    # 64 rows useful)
-    pack_heads: bool = True
+    # 64 rows useful). Measured on Hopper only: it sped up the forward and the 128-row dK/dV walk but
+    # slowed the 64-row one, so the other presets keep the padded rows
+    pack_heads: bool = False
     # loop order of the forward and of dq (select_block.py): "token" = one program per (token, kv head)
     # over its n_sel blocks; "block" = one program per (selected block, chunk of the tokens that chose
     # it) -- the forward writes per-pair partials merged per token, dq's partials come from the dK/dV
@@ -99,7 +100,8 @@ class SelectTuning:
 
     def dkdv_rows_for(self, G: int, big: bool = False) -> int:
         """(query, head) rows per dK/dV step for G query heads per KV head; big: padded head dims
-        above 128 (block_dkdv_rows is measured at 64 only; twice the rows would not fit sm_80 there)."""
+        above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
+        shared memory there)."""
         return self.block_dkdv_rows if self.by_block(G) and not big else self.dkdv_rows
 
 
@@ -345,7 +347,8 @@ class KernelTuning:
 # tokens) per step: H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -2.3% / -3.4% / -12% (32 -> 64 -> 128
 # rows) at 16k and -5.2% / -0.9% / -13% at 64k (bench/RESULTS.md table 8).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=128, pair_chunk=128),
+                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=128, pair_chunk=128,
+                                          pack_heads=True),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128

@@ -190,8 +190,7 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
         G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
-        BDV=bdv,
-        BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
+        BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
         num_stages=tn.pair_stages)
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
