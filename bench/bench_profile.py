@@ -93,7 +93,7 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
 def run_kernels(a) -> None:
     B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
     result = {"hp": HP, "runs": {}, "tuning": a.tuning}
-    tuning = common.tuning_variant(common.base_tuning(), common.parse_changes(a.tuning)) if a.tuning else None
+    tuning = common.changed_tuning(a.tuning)
     for T in a.T:
         x = common.nsa_inputs(B, T, HQ, H, dk, dv)
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
@@ -217,7 +217,7 @@ def run_ncu_attention(a) -> None:
     torch.manual_seed(0)
     x = common.nsa_inputs(1, a.T, a.HQ, a.H, a.dk, a.dv)
     do = torch.randn(1, a.T, a.HQ, a.dv, device="cuda", dtype=torch.bfloat16)
-    tuning = common.tuning_variant(common.base_tuning(), common.parse_changes(a.tuning)) if a.tuning else None
+    tuning = common.changed_tuning(a.tuning)
     for _ in range(a.calls):
         o, _ = common.nsa_op(x, tuning)
         torch.autograd.grad(o, x, do)

@@ -141,16 +141,16 @@ def run_bare(cfg: RunConfig, steps: int, warmup: int) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ NSA vs dense
-def _preset_changed(changes: dict[str, Any]):
-    """A context in which the kernel policy of a model built inside takes the device preset with these
-    changes (what --nsa-tuning compares; the library reads no such override)."""
+def _preset_changed(items: tuple[str, ...]):
+    """A context in which the kernel policy of a model built inside takes the device preset changed by
+    FIELD=VALUE items (what --nsa-tuning compares; the library reads no such override)."""
     import contextlib
     from unittest import mock
     from nsa.ops import dispatch
-    if not changes:
+    if not items:
         return contextlib.nullcontext()
     preset = dispatch.tuning_for
-    return mock.patch.object(dispatch, "tuning_for", lambda dev: common.tuning_variant(preset(dev), changes))
+    return mock.patch.object(dispatch, "tuning_for", lambda dev: common.changed_tuning(list(items), preset(dev)))
 
 
 def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int,
@@ -161,17 +161,17 @@ def run_vs_dense(cfg: RunConfig, seqs: list[int], steps: int, warmup: int,
     tokens/s, step time, peak memory, loss; kind "nsa", "nsa[<flash_branches>]" or "nsa[<tuning>]"."""
     import dataclasses
     rows = []
-    runs = [(f"nsa[{f}]" if f != "preset" else "nsa", "nsa", f, {}) for f in flash]
+    runs = [(f"nsa[{f}]" if f != "preset" else "nsa", "nsa", f, ()) for f in flash]
     if tuning:
-        runs.append((f"nsa[{' '.join(tuning)}]", "nsa", "preset", common.parse_changes(list(tuning))))
-    runs.append(("dense", "dense", "preset", {}))
+        runs.append((f"nsa[{' '.join(tuning)}]", "nsa", "preset", tuning))
+    runs.append(("dense", "dense", "preset", ()))
     for seq in seqs:
-        for kind, attention, fb, changes in runs:
+        for kind, attention, fb, items in runs:
             c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq),
                                     model=dataclasses.replace(cfg.model, attention=attention),
                                     nsa=dataclasses.replace(cfg.nsa, flash_branches=fb))
             try:
-                with _preset_changed(changes):
+                with _preset_changed(items):
                     r = run_bare(c, steps, warmup)
                 r.pop("model")
             except torch.cuda.OutOfMemoryError as exc:   # report the row, keep the other lengths

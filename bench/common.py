@@ -392,6 +392,13 @@ def parse_changes(items: list[str]) -> dict:
     return out
 
 
+def changed_tuning(items: list[str], base=None):
+    """The device preset (or base) with FIELD=VALUE items applied (parse_changes); None without items."""
+    if not items:
+        return None
+    return tuning_variant(base_tuning() if base is None else base, parse_changes(items))
+
+
 def tuning_variant(base, changes: dict[str, Any]):
     """base with dotted fields replaced, e.g. {"select.fwd_warps": 4, "attn.fwd": Tile(...)}; each level
     is rebuilt with dataclasses.replace (the configs are frozen; nothing is patched)."""

@@ -472,37 +472,46 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
 def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
     """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
 
-    Device-only (sort + searchsorted, no host sync). Returns a dict of int64 tensors:
-    toks [P] (tokens, grouped by segment, ascending t within one), segoff [NSEG+1], wseg/wchunk
-    [W_max] (work item -> segment, chunk; segment NSEG marks an empty item), nch [NSEG], xoff [NSEG]
-    (first fp32 scratch slot of a segment's chunks 1..), and the host ints n_slots, w_max; with ranks
-    also rank [B,H,T,S] (the position of slot (b, h, t, s) in toks, -1 for an empty slot).
+    Device-only (sort + searchsorted, no host sync). Returns segment_lists' dict plus toks [P]
+    (tokens, grouped by segment, ascending t within one); with ranks also rank [B,H,T,S] (the position
+    of slot (b, h, t, s) in toks, -1 for an empty slot).
     """
     B, T, H, S = block_idx.shape
-    dev = block_idx.device
-    nsb = triton.cdiv(T, l_sel)
+    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk)   # [B, H, T, S]
+    order = inv.pop("order")
+    inv["toks"] = (order // S) % T
+    if ranks:
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+        inv["rank"] = torch.where(inv.pop("listed"), pos, -1).view(B, H, T, S)
+    return inv
+
+
+def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
+    """blocks [B, H, N, S] (block ids of N entries of S slots each, -1 for none) -> for each segment
+    (b, h, block j) the flat positions of the slots holding j, in (n, s) order, split in work items
+    of <= chunk of them (the token walks of invert_selection, the tile walks of select_tile).
+
+    Device-only. Returns order [P] (flat slot positions grouped by segment; slots holding no block
+    last), listed [B*H*N*S] (the slot holds a block), segoff [NSEG+1], work_items' nch / wseg / wchunk /
+    w_max / chunk, xoff [NSEG] (first fp32 scratch slot of a segment's chunks 1..), and the host ints
+    n_slots, nseg, nsb, n_pairs."""
+    B, H = blocks.shape[:2]
+    dev = blocks.device
     nseg = B * H * nsb
-    bi = block_idx.permute(0, 2, 1, 3)                                      # [B, H, T, S]
     bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
     # int32 keys where they fit: the radix sort makes 4 passes instead of 8 (its 8 passes were 0.24 ms of
     # the op's 15.9 at 64k, production shape, H100)
     kdt = torch.int32 if nseg < 2 ** 31 - 1 else torch.int64
-    key = torch.where(bi >= 0, bh * nsb + bi, nseg).reshape(-1).to(kdt)     # order (b, h, t, s)
+    key = torch.where(blocks >= 0, bh * nsb + blocks, nseg).reshape(-1).to(kdt)   # order (b, h, n, s)
     skey, order = torch.sort(key, stable=True)
-    toks = (order // S) % T
     segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=kdt))
-    n_pairs = B * H * T * S
+    n_pairs = key.numel()
     items = work_items(segoff, n_pairs, chunk)
     nch = items["nch"]
-    n_slots = max(1, (n_pairs + chunk - 1) // chunk)
     xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    inv = dict(toks=toks, segoff=segoff, xoff=xoff, n_slots=n_slots, nseg=nseg, nsb=nsb, n_pairs=n_pairs,
-               **items)
-    if ranks:
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel(), device=dev, dtype=order.dtype)
-        inv["rank"] = torch.where(key < nseg, pos, -1).view(B, H, T, S)
-    return inv
+    return dict(order=order, listed=key < nseg, segoff=segoff, xoff=xoff,
+                n_slots=max(1, (n_pairs + chunk - 1) // chunk), nseg=nseg, nsb=nsb, n_pairs=n_pairs, **items)
 
 
 def walk_group(G: int, tn: SelectTuning) -> int:

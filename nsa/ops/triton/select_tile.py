@@ -37,7 +37,8 @@ from ._utils import dot_precision, next_pow2
 from .attn import attn_fwd, online_softmax_step
 from .scores import select_blocks
 from .guard import Guard, skip_program
-from .select import _bwd_args, _slc_reduce_kernel, block_kv, dq_buffer, slc_bwd, slc_dkdv, slc_fwd, work_item
+from .select import (_bwd_args, _slc_reduce_kernel, block_kv, dq_buffer, segment_lists, slc_bwd, slc_dkdv, slc_fwd,
+                     work_item)
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -455,27 +456,10 @@ def invert_tiles(un: TileUnion, T: int, l_sel: int, chunk: int) -> dict:
     """For each segment (b, h, block j): the union entries (flat index into un.blocks, tile order) of
     the tiles whose union holds j, split in chunks of <= chunk tiles. Device-only (sort +
     searchsorted). Same layout as select.invert_selection with `src` for its `toks`."""
-    B, H, nt, uw = un.blocks.shape
-    dev = un.blocks.device
-    nsb = triton.cdiv(T, l_sel)
-    nseg = B * H * nsb
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
-    blocks = un.blocks.to(torch.int64)
-    key = torch.where(blocks >= 0, bh * nsb + blocks, nseg).reshape(-1)   # order (b, h, tile, u)
-    skey, src = torch.sort(key, stable=True)
-    segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=torch.int64))
-    cnt = segoff[1:] - segoff[:-1]
-    nch = torch.clamp((cnt + chunk - 1) // chunk, min=1)                  # >= 1: empty blocks write 0
-    cum = torch.cumsum(nch, 0)
-    n_pairs = key.numel()
-    w_max = nseg + (n_pairs + chunk - 1) // chunk
-    w = torch.arange(w_max, device=dev, dtype=torch.int64)
-    wseg = torch.searchsorted(cum, w, right=True)                         # == nseg past the last item
-    segc = wseg.clamp(max=nseg - 1)
-    wchunk = w - (cum[segc] - nch[segc])
-    xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    return dict(src=src, segoff=segoff, wseg=wseg, wchunk=wchunk, nch=nch, xoff=xoff,
-                n_slots=max(1, (n_pairs + chunk - 1) // chunk), w_max=w_max, nseg=nseg, nsb=nsb)
+    inv = segment_lists(un.blocks.to(torch.int64), triton.cdiv(T, l_sel), chunk)   # [B, H, tile, u]
+    inv["src"] = inv.pop("order")
+    del inv["listed"]
+    return inv
 
 
 def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
