@@ -2,6 +2,7 @@
 """Profiling: where the time goes, one mode per question.
 
     python bench/bench_profile.py kernels --T 8192 65536 [--iters 5] [--ops]
+    python bench/bench_profile.py kernels --T 16384 --HQ 12 --H 2 --dk 64 --dv 64 --compare "" select.prefetch=true
     python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
     ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
         python bench/bench_profile.py ncu-attention --T 65536 --calls 1
@@ -14,6 +15,8 @@ kernels: every kernel's device microseconds per call, calls per step and share o
   forward+backward (Triton backend, paper sizes, B=1, HQ=64, H=4, d=128, bf16) under torch.profiler,
   and the dense SDPA forward+backward of the same shapes for scale; --ops also lists the aten ops with
   the most own device time (names the producer of each glue kernel). JSON: profile_attention.
+  --compare runs tuning variants instead and prints their kernels' device ms side by side, with the
+  registers and spills of the Triton kernels each one compiled. JSON: profile_compare.
 step: a training step of the prod_50k model per step-mode variant (bare nsa.train step on synthetic
   tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
   means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
@@ -90,7 +93,73 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
+def compiled_kernels() -> dict:
+    """{id: (kernel name, warps, stages, registers, spills, shared bytes)} of every Triton kernel of nsa
+    compiled so far in this process (Triton's in-memory cache)."""
+    import importlib
+    import pkgutil
+
+    import triton
+    import nsa.ops.triton as pkg
+    out = {}
+    for m in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"{pkg.__name__}.{m.name}")
+        for name, fn in vars(mod).items():
+            if not isinstance(fn, triton.runtime.JITFunction) or fn.__module__ != mod.__name__:
+                continue
+            for dc in getattr(fn, "device_caches", {}).values():
+                for ck in dc[0].values():
+                    if getattr(ck, "n_regs", None) is None and hasattr(ck, "_init_handles"):
+                        ck._init_handles()
+                    md = ck.metadata
+                    out[id(ck)] = (name, md.num_warps, md.num_stages, ck.n_regs, ck.n_spills, md.shared)
+    return out
+
+
+def run_compare(a) -> None:
+    """--compare: per-kernel device ms of each tuning variant side by side, and the registers / spills of
+    the kernels each variant compiled."""
+    B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
+    variants = [v.strip() for v in a.compare]
+    result = {"hp": HP, "shape": dict(HQ=HQ, H=H, dk=dk, dv=dv), "variants": variants, "runs": {}, "compiled": {}}
+    for T in a.T:
+        x = common.nsa_inputs(B, T, HQ, H, dk, dv)
+        do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
+        per, totals = {}, {}
+        for v in variants:
+            tuning = common.changed_tuning([c for c in v.split(",") if c] + a.tuning)
+            before = compiled_kernels()
+
+            def nsa_step():
+                o, _ = common.nsa_op(x, tuning)
+                return torch.autograd.grad(o, x, do)
+
+            rows, ms = kernel_table(nsa_step, a.iters)
+            new = [k for i, k in compiled_kernels().items() if i not in before]
+            if new:
+                result["compiled"][v or "base"] = [dict(zip(("kernel", "warps", "stages", "regs", "spills", "shared"), k))
+                                                   for k in new]
+            per[v] = {r["kernel"][:60]: r["ms_per_iter"] for r in rows}
+            totals[v] = ms
+        names = sorted({k for p in per.values() for k in p}, key=lambda k: -per[variants[0]].get(k, 0.0))[:a.top]
+        result["runs"][str(T)] = {"device_ms": totals, "kernels_ms": per}
+        print(f"\nT={T}, device ms per fwd+bwd (HQ={HQ}, H={H}, dk={dk}, dv={dv}):")
+        common.print_table(["kernel"] + [v or "base" for v in variants],
+                           [["TOTAL"] + [totals[v] for v in variants]]
+                           + [[n[:44]] + [per[v].get(n, 0.0) for v in variants] for n in names], ".3f")
+        del x
+        torch.cuda.empty_cache()
+    print("\ncompiled (variant: kernel warps/stages regs spills shared):")
+    for v, ks in result["compiled"].items():
+        for k in ks:
+            print(f"  {v[:40]:<40} {k['kernel']:<28} {k['warps']}/{k['stages']} regs {k['regs']} "
+                  f"spills {k['spills']} shared {k['shared']}")
+    common.write_result(result, "profile_compare", a)
+
+
 def run_kernels(a) -> None:
+    if a.compare:
+        return run_compare(a)
     B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
     result = {"hp": HP, "runs": {}, "tuning": a.tuning}
     tuning = common.changed_tuning(a.tuning)
@@ -249,6 +318,10 @@ def main() -> int:
     k.add_argument("--ops", action="store_true", help="also list the aten ops with the most own device time")
     k.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="changes to the device's KernelTuning, e.g. select.loop=block")
+    k.add_argument("--compare", nargs="+", default=None, metavar="F=V,F=V",
+                   help="tuning variants side by side (comma-separated changes, '' for the preset): device ms "
+                        "per kernel, and registers / spills of what each compiled")
+    k.add_argument("--top", type=int, default=12, help="kernels listed with --compare")
     for name in ("HQ", "H", "dk", "dv"):
         k.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
     common.result_args(k)

@@ -375,13 +375,17 @@ def score_tile(*fields: int):
 
 def parse_changes(items: list[str]) -> dict:
     """["select.loop=block", "scores.tile=ScoreTile(128,64,8,2,2,2)"] -> {dotted field: value}: a value
-    is a Python expression over literals and nsa.ops.tuning's classes, else the plain string."""
+    is a Python expression over literals and nsa.ops.tuning's classes (true / false as in YAML), else the
+    plain string."""
     from nsa.ops import tuning as names
     out = {}
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep:
             raise SystemExit(f"--tuning takes FIELD=VALUE (e.g. select.loop=block), got {item!r}")
+        if raw.strip().lower() in ("true", "false"):
+            out[key] = raw.strip().lower() == "true"
+            continue
         try:
             tree = ast.parse(raw, mode="eval")
             calls_ok = all(isinstance(n.func, ast.Name) for n in ast.walk(tree) if isinstance(n, ast.Call))

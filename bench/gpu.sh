@@ -25,6 +25,10 @@
 #   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
 #                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
 #                                                on bench/captured when capture-model made it on this machine
+#   bash bench/gpu.sh ncu [T] [KERNEL_REGEX]     Nsight Compute (full set) on the selection kernels of one forward+backward at
+#                                                the production shape (default T=16384; the kernels of the second call,
+#                                                after compiling): details in $OUT/ncu_details.txt, the hottest source
+#                                                lines per kernel in $OUT/ncu_source.txt
 #   bash bench/gpu.sh all                        tests, attention, decode
 #   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
@@ -134,6 +138,21 @@ run_prod() {  # table 8: graph-timed op at the production shape, random and (whe
   fi
 }
 
+NCU_KERNELS="_slc_bwd_dkdv_kernel|_pair_fwd_kernel|_pair_merge_kernel|_pair_dq_kernel|_select_kernel"
+
+run_ncu() {  # hardware counters of the selection kernels (Firecracker machines; --clock-control none per METHOD.md)
+  local T=${1:-16384} re=${2:-$NCU_KERNELS} n
+  n=$(( $(tr -cd '|' <<<"$re" | wc -c) + 1 ))   # one launch of each kernel per call: skip the compiling call
+  timeout "$T_BENCH" ncu --clock-control none --set full --import-source yes -f -o "$OUT/ncu" \
+    --kernel-name "regex:$re" --launch-skip "$n" --launch-count "$n" \
+    python3 bench/bench_profile.py ncu-attention --T "$T" --HQ 12 --H 2 --dk 64 --dv 64 > "$OUT/ncu_run.log" 2>&1
+  echo "ncu rc=$?"; tail -3 "$OUT/ncu_run.log"
+  ncu -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+  grep -E "^  _|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Configuration Size|Dynamic Shared|Local Memory|L2 Hit Rate|L1/TEX Hit|Executed Ipc A|No Eligible|One or More" \
+    "$OUT/ncu_details.txt" | head -150
+  python3 bench/ncu_source.py "$OUT/ncu.ncu-rep" > "$OUT/ncu_source.txt" 2>&1; head -120 "$OUT/ncu_source.txt"
+}
+
 run_tests() {
   local args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(tests/)
@@ -215,6 +234,7 @@ case "$cmd" in
   capture) gpu_info; run_capture_model "$@"; run_capture_bench "$@" ;;
   capture-model) gpu_info; run_capture_model "$@" ;;
   capture-bench) gpu_info; run_capture_bench "$@" ;;
+  ncu) gpu_info; run_ncu "$@" ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
   *) echo "bench/gpu.sh: unknown command '$cmd' (bash bench/gpu.sh --help lists them)" >&2; exit 2 ;;

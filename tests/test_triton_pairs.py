@@ -51,17 +51,22 @@ def test_pairs_match_per_token_and_oracle(case):
         assert rel_err(a, r) <= tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
 
 
+@pytest.mark.parametrize("change", [dict(pack_heads=False), dict(prefetch=True), dict(prefetch=True, block_dkdv_rows=64)],
+                         ids=["padded", "prefetch", "prefetch_rows64"])
 @pytest.mark.parametrize("case", ["g3_m8_lsel24_chunked", "g2_m1_chunked"])
-def test_padded_head_rows_match_packed(case):
-    """select.pack_heads=False (each token's G head rows padded to a power of two, as the per-token
-    kernels hold them) against the packed walks the tests above run: forward, dq partials, dK/dV."""
+def test_walk_variants_match_packed(case, change):
+    """The walks over a block's token list with one knob changed, against the packed walks the tests
+    above run (forward, dq partials, dK/dV): select.pack_heads=False (each token's G head rows padded to a
+    power of two, as the per-token kernels hold them) and select.prefetch=True (the dK/dV walk's token ids
+    loaded two steps ahead; 16-row steps, so lists of several steps, chunks ending mid-step and one-
+    and two-step lists all occur; and 64-row steps, the Hopper preset's, where most lists take one)."""
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 3)
     inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
     kw = dict(l_sel=l_sel, scale=scale, chunk=chunk)
     outs = []
-    for pack in (True, False):
-        tn = by_block(pair_rows=16, dkdv_rows=16, pack_heads=pack)
+    for ch in ({}, change):
+        tn = by_block(pair_rows=16, **{"block_dkdv_rows": 16, "pack_heads": True, **ch})
         o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=tn)
         delta = (do * o).sum(-1)
         dqp = sb.pair_buffer(q, n_sel, H, dk, tn)
@@ -95,6 +100,8 @@ def test_forward_chunk_of_its_own_changes_nothing(pair_chunk):
 def test_pair_chunk_is_checked():
     with pytest.raises(ValueError, match="select.pair_chunk"):
         SelectTuning(pair_chunk=-1)
+    with pytest.raises(ValueError, match="select.prefetch must be true or false"):
+        SelectTuning(prefetch="true")   # a string from a config would otherwise be truthy
 
 
 @pytest.mark.parametrize("case", ["g2_m1_chunked", "g16_m2_identical", "g3_m8_lsel24_chunked"])

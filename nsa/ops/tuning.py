@@ -62,7 +62,7 @@ class SelectTuning:
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
     # the same where the forward runs block by block (by_block(G)): there the walk also writes the dq
-    # partials, and 128 rows beat 64 and 32 (H100, HQ=12/H=2/d=64; Hopper preset)
+    # partials (Hopper preset: 64 rows with prefetch, bench/RESULTS.md table 9)
     block_dkdv_rows: int = 32
     chunk: int = 1024           # tokens of one block's list per dK/dV program
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
@@ -82,6 +82,11 @@ class SelectTuning:
     pair_warps: int = 4
     pair_stages: int = 2
     pair_dtype: Literal["fp32", "input"] = "fp32"   # pair partials (o, dq): fp32, or q's dtype
+    # the dK/dV walk over a block's token list loads each step's token ids two steps ahead, so a step's
+    # q / dO / lse gathers never wait on their token-id load (H100, HQ=12/H=2/d=64 at 64 rows: the walk
+    # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower; the block-order
+    # forward measured slower with it, so it has none)
+    prefetch: bool = False
     merge_warps: int = 2
 
     def __post_init__(self) -> None:
@@ -93,6 +98,9 @@ class SelectTuning:
             raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
         if self.pair_chunk < 0:
             raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
+        for name in ("pack_heads", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"select.{name} must be true or false, got {getattr(self, name)!r}")
 
     def by_block(self, G: int) -> bool:
         """Whether the forward and dq run block by block for G query heads per KV head."""
@@ -343,12 +351,13 @@ class KernelTuning:
 # H=2, d=64) the op's fwd+bwd device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per
 # token (not measured block by block).
 # For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
-# tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 128 rows (21 packed
-# tokens) per step: H100, HQ=12/H=2/d=64, graph-timed op fwd+bwd -2.3% / -3.4% / -12% (32 -> 64 -> 128
-# rows) at 16k and -5.2% / -0.9% / -13% at 64k (bench/RESULTS.md table 8).
+# tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 64 rows (10 packed
+# tokens) per step with token ids prefetched: since the walk holds its rows on the MMA's M side it no
+# longer spills, and that beat 128 rows (the best while it spilled, table 8): H100, HQ=12/H=2/d=64, walk
+# device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=128, pair_chunk=128,
-                                          pack_heads=True),
+                      select=SelectTuning(loop="auto", pair_dtype="input", block_dkdv_rows=64, pair_chunk=128,
+                                          pack_heads=True, prefetch=True),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128

@@ -297,7 +297,8 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
 def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
     """This program's work item of an inverted selection (invert_selection): segment seg = (b, h, block
     j) and chunk c of its list, whose entries start..end-1 it walks (none when ok is false: a spare
-    item past the last one). Returns (seg, chunk, ok, j, b, h, start, end)."""
+    item past the last one). Returns (seg, chunk, ok, j, b, h, start, end); start / end are int32 (the
+    walks' per-row list positions are then int32 too: segment_lists checks the pair count fits)."""
     w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
@@ -307,7 +308,7 @@ def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
     bh = seg // NSB
     start = tl.load(SEGOFF + seg) + chunk * CH
     end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
-    return seg, chunk, ok, j, bh // H, bh % H, start, end
+    return seg, chunk, ok, j, bh // H, bh % H, start.to(tl.int32), end.to(tl.int32)
 
 
 @triton.jit
@@ -340,6 +341,58 @@ def walk_rows(TOKS, idx, end, rows, G: tl.constexpr, GP: tl.constexpr, QB: tl.co
 
 
 @triton.jit
+def _walk_gather(Q, DO, LSE, DELTA, GATE, b, t64, row_ok, hq, offs_dk, offs_dv,
+                 sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, HQ, DK: tl.constexpr, DV: tl.constexpr,
+                 HAS_GATE: tl.constexpr):
+    """The gathered rows of one dK/dV step (rows of walk_rows): q [ROWS, BDK], dO [ROWS, BDV], lse (log2
+    domain), delta and gate [ROWS] fp32 (gate 1 without one)."""
+    q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    ridx = (b * T + t64) * HQ + hq
+    lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
+    if HAS_GATE:   # the branch's dO is gate * dO: folded into p (g p), no converted dO tile
+        gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
+    else:
+        gate = tl.full([q.shape[0]], 1.0, tl.float32)
+    return q, do, lse, delta, gate
+
+
+@triton.jit
+def walk_limit(t64, row_ok, j0, LSEL: tl.constexpr):
+    """[ROWS] int32: the last key offset in the block (starting at key j0) that each row's token sees,
+    -1 for rows past the list. A key kk < BS is visible iff kk <= this: it folds the causal mask, the
+    block's end (kk < LSEL) and its end at T (t < T) into one int32 compare per element, where int64
+    positions held per row and per key of an MMA tile took registers the walks spilled for."""
+    return tl.where(row_ok, tl.minimum(t64 - j0, LSEL - 1), -1).to(tl.int32)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk, DQP,
+               scale_log2, scale, G: tl.constexpr, LSEL: tl.constexpr, DK: tl.constexpr,
+               DOT_PREC: tl.constexpr, DQ_PAIRS: tl.constexpr):
+    """dK/dV accumulation of one step (block K/V [BS, *] against ROWS gathered rows); with DQ_PAIRS also
+    the rows' dq partials [ROWS, dk] stored at their pair positions."""
+    # rows on the MMA's M side: per-row vectors (lse, delta, gate, limit) then cost ROWS / 32 registers
+    # per thread, where as columns of a [BS, ROWS] tile each cost ROWS / 4 and spilled the walk
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2       # [ROWS, BS]
+    vis = kk[None, :] <= walk_limit(t64, row_ok, j0, LSEL)[:, None]
+    p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]      # g * p
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)    # [BS, BDV]
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)                  # [ROWS, BS]
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+    dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PREC)                 # [BS, BDK]
+    if DQ_PAIRS:
+        dqp = tl.dot(ds, k, input_precision=DOT_PREC) * scale               # [ROWS, BDK]
+        pr = qidx.to(tl.int64) * G + g
+        tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+    return dk, dv
+
+
+@triton.jit
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                          DKO, DVO, XDK, XDV, DQP, FLAG,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
@@ -347,54 +400,54 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr):
+                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
-    token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py)."""
+    token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py).
+    PREFETCH: each step's token ids are loaded two steps before (Triton pipelines the gathers they address
+    one step ahead, and without this each of them first waits for its token-id load)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
     seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
-    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
-                                                    DK, DV, BDK, BDV)
+    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # queries per step
     rows = tl.arange(0, ROWS)
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
     dk = tl.zeros([BS, BDK], tl.float32)
     dv = tl.zeros([BS, BDV], tl.float32)
-    for idx in range(start, end, QB):
-        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
-        x_off = b * sqb + t64[:, None] * sqt + hq[:, None] * sqh
-        q = tl.load(Q + x_off + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        ridx = (b * T + t64) * (H * G) + hq
-        lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # [BS, ROWS]
-        vis = (kp[:, None] <= t64[None, :]) & k_ok[:, None] & row_ok[None, :]
-        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
-        if HAS_GATE:   # the branch's dO is gate * dO: folded into p (g p), no converted dO tile
-            pT = pT * tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
-        if DQ_PAIRS:
-            dqp = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=DOT_PREC) * scale   # [ROWS, BDK]
-            pr = qidx.to(tl.int64) * G + g
-            tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
-                     mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+    if PREFETCH:   # token ids two steps ahead: the pipeliner's gathers for the next step never wait on them
+        qi_a, t_a, ok_a = walk_rows(TOKS, start, end, rows, G, GP, QB)
+        qi_b, t_b, ok_b = walk_rows(TOKS, start + QB, end, rows, G, GP, QB)
+        for idx in range(start, end, QB):
+            qi_c, t_c, ok_c = walk_rows(TOKS, idx + 2 * QB, end, rows, G, GP, QB)
+            q, do, lse, delta, gate = _walk_gather(Q, DO, LSE, DELTA, GATE, b, t_a, ok_a, hq, offs_dk, offs_dv,
+                                                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
+                                DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
+            qi_a, t_a, ok_a = qi_b, t_b, ok_b
+            qi_b, t_b, ok_b = qi_c, t_c, ok_c
+    else:
+        for idx in range(start, end, QB):
+            qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
+            q, do, lse, delta, gate = _walk_gather(Q, DO, LSE, DELTA, GATE, b, t64, row_ok, hq, offs_dk, offs_dv,
+                                                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
+                                DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
+    # the block's rows from scalars here: block_kv's int64 kp / k_ok vectors would stay live through
+    # the loop (the walk spilled them)
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
-    o_row = ((b * T + kp) * H + h)                                          # rows of [B,T,H,*] fp32
+    first = first & (kk < tl.minimum(T - j * LSEL, LSEL))
+    o_row = ((b * T + j * LSEL) * H + h) + kk.to(tl.int64) * H              # rows of [B,T,H,*] fp32
     tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], dk,
-             mask=(first & k_ok)[:, None] & (offs_dk[None, :] < DK))
+             mask=first[:, None] & (offs_dk[None, :] < DK))
     tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], dv,
-             mask=(first & k_ok)[:, None] & (offs_dv[None, :] < DV))
+             mask=first[:, None] & (offs_dv[None, :] < DV))
     extra = (tl.zeros([BS], tl.int32) + (ok & (chunk > 0)).to(tl.int32)) > 0
     slot = tl.load(XOFF + seg) + chunk - 1
     x_row = (tl.where(extra, slot, 0) * LSEL + kk).to(tl.int64)
@@ -507,6 +560,9 @@ def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     skey, order = torch.sort(key, stable=True)
     segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=kdt))
     n_pairs = key.numel()
+    if n_pairs + chunk >= 2 ** 31:
+        raise ValueError(f"the selection has {n_pairs} (entry, slot) pairs: list positions are int32 in the "
+                         "walks, so split the batch (B) into calls of fewer than 2**31 pairs")
     items = work_items(segoff, n_pairs, chunk)
     nch = items["nch"]
     xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
@@ -607,7 +663,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
-            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
+            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),

@@ -25,7 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, walk_group, walk_rows, work_item, work_items
+from .select import block_kv, walk_group, walk_limit, walk_rows, work_item, work_items
 
 
 @triton.jit
@@ -40,30 +40,44 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
         if skip_program(FLAG, GUARD):
             return
     _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
-    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
-                                                    DK, DV, BDK, BDV)
+    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # tokens per step
     rows = tl.arange(0, ROWS)
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
+    # no token-id prefetch here (select.prefetch is the dK/dV walk's): Triton pipelines this q gather one
+    # step ahead, carried token ids stop that, and it measured slower (H100, bench/RESULTS.md table 9)
     for idx in range(start, end, QB):
         qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)     # qidx: pair positions
-        q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                    mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2  # [ROWS, BS]
-        vis = (kp[None, :] <= t64[:, None]) & k_ok[None, :] & row_ok[:, None]
-        s = tl.where(vis, s, float("-inf"))
-        m = tl.max(s, 1)
-        m = tl.where(m == float("-inf"), 0.0, m)        # padded rows (a selected block has a key <= t)
-        p = tl.where(vis, tl.exp2(s - m[:, None]), 0.0)
-        l_sum = tl.sum(p, 1)
-        has = l_sum > 0.0
-        o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) / tl.where(has, l_sum, 1.0)[:, None]
-        lse2 = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
-        pr = qidx.to(tl.int64) * G + g                                      # partial row of (pair, head)
-        tl.store(OP + pr[:, None] * DV + offs_dv[None, :], o.to(OP.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-        tl.store(LP + pr, lse2, mask=row_ok)
+        q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
+        _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV, DOT_PREC)
+
+
+@triton.jit
+def _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK: tl.constexpr):
+    return tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
+                   mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+
+
+@triton.jit
+def _pair_step(q, qidx, t64, row_ok, k, v, kk, j0, g, offs_dv, OP, LP, scale_log2, G: tl.constexpr,
+               LSEL: tl.constexpr, DV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Softmax partials of one step's rows (q [ROWS, BDK], entries qidx = pair positions) over the block."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2      # [ROWS, BS]
+    vis = kk[None, :] <= walk_limit(t64, row_ok, j0, LSEL)[:, None]
+    s = tl.where(vis, s, float("-inf"))
+    m = tl.max(s, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)        # padded rows (a selected block has a key <= t)
+    p = tl.where(vis, tl.exp2(s - m[:, None]), 0.0)
+    l_sum = tl.sum(p, 1)
+    has = l_sum > 0.0
+    o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) / tl.where(has, l_sum, 1.0)[:, None]
+    lse2 = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
+    pr = qidx.to(tl.int64) * G + g                                          # partial row of (pair, head)
+    tl.store(OP + pr[:, None] * DV + offs_dv[None, :], o.to(OP.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LP + pr, lse2, mask=row_ok)
 
 
 @triton.jit
