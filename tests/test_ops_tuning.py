@@ -36,7 +36,8 @@ def test_presets_are_frozen_and_named():
     # where the forward runs block by block, the dK/dV walk takes 64 rows per step with its token ids
     # prefetched, and the score tiles 128 rows (all measured at G=6); G=16 and the other presets keep theirs
     assert HOPPER.select.dkdv_rows_for(6) == 64 and HOPPER.select.dkdv_rows_for(16) == HOPPER.select.dkdv_rows == 32
-    assert HOPPER.select.prefetch and not AMPERE.select.prefetch and not CPU.select.prefetch
+    assert HOPPER.select.prefetch_for(6) and not HOPPER.select.prefetch_for(16)
+    assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32

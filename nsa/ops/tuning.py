@@ -82,6 +82,8 @@ class SelectTuning:
     pair_warps: int = 4
     pair_stages: int = 2
     pair_dtype: Literal["fp32", "input"] = "fp32"   # pair partials (o, dq): fp32, or q's dtype
+    # where the forward runs block by block (by_block(G), like block_dkdv_rows: the per-token path of
+    # G=16 was not measured with it and its 32-row walk loses pipelining with it):
     # the dK/dV walk over a block's token list loads each step's token ids two steps ahead, so a step's
     # q / dO / lse gathers never wait on their token-id load (H100, HQ=12/H=2/d=64 at 64 rows: the walk
     # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower; the block-order
@@ -111,6 +113,10 @@ class SelectTuning:
         above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
         shared memory there)."""
         return self.block_dkdv_rows if self.by_block(G) and not big else self.dkdv_rows
+
+    def prefetch_for(self, G: int) -> bool:
+        """Whether the dK/dV walk prefetches its token ids for G query heads per KV head."""
+        return self.prefetch and self.by_block(G)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32

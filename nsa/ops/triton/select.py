@@ -370,25 +370,44 @@ def walk_limit(t64, row_ok, j0, LSEL: tl.constexpr):
 
 
 @triton.jit
+def _store_dq_pairs(DQP, dqp, qidx, row_ok, g, offs_dk, G: tl.constexpr, DK: tl.constexpr):
+    pr = qidx.to(tl.int64) * G + g                                          # partial row of (pair, head)
+    tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+
+
+@triton.jit
 def _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk, DQP,
                scale_log2, scale, G: tl.constexpr, LSEL: tl.constexpr, DK: tl.constexpr,
                DOT_PREC: tl.constexpr, DQ_PAIRS: tl.constexpr):
     """dK/dV accumulation of one step (block K/V [BS, *] against ROWS gathered rows); with DQ_PAIRS also
     the rows' dq partials [ROWS, dk] stored at their pair positions."""
-    # rows on the MMA's M side: per-row vectors (lse, delta, gate, limit) then cost ROWS / 32 registers
-    # per thread, where as columns of a [BS, ROWS] tile each cost ROWS / 4 and spilled the walk
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2       # [ROWS, BS]
-    vis = kk[None, :] <= walk_limit(t64, row_ok, j0, LSEL)[:, None]
-    p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]      # g * p
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)    # [BS, BDV]
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)                  # [ROWS, BS]
-    ds = (p * (dp - delta[:, None])).to(q.dtype)
-    dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PREC)                 # [BS, BDK]
-    if DQ_PAIRS:
-        dqp = tl.dot(ds, k, input_precision=DOT_PREC) * scale               # [ROWS, BDK]
-        pr = qidx.to(tl.int64) * G + g
-        tl.store(DQP + pr[:, None] * DK + offs_dk[None, :], dqp.to(DQP.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dk[None, :] < DK))
+    if q.shape[0] >= 64:
+        # rows on the MMA's M side: per-row vectors (lse, delta, gate, limit) then cost ROWS / 32 registers
+        # per thread, where as columns of a [BS, ROWS] tile each cost ROWS / 4 (the 128-row walk spilled)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2   # [ROWS, BS]
+        vis = kk[None, :] <= walk_limit(t64, row_ok, j0, LSEL)[:, None]
+        p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]  # g * p
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PREC)   # [BS, BDV]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)              # [ROWS, BS]
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PREC)             # [BS, BDK]
+        if DQ_PAIRS:
+            dqp = tl.dot(ds, k, input_precision=DOT_PREC) * scale           # [ROWS, BDK]
+            _store_dq_pairs(DQP, dqp, qidx, row_ok, g, offs_dk, G, DK)
+    else:
+        # fewer than 64 rows (G=16's 32-row steps): the keys take the M side, where Hopper's wgmma wants
+        # 64 (with rows there these products would fall back to the older MMA)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # [BS, ROWS]
+        vis = kk[:, None] <= walk_limit(t64, row_ok, j0, LSEL)[None, :]
+        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0) * gate[None, :]
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dsT, q, input_precision=DOT_PREC)
+        if DQ_PAIRS:
+            dqp = tl.dot(tl.trans(dsT), k, input_precision=DOT_PREC) * scale   # [ROWS, BDK]
+            _store_dq_pairs(DQP, dqp, qidx, row_ok, g, offs_dk, G, DK)
     return dk, dv
 
 
@@ -663,7 +682,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
-            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch,
+            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch_for(HQ // H),
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
