@@ -8,7 +8,9 @@ the production shape in bf16 at 8k and 64k, whole op forward and backward agains
 """
 import dataclasses
 import functools
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -202,25 +204,70 @@ def test_auto_picks_block_order_by_group_size():
         SelectTuning(pair_dtype="bf16")
 
 
+def _by_block_vs_per_token(xs, do, hp: dict, pdt: str):
+    """(block_idx of the per-token op, of the block-order op, [(name, rel. RMS of the block-order op's
+    tensor against the per-token op's)] for o and every gradient)."""
+    base = tuning_for("cuda")
+    res = []
+    for sel in (dataclasses.replace(base.select, loop="token"),
+                dataclasses.replace(base.select, loop="block", pair_dtype=pdt)):
+        x = [a.detach().clone().requires_grad_() for a in xs]
+        o, bi = nsa_triton_apply(*x, **hp, tuning=dataclasses.replace(base, select=sel))
+        res.append((o, bi, torch.autograd.grad(o, x, do)))
+    (o0, bi0, g0), (o1, bi1, g1) = res
+    names = ("o", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates")
+    return bi0, bi1, [(n, rel_err(a, b)) for n, a, b in zip(names, (o1, *g1), (o0, *g0))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])
 @pytest.mark.parametrize("pdt", ["fp32", "input"])
 def test_gpu_op_by_block_matches_per_token_bf16(T, pdt):
-    """Production shape (HQ=12, H=2, d=64), bf16: o and every gradient of the block-order op within
-    0.5% relative RMS of the per-token op's, block_idx identical."""
+    """Production shape (HQ=12, H=2, d=64), bf16, random inputs: o and every gradient of the block-order
+    op within 0.5% relative RMS of the per-token op's, block_idx identical."""
     B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 12, 2, 64, 32, 16, 64, 16, 512
     xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=1)
     do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
-    base = tuning_for("cuda")
-    res = []
-    for sel in (base.select, dataclasses.replace(base.select, loop="block", pair_dtype=pdt)):
-        x = [a.detach().clone().requires_grad_() for a in xs]
-        o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5,
-                                 tuning=dataclasses.replace(base, select=sel))
-        res.append((o, bi, torch.autograd.grad(o, x, do)))
-    (o0, bi0, g0), (o1, bi1, g1) = res
+    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5)
+    bi0, bi1, errs = _by_block_vs_per_token(xs, do, hp, pdt)
     assert torch.equal(bi0, bi1)
-    assert rel_err(o1, o0) <= 5e-3
-    for i, (a, b) in enumerate(zip(g1, g0)):
-        assert rel_err(a, b) <= 5e-3, f"grad {i}: {rel_err(a, b):.2e}"
+    for name, e in errs:
+        assert e <= 5e-3, f"{name}: {e:.2e}"
+
+
+CAPTURED = Path(os.environ.get("NSA_CAPTURED", Path(__file__).resolve().parents[1] / "bench" / "captured"))
+
+
+def _captures(T: int) -> list[dict]:
+    meta = CAPTURED / "meta.json"
+    if not meta.is_file():
+        return []
+    return [e for e in json.loads(meta.read_text())["captures"] if e["T"] == T]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_op_by_block_on_captured_inputs(T):
+    """The same on a trained model's inputs (bench/capture_inputs.py writes them, `bash bench/gpu.sh
+    capture-model` on a GPU machine; NSA_CAPTURED points elsewhere): every captured layer at T, with the
+    preset's pair dtype. Also block_idx against the one the model's forward recorded: the same kernels
+    under autocast, so equal but for near ties of fp32 scores (>= 99.9% of rows)."""
+    entries = _captures(T)
+    if not entries:
+        pytest.skip(f"no captured inputs at T={T} under {CAPTURED} (bash bench/gpu.sh capture-model)")
+    for e in entries:
+        saved = torch.load(CAPTURED / e["file"], map_location="cuda", weights_only=True)
+        xs = [saved[n].contiguous() for n in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")]
+        dk = xs[0].shape[-1]
+        hp = {k: e["op"][k] for k in ("l", "d", "l_sel", "n_sel", "w")} | dict(scale=dk ** -0.5)
+        do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
+                         generator=torch.Generator("cuda").manual_seed(T + e["layer"]))
+        bi0, bi1, errs = _by_block_vs_per_token(xs, do, hp, tuning_for("cuda").select.pair_dtype)
+        where = f"T={T} layer {e['layer']}"
+        assert torch.equal(bi0, bi1), where
+        same = (bi0 == saved["block_idx"]).all(-1).float().mean().item()
+        assert same >= 0.999, f"{where}: block_idx equal to the capture's on {same:.4%} of rows"
+        for name, err in errs:
+            assert err <= 5e-3, f"{where}, {name}: {err:.2e}"
