@@ -131,7 +131,7 @@ def main() -> int:
     o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk, tuning=tn)
     lse = torch.zeros(B, T, HQ)
     delta = torch.zeros(B, T, HQ)
-    dqp = sb.pair_buffer(q, n_sel, H, dk, tn)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
                   tuning=tn, inv=inv, dq_pairs=dqp)
     rows = []

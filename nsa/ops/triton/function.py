@@ -227,7 +227,7 @@ def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel
     pair's dq partial, then their per-token sum (+ dq_in) into buf (default dq_buffer's)."""
     H, n_sel = k.shape[2], block_idx.shape[3]
     buf = buf if buf is not None else dq_buffer(q, dq_in, dq_dtype)
-    dqp = pair_buffer(q, n_sel, H, q.shape[-1], tuning)
+    dqp = pair_buffer(q, n_sel, H, q.shape[-1], tuning, dq=True)
     dks, dvs = slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
                         tuning=tuning, inv=inv, dq_pairs=dqp, guard=guard)
     return pair_dq(q, dqp, inv, n_sel, H, dq=buf, dq_in=dq_in, guard=guard), dks, dvs

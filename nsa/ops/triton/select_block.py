@@ -155,10 +155,12 @@ def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
     tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok)
 
 
-def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTuning) -> torch.Tensor:
-    """[B*H*T*n_sel*G, dim] rows of pair partials (one per (pair, head)), fp32 or q's dtype per tuning."""
+def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTuning, dq: bool = False) -> torch.Tensor:
+    """[B*H*T*n_sel*G, dim] rows of pair partials (one per (pair, head)), fp32 or q's dtype per tuning
+    (dq: the dK/dV walk's dq partials, tuning.dq_pair_dtype)."""
     B, T, HQ = q.shape[:3]
-    pdt = torch.float32 if tuning.pair_dtype == "fp32" else q.dtype
+    kind = (tuning.dq_pair_dtype or tuning.pair_dtype) if dq else tuning.pair_dtype
+    pdt = torch.float32 if kind == "fp32" else q.dtype
     return torch.empty(max(1, B * T * n_sel * HQ), dim, device=q.device, dtype=pdt)
 
 
