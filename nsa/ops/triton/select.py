@@ -31,7 +31,7 @@ import triton.language as tl
 from ..common import FORCED_STEP, LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
-from .attn import online_softmax_step
+from .attn import _load_rows_bwd, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .scores import SCORE_GRID
 
@@ -341,26 +341,6 @@ def walk_rows(TOKS, idx, end, rows, G: tl.constexpr, GP: tl.constexpr, QB: tl.co
 
 
 @triton.jit
-def _walk_gather(Q, DO, LSE, DELTA, GATE, b, t64, row_ok, hq, offs_dk, offs_dv,
-                 sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, HQ, DK: tl.constexpr, DV: tl.constexpr,
-                 HAS_GATE: tl.constexpr):
-    """The gathered rows of one dK/dV step (rows of walk_rows): q [ROWS, BDK], dO [ROWS, BDV], lse (log2
-    domain), delta and gate [ROWS] fp32 (gate 1 without one)."""
-    q = tl.load(Q + b * sqb + t64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + b * sdb + t64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    ridx = (b * T + t64) * HQ + hq
-    lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
-    if HAS_GATE:   # the branch's dO is gate * dO: folded into p (g p), no converted dO tile
-        gate = tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)
-    else:
-        gate = tl.full([q.shape[0]], 1.0, tl.float32)
-    return q, do, lse, delta, gate
-
-
-@triton.jit
 def walk_limit(t64, row_ok, j0, LSEL: tl.constexpr):
     """[ROWS] int32: the last key offset in the block (starting at key j0) that each row's token sees,
     -1 for rows past the list. A key kk < BS is visible iff kk <= this: it folds the causal mask, the
@@ -443,8 +423,8 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
         qi_b, t_b, ok_b = walk_rows(TOKS, start + QB, end, rows, G, GP, QB)
         for idx in range(start, end, QB):
             qi_c, t_c, ok_c = walk_rows(TOKS, idx + 2 * QB, end, rows, G, GP, QB)
-            q, do, lse, delta, gate = _walk_gather(Q, DO, LSE, DELTA, GATE, b, t_a, ok_a, hq, offs_dk, offs_dv,
-                                                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+            q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t_a, hq, ok_a, offs_dk, offs_dv,
+                                                     sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
             dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
             qi_a, t_a, ok_a = qi_b, t_b, ok_b
@@ -452,8 +432,8 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     else:
         for idx in range(start, end, QB):
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
-            q, do, lse, delta, gate = _walk_gather(Q, DO, LSE, DELTA, GATE, b, t64, row_ok, hq, offs_dk, offs_dv,
-                                                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H * G, DK, DV, HAS_GATE)
+            q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                                                     sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
             dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     dk = dk * scale
