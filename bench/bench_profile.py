@@ -21,6 +21,14 @@ step: a training step of the prod_50k model per step-mode variant (bare nsa.trai
   tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
   means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
   the most self CPU / GPU time. JSON: profile_step.
+regs: registers / spills / shared memory of the selection walks compiled for a GPU that is not here (default sm_90)
+  on CPU tensors of the production shape, with a stand-in driver (every launch compiles, none runs) and ptxas -v;
+  use the device's Triton (3.6): pip install --target /tmp/t36 --no-deps triton==3.6.0, PYTHONPATH=/tmp/t36:$PWD.
+ncu-source REPORT: the warp-state samples of an Nsight Compute report (ncu --set full) per source line and stall
+  reason (Triton kernels carry their Python lines); needs Nsight's extras/python on PYTHONPATH (gpu.sh ncu).
+accuracy: on captured inputs (bench/captured), o and every gradient of the bf16 op against the fp32 per-token op,
+  for the per-token loop, block order with bf16 / fp32 / the preset's pair partials, and the block-order ones
+  against the bf16 per-token op (what tests/test_triton_pairs.py bounds at 0.5%).
 ncu-attention / ncu-decode: drivers for Nsight Compute that run only the kernels to profile (a few
   forward+backward calls of the op; a few graph-free decode steps with device positions, PDL off, then
   the decode kernels' registers / spills / shared memory). The first call compiles: skip it in ncu.
@@ -28,10 +36,17 @@ ncu-attention / ncu-decode: drivers for Nsight Compute that run only the kernels
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -308,6 +323,218 @@ def run_ncu_decode(a) -> None:
               "shared", getattr(getattr(k, "metadata", None), "shared", None))
 
 
+# ----------------------------------------------------------------------------------------- regs
+class _Driver:
+    """What JITFunction.run asks the active driver for, answered for a GPU that is not here."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def compile_only(arch: int) -> list:
+    """Makes every Triton launch compile and return (no run); returns the list the kernels go to."""
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    driver.set_active(_Driver(arch))
+    seen: list = []
+    run = JITFunction.run
+
+    def warm(self, *args, grid, warmup, **kwargs):
+        k = run(self, *args, grid=grid, warmup=True, **kwargs)
+        seen.append((self.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"), k))
+        return k
+
+    JITFunction.run = warm
+    assert triton is not None
+    return seen
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """ptxas -v of one kernel's PTX: registers, spill stores / loads (bytes), shared memory."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        ptxas = get_ptxas(arch).path
+    except TypeError:   # older Triton: no arch argument
+        ptxas = get_ptxas().path
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    text = r.stderr + r.stdout
+    def num(pat):
+        m = re.search(pat, text)
+        return int(m.group(1)) if m else None
+    return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"))
+
+
+def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
+    """A valid block_idx [1, T, H, n_sel]: forced blocks plus random eligible ones, ascending, -1 padded."""
+    t = torch.arange(T).view(1, T, 1, 1)
+    j = torch.arange(nsb).view(1, 1, 1, nsb)
+    cur = t // l_sel
+    s = torch.rand(1, T, H, nsb)
+    s = torch.where(j > cur, float("-inf"), s)
+    s = torch.where((j == cur) | (j == 0) | (j == cur - 1), float("inf"), s)
+    v, idx = torch.topk(s, min(n_sel, nsb), dim=-1)
+    idx = torch.where(v == float("-inf"), -1, idx)
+    idx = torch.sort(torch.where(idx < 0, nsb, idx), dim=-1).values
+    return torch.where(idx == nsb, -1, idx)
+
+
+def run_regs(a) -> None:
+    from nsa.ops.tuning import HOPPER
+    from nsa.ops.triton import select as tsel
+    from nsa.ops.triton import select_block as sb
+    tuning = common.changed_tuning(a.tuning, HOPPER) or HOPPER
+    seen = compile_only(a.arch)
+    hp = common.HP
+    l_sel, n_sel = hp["l_sel"], hp["n_sel"]
+    B, T, HQ, H, dk, dv = 1, a.T, a.HQ, a.H, a.dk, a.dv
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v = torch.randn(B, T, HQ, dk, **bf), torch.randn(B, T, H, dk, **bf), torch.randn(B, T, H, dv, **bf)
+    do = torch.randn(B, T, HQ, dv, **bf)
+    gates = torch.rand(B, T, HQ, 3, **bf)
+    bi = selection(T, H, -(-T // l_sel), n_sel, l_sel)
+    tn = tuning.select
+    inv = tsel.invert_selection(bi, l_sel, tn.chunk, ranks=True)
+    o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk, tuning=tn)
+    lse = torch.zeros(B, T, HQ)
+    delta = torch.zeros(B, T, HQ)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
+    tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
+                  tuning=tn, inv=inv, dq_pairs=dqp)
+    rows = []
+    for name, warps, stages, ck in seen:
+        if ck is None or "ptx" not in getattr(ck, "asm", {}):
+            continue
+        r = ptxas_report(ck.asm["ptx"], a.arch)
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(a.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(ck.asm[ext])
+        rows.append([name, warps, stages, r["regs"], r["spill_stores"], r["spill_loads"],
+                     ck.metadata.shared])
+    print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
+    common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
+
+
+# ----------------------------------------------------------------------------------------- ncu-source
+def load_ncu_report():
+    """Nsight Compute's own Python module (its install's extras/python on PYTHONPATH: bench/gpu.sh ncu)."""
+    try:
+        import ncu_report
+    except ImportError:
+        raise SystemExit("ncu-source needs Nsight Compute's ncu_report module: put its extras/python folder on "
+                         "PYTHONPATH (e.g. /opt/nvidia/nsight-compute/<version>/extras/python)") from None
+    return ncu_report
+
+
+STALL_PREFIX = "smsp__pcsamp_warps_issue_stalled_"
+
+
+def per_line(action) -> tuple[dict, Counter, int]:
+    """(stall reasons' samples per 'file:line', samples per stall reason, total samples) of one kernel."""
+    lines: dict = defaultdict(Counter)
+    reasons: Counter = Counter()
+    total = 0
+    names = [n for n in action.metric_names() if n.startswith(STALL_PREFIX) and not n.endswith("_not_issued")]
+    for name in names:
+        m = action.metric_by_name(name)
+        n = m.num_instances()
+        if not n:
+            continue
+        pcs = m.correlation_ids()
+        reason = name[len(STALL_PREFIX):]
+        for i in range(n):
+            v = m.as_uint64(i)
+            if not v:
+                continue
+            pc = pcs.as_uint64(i)
+            info = action.source_info(pc)
+            key = f"{os.path.basename(info.file_name())}:{info.line()}" if info is not None else f"pc {pc:#x}"
+            lines[key][reason] += v
+            reasons[reason] += v
+            total += v
+    return lines, reasons, total
+
+
+def run_ncu_source(a) -> None:
+    ncu_report = load_ncu_report()
+    ctx = ncu_report.load_report(a.report)
+    for r in range(ctx.num_ranges()):
+        rng = ctx.range_by_idx(r)
+        for i in range(rng.num_actions()):
+            act = rng.action_by_idx(i)
+            name = act.name()
+            lines, reasons, total = per_line(act)
+            dur = act.metric_by_name("gpu__time_duration.sum")
+            print(f"== {name} ({dur.as_double() / 1e3 if dur else float('nan'):.1f} us, {total} samples)")
+            if not total:
+                continue
+            print("  stalls: " + ", ".join(f"{k} {v / total:.0%}" for k, v in reasons.most_common(8)))
+            ranked = sorted(lines.items(), key=lambda kv: -sum(kv[1].values()))[:a.top]
+            for key, rs in ranked:
+                v = sum(rs.values())
+                why = ", ".join(f"{k} {c / v:.0%}" for k, c in rs.most_common(2))
+                print(f"  {v / total:6.1%}  {key:<22} {why}")
+
+
+# ----------------------------------------------------------------------------------------- accuracy
+NAMES = ("o", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates")
+INPUTS = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
+
+
+def run(xs, do, hp, tuning, dtype):
+    x = [a.detach().to(dtype).clone().requires_grad_() for a in xs]
+    o, bi = nsa_triton_apply(*x, **hp, tuning=tuning)
+    return bi, [t.float() for t in (o, *torch.autograd.grad(o, x, do.to(dtype)))]
+
+
+def run_accuracy(a) -> None:
+    folder = Path(a.dir)
+    meta = json.loads((folder / "meta.json").read_text())
+    base = tuning_for("cuda")
+    sel = base.select
+    variants = {"token": dataclasses.replace(sel, loop="token"),
+                "block-input": dataclasses.replace(sel, loop="block", pair_dtype="input", dq_pair_dtype="input"),
+                "block-fp32": dataclasses.replace(sel, loop="block", pair_dtype="fp32", dq_pair_dtype="fp32"),
+                "block-preset": dataclasses.replace(sel, loop="block")}
+    for e in (e for e in meta["captures"] if e["T"] in a.T):
+        s = torch.load(folder / e["file"], map_location="cuda", weights_only=True)
+        xs = [s[n].contiguous() for n in INPUTS]
+        hp = {k: e["op"][k] for k in ("l", "d", "l_sel", "n_sel", "w")} | dict(scale=xs[0].shape[-1] ** -0.5)
+        do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
+                         generator=torch.Generator("cuda").manual_seed(1))
+        bi32, ref = run(xs, do, hp, dataclasses.replace(base, select=variants["token"]), torch.float32)
+        res = {}
+        for label, v in variants.items():
+            bi, res[label] = run(xs, do, hp, dataclasses.replace(base, select=v), torch.bfloat16)
+            same = (bi == bi32).all(-1).float().mean().item()   # sync-ok: report
+            print(f"T={e['T']} L{e['layer']} {label:12s} vs fp32: bi rows equal {same:.5f} "
+                  + " ".join(f"{n} {rel_rms(x, r):.2e}" for n, x, r in zip(NAMES, res[label], ref)), flush=True)
+        for label in ("block-input", "block-fp32", "block-preset"):
+            print(f"T={e['T']} L{e['layer']} {label} vs token: "
+                  + " ".join(f"{n} {rel_rms(x, r):.2e}" for n, x, r in zip(NAMES, res[label], res["token"])))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,15 +565,29 @@ def main() -> int:
     na.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="as for kernels")
     for name in ("HQ", "H", "dk", "dv"):   # e.g. the production shape: --HQ 12 --H 2 --dk 64 --dv 64
         na.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
+    r = sub.add_parser("regs", help="registers / spills of the selection walks compiled for a GPU not here (CPU)")
+    r.add_argument("--T", type=int, default=16384)
+    r.add_argument("--arch", type=int, default=90)
+    r.add_argument("--dump", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
+    r.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="changes to the Hopper preset")
+    for name, dflt in (("HQ", 12), ("H", 2), ("dk", 64), ("dv", 64)):
+        r.add_argument(f"--{name}", type=int, default=dflt)
+    ns = sub.add_parser("ncu-source", help="stalls per source line of an Nsight Compute report")
+    ns.add_argument("report")
+    ns.add_argument("--top", type=int, default=14)
+    ac = sub.add_parser("accuracy", help="bf16 op vs the fp32 op on captured inputs, per loop order / pair dtype")
+    ac.add_argument("--dir", default="bench/captured")
+    ac.add_argument("--T", type=int, nargs="+", default=[8192, 65536])
     nd = sub.add_parser("ncu-decode", help="Nsight Compute driver: a few decode steps (device positions)")
     nd.add_argument("--B", type=int, default=16)
     nd.add_argument("--S", type=int, default=65536)
     nd.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
-    if a.mode != "step" and not common.has_cuda():
+    if a.mode not in ("step", "regs", "ncu-source") and not common.has_cuda():
         raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
     {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,
-     "ncu-decode": run_ncu_decode}[a.mode](a)
+     "ncu-decode": run_ncu_decode, "regs": run_regs, "ncu-source": run_ncu_source,
+     "accuracy": run_accuracy}[a.mode](a)
     return 0
 
 

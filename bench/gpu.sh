@@ -150,7 +150,9 @@ run_ncu() {  # hardware counters of the selection kernels (Firecracker machines;
   ncu -i "$OUT/ncu.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
   grep -E "^  _|Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Shared Memory Configuration Size|Dynamic Shared|Local Memory|L2 Hit Rate|L1/TEX Hit|Executed Ipc A|No Eligible|One or More" \
     "$OUT/ncu_details.txt" | head -150
-  python3 bench/ncu_source.py "$OUT/ncu.ncu-rep" > "$OUT/ncu_source.txt" 2>&1; head -120 "$OUT/ncu_source.txt"
+  local extras; extras=$(ls -d /opt/nvidia/nsight-compute/*/extras/python 2>/dev/null | tail -1)
+  PYTHONPATH="$extras:$PYTHONPATH" python3 bench/bench_profile.py ncu-source "$OUT/ncu.ncu-rep" > "$OUT/ncu_source.txt" 2>&1
+  head -120 "$OUT/ncu_source.txt"
 }
 
 run_tests() {
