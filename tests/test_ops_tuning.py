@@ -39,6 +39,7 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.select.dkdv_rows_for(6) == 64 and HOPPER.select.dkdv_rows_for(16) == HOPPER.select.dkdv_rows == 32
     assert HOPPER.select.prefetch_for(6) and not HOPPER.select.prefetch_for(16)
     assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
+    assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32

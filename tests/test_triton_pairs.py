@@ -53,15 +53,17 @@ def test_pairs_match_per_token_and_oracle(case):
         assert rel_err(a, r) <= tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
 
 
-@pytest.mark.parametrize("change", [dict(pack_heads=False), dict(prefetch=True), dict(prefetch=True, block_dkdv_rows=64)],
-                         ids=["padded", "prefetch", "prefetch_rows64"])
-@pytest.mark.parametrize("case", ["g3_m8_lsel24_chunked", "g2_m1_chunked"])
+@pytest.mark.parametrize("change", [dict(pack_heads=False), dict(prefetch=True), dict(prefetch=True, block_dkdv_rows=64),
+                                    dict(ids_in_regs=True), dict(ids_in_regs=True, pair_chunk=5)],
+                         ids=["padded", "prefetch", "prefetch_rows64", "ids", "ids_chunk5"])
+@pytest.mark.parametrize("case", ["g3_m8_lsel24_chunked", "g2_m1_chunked", "g1_m16_long_local"])
 def test_walk_variants_match_packed(case, change):
     """The walks over a block's token list with one knob changed, against the packed walks the tests
     above run (forward, dq partials, dK/dV): select.pack_heads=False (each token's G head rows padded to a
     power of two, as the per-token kernels hold them) and select.prefetch=True (the dK/dV walk's token ids
     loaded two steps ahead; 16-row steps, so lists of several steps, chunks ending mid-step and one-
-    and two-step lists all occur; and 64-row steps, the Hopper preset's, where most lists take one)."""
+    and two-step lists all occur; and 64-row steps, the Hopper preset's, where most lists take one) and
+    select.ids_in_regs=True (the forward's token ids from registers, for pieces of <= 256 entries)."""
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 3)
     inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)

@@ -93,6 +93,10 @@ class SelectTuning:
     # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower; the block-order
     # forward measured slower with it, so it has none)
     prefetch: bool = False
+    # the block-order forward loads a piece's token ids (pair_chunk <= 256) into registers once, so no step's
+    # q gather waits on a token-id load and Triton pipelines it (H100, HQ=12/H=2/d=64: forward 0.43 -> 0.38 ms
+    # at 16k, 1.85 -> 1.69 ms at 64k; bench/RESULTS.md table 9)
+    ids_in_regs: bool = False
     merge_warps: int = 2
 
     def __post_init__(self) -> None:
@@ -106,7 +110,7 @@ class SelectTuning:
             raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
         if self.pair_chunk < 0:
             raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
-        for name in ("pack_heads", "prefetch"):
+        for name in ("pack_heads", "prefetch", "ids_in_regs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -370,7 +374,7 @@ class KernelTuning:
 # device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", pair_dtype="fp32", dq_pair_dtype="input", block_dkdv_rows=64,
-                                          pair_chunk=128, pack_heads=True, prefetch=True),
+                                          pair_chunk=128, pack_heads=True, prefetch=True, ids_in_regs=True),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128

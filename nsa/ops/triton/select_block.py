@@ -25,7 +25,7 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, walk_group, walk_limit, walk_rows, work_item, work_items
+from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item, work_items
 
 
 @triton.jit
@@ -34,7 +34,8 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
                      T, H, NSB, NSEG, scale_log2,
                      G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                      CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr,
+                     IDS_IN_REGS: tl.constexpr, WIN: tl.constexpr):
     """One work item (segment = (b, h, block j), chunk c of its token list): partials of its pairs."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
@@ -48,10 +49,19 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
     hq = (h * G + g).to(tl.int64)
     # no token-id prefetch here (select.prefetch is the dK/dV walk's): Triton pipelines this q gather one
     # step ahead, carried token ids stop that, and it measured slower (H100, bench/RESULTS.md table 9)
-    for idx in range(start, end, QB):
-        qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)     # qidx: pair positions
-        q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
-        _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV, DOT_PREC)
+    if IDS_IN_REGS:   # short pieces: their token ids in registers, so the q gathers pipeline
+        ids = walk_ids(TOKS, start, end, WIN)
+        for idx in range(start, end, QB):
+            qidx, t64, row_ok = walk_rows_in(ids, start, idx, end, rows, G, GP, QB, WIN)
+            q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
+            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV,
+                       DOT_PREC)
+    else:
+        for idx in range(start, end, QB):
+            qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)     # qidx: pair positions
+            q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
+            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV,
+                       DOT_PREC)
 
 
 @triton.jit
@@ -206,7 +216,9 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
         G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
-        BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode, num_warps=tn.pair_warps,
+        BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode,
+        IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)),
+        num_warps=tn.pair_warps,
         num_stages=tn.pair_stages)
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
