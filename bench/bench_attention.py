@@ -122,7 +122,7 @@ def sweep_space() -> dict[str, list[dict]]:
             dict(pair_stages=1), dict(pair_warps=8), dict(merge_warps=4), dict(dkdv_rows=64),
             dict(dkdv_rows=64, dkdv_warps=8), dict(dkdv_stages=3), dict(dkdv_rows=16)]],
         # the walks' precision and step: fp32 pair partials, no token-id prefetch, the 128-row step
-        "select.walk": [{"select.pair_dtype": "fp32"}, {"select.pair_dtype": "input"},
+        "select.walk": [{"select.pair_dtype": "fp32"}, {"select.pair_dtype": "fp16"}, {"select.pair_dtype": "input"},
                         {"select.pair_dtype": "fp32", "select.dq_pair_dtype": "fp32"}, {"select.prefetch": False},
                         {"select.block_dkdv_rows": 128},
                         {"select.block_dkdv_rows": 128, "select.prefetch": False}],

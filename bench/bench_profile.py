@@ -502,13 +502,16 @@ NAMES = ("o", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", 
 INPUTS = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
 
 
-def run(xs, do, hp, tuning, dtype):
+def _acc_run(xs, do, hp, tuning, dtype):
+    from nsa.ops.triton.function import nsa_triton_apply
     x = [a.detach().to(dtype).clone().requires_grad_() for a in xs]
     o, bi = nsa_triton_apply(*x, **hp, tuning=tuning)
     return bi, [t.float() for t in (o, *torch.autograd.grad(o, x, do.to(dtype)))]
 
 
 def run_accuracy(a) -> None:
+    from nsa.ops.testing import rel_rms
+    from nsa.ops.tuning import tuning_for
     folder = Path(a.dir)
     meta = json.loads((folder / "meta.json").read_text())
     base = tuning_for("cuda")
@@ -516,6 +519,8 @@ def run_accuracy(a) -> None:
     variants = {"token": dataclasses.replace(sel, loop="token"),
                 "block-input": dataclasses.replace(sel, loop="block", pair_dtype="input", dq_pair_dtype="input"),
                 "block-fp32": dataclasses.replace(sel, loop="block", pair_dtype="fp32", dq_pair_dtype="fp32"),
+                "block-fp32o": dataclasses.replace(sel, loop="block", pair_dtype="fp32", dq_pair_dtype="input"),
+                "block-fp16o": dataclasses.replace(sel, loop="block", pair_dtype="fp16", dq_pair_dtype="input"),
                 "block-preset": dataclasses.replace(sel, loop="block")}
     for e in (e for e in meta["captures"] if e["T"] in a.T):
         s = torch.load(folder / e["file"], map_location="cuda", weights_only=True)
@@ -523,14 +528,14 @@ def run_accuracy(a) -> None:
         hp = {k: e["op"][k] for k in ("l", "d", "l_sel", "n_sel", "w")} | dict(scale=xs[0].shape[-1] ** -0.5)
         do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
                          generator=torch.Generator("cuda").manual_seed(1))
-        bi32, ref = run(xs, do, hp, dataclasses.replace(base, select=variants["token"]), torch.float32)
+        bi32, ref = _acc_run(xs, do, hp, dataclasses.replace(base, select=variants["token"]), torch.float32)
         res = {}
         for label, v in variants.items():
-            bi, res[label] = run(xs, do, hp, dataclasses.replace(base, select=v), torch.bfloat16)
+            bi, res[label] = _acc_run(xs, do, hp, dataclasses.replace(base, select=v), torch.bfloat16)
             same = (bi == bi32).all(-1).float().mean().item()   # sync-ok: report
             print(f"T={e['T']} L{e['layer']} {label:12s} vs fp32: bi rows equal {same:.5f} "
                   + " ".join(f"{n} {rel_rms(x, r):.2e}" for n, x, r in zip(NAMES, res[label], ref)), flush=True)
-        for label in ("block-input", "block-fp32", "block-preset"):
+        for label in list(variants)[1:]:
             print(f"T={e['T']} L{e['layer']} {label} vs token: "
                   + " ".join(f"{n} {rel_rms(x, r):.2e}" for n, x, r in zip(NAMES, res[label], res["token"])))
 

@@ -31,7 +31,7 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.tile == CPU.tile == AMPERE.tile == TileTuning() and HOPPER.tile.m == 1
     # selection forward and dq block by block on Hopper for the production model's G=6 (measured), per
     # token for the paper's G=16 and on the other presets (not measured block by block)
-    assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp32"
+    assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp16"
     assert HOPPER.select.dq_pair_dtype == "input"
     assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
     # where the forward runs block by block, the dK/dV walk takes 64 rows per step with its token ids

@@ -81,6 +81,25 @@ def test_walk_variants_match_packed(case, change):
         assert rel_err(a, b) <= 1e-6, f"{name}: {rel_err(a, b):.2e}"
 
 
+@pytest.mark.parametrize("case", ["g3_m8_lsel24_chunked", "g16_m2_identical"])
+@pytest.mark.parametrize("v_scale", [1.0, 1e6])
+def test_fp16_partials_scaled_by_max_v(case, v_scale):
+    """select.pair_dtype="fp16": o partials stored as o / max|v| in fp16 and scaled back by the merge:
+    within fp16's rounding of the fp32 partials, and finite where v (so o) is far past fp16's range."""
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=5)
+    v = v * v_scale
+    inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
+    kw = dict(l_sel=l_sel, scale=scale, chunk=chunk)
+    o32, lse32 = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=by_block(pair_rows=16))
+    o16, lse16 = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=by_block(pair_rows=16, pair_dtype="fp16"))
+    assert torch.isfinite(o16).all() and o16.abs().max() > 1e3 * (v_scale > 1)
+    assert rel_err(o16, o32) <= 1e-3 and rel_err(lse16, lse32) <= 1e-6
+    ro = oracle(q, k, v, bi, gate, do, l_sel, scale)[0]
+    assert rel_err(o16, ro) <= max(tol(dtype), 1e-3)
+    assert sb.pair_buffer(q, n_sel, H, dk, by_block(pair_dtype="fp16"), dq=True).dtype == q.dtype
+
+
 @pytest.mark.parametrize("pair_chunk", [3, 8])
 def test_forward_chunk_of_its_own_changes_nothing(pair_chunk):
     """select.pair_chunk: the forward walks its own (shorter) pieces of each block's list, split

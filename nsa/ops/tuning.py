@@ -81,7 +81,9 @@ class SelectTuning:
     pair_rows: int = 64         # (token, head) rows per step of the block-order forward
     pair_warps: int = 4
     pair_stages: int = 2
-    pair_dtype: Literal["fp32", "input"] = "fp32"   # forward pair partials (o): fp32, or q's dtype
+    # forward pair partials (o): fp32, q's dtype, or "fp16": o / max|v| in fp16 (o is a convex mix of v rows,
+    # so it lies in [-1, 1]: 11-bit mantissa at bf16's 2 bytes; the merge scales back)
+    pair_dtype: Literal["fp32", "input", "fp16"] = "fp32"
     # the dK/dV walk's dq pair partials (None: pair_dtype). On a trained model's inputs (64k, layers 0/5/11)
     # bf16 o partials took dk_slc 0.4-0.9% away from the per-token op (its delta = dO.o amplifies o's
     # rounding), bf16 dq partials did not (H100, bench/RESULTS.md table 9)
@@ -102,8 +104,8 @@ class SelectTuning:
     def __post_init__(self) -> None:
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
-        if self.pair_dtype not in ("fp32", "input"):
-            raise ValueError(f"select.pair_dtype must be fp32 or input, got {self.pair_dtype!r}")
+        if self.pair_dtype not in ("fp32", "input", "fp16"):
+            raise ValueError(f"select.pair_dtype must be fp32, input or fp16, got {self.pair_dtype!r}")
         if self.dq_pair_dtype not in ("fp32", "input", None):
             raise ValueError(f"select.dq_pair_dtype must be fp32, input or null (pair_dtype), got {self.dq_pair_dtype!r}")
         if self.chunk < 1:
@@ -365,15 +367,16 @@ class KernelTuning:
 # the same (table 8), so the preset runs without them (m=1); TileTuning(m=8, auto_union=...) opts in.
 # Forward and dq block by block for G <= 8: at the production shape (HQ=12, H=2, d=64) the op's fwd+bwd
 # device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per token (not measured block by
-# block). The forward's o partials are fp32 and the dq partials bf16: all-bf16 partials were faster but
-# failed the per-token op's 0.5% on a trained model's inputs (dk_slc, table 9).
+# block). The forward's o partials are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials
+# failed the per-token op's 0.5% on a trained model's inputs (dk_slc 0.9%), fp32 o partials cost 7% at 16k,
+# and the scaled fp16 ones match fp32's errors against the fp32 op at bf16's speed (table 9).
 # For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
 # tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 64 rows (10 packed
 # tokens) per step with token ids prefetched: since the walk holds its rows on the MMA's M side it no
 # longer spills, and that beat 128 rows (the best while it spilled, table 8): H100, HQ=12/H=2/d=64, walk
 # device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      select=SelectTuning(loop="auto", pair_dtype="fp32", dq_pair_dtype="input", block_dkdv_rows=64,
+                      select=SelectTuning(loop="auto", pair_dtype="fp16", dq_pair_dtype="input", block_dkdv_rows=64,
                                           pair_chunk=128, pack_heads=True, prefetch=True, ids_in_regs=True),
                       scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per

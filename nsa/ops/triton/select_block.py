@@ -29,13 +29,13 @@ from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_
 
 
 @triton.jit
-def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
+def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS, FLAG,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      T, H, NSB, NSEG, scale_log2,
                      G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                      CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                      BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr,
-                     IDS_IN_REGS: tl.constexpr, WIN: tl.constexpr):
+                     IDS_IN_REGS: tl.constexpr, WIN: tl.constexpr, SCALED: tl.constexpr):
     """One work item (segment = (b, h, block j), chunk c of its token list): partials of its pairs."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
@@ -47,6 +47,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
     rows = tl.arange(0, ROWS)
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
+    inv_vs = 1.0 / tl.load(VS) if SCALED else 1.0       # fp16 partials hold o / max|v| (in [-1, 1])
     # no token-id prefetch here (select.prefetch is the dK/dV walk's): Triton pipelines this q gather one
     # step ahead, carried token ids stop that, and it measured slower (H100, bench/RESULTS.md table 9)
     if IDS_IN_REGS:   # short pieces: their token ids in registers, so the q gathers pipeline
@@ -54,14 +55,14 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, FLAG,
         for idx in range(start, end, QB):
             qidx, t64, row_ok = walk_rows_in(ids, start, idx, end, rows, G, GP, QB, WIN)
             q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
-            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV,
-                       DOT_PREC)
+            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, inv_vs, G, LSEL,
+                       DV, DOT_PREC)
     else:
         for idx in range(start, end, QB):
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)     # qidx: pair positions
             q = _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK)
-            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, G, LSEL, DV,
-                       DOT_PREC)
+            _pair_step(q, qidx, t64, row_ok, k, v, kk, j * LSEL, g, offs_dv, OP, LP, scale_log2, inv_vs, G, LSEL,
+                       DV, DOT_PREC)
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _gather_q(Q, b, t64, row_ok, hq, offs_dk, sqb, sqt, sqh, DK: tl.constexpr):
 
 
 @triton.jit
-def _pair_step(q, qidx, t64, row_ok, k, v, kk, j0, g, offs_dv, OP, LP, scale_log2, G: tl.constexpr,
+def _pair_step(q, qidx, t64, row_ok, k, v, kk, j0, g, offs_dv, OP, LP, scale_log2, inv_vs, G: tl.constexpr,
                LSEL: tl.constexpr, DV: tl.constexpr, DOT_PREC: tl.constexpr):
     """Softmax partials of one step's rows (q [ROWS, BDK], entries qidx = pair positions) over the block."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2      # [ROWS, BS]
@@ -82,7 +83,7 @@ def _pair_step(q, qidx, t64, row_ok, k, v, kk, j0, g, offs_dv, OP, LP, scale_log
     p = tl.where(vis, tl.exp2(s - m[:, None]), 0.0)
     l_sum = tl.sum(p, 1)
     has = l_sum > 0.0
-    o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) / tl.where(has, l_sum, 1.0)[:, None]
+    o = tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC) * (inv_vs / tl.where(has, l_sum, 1.0))[:, None]
     lse2 = tl.where(has, m + tl.log2(tl.where(has, l_sum, 1.0)), float("-inf"))
     pr = qidx.to(tl.int64) * G + g                                          # partial row of (pair, head)
     tl.store(OP + pr[:, None] * DV + offs_dv[None, :], o.to(OP.dtype.element_ty),
@@ -110,9 +111,9 @@ def _slot_rows(RANK, s, rows, row_ok, G: tl.constexpr):
 
 
 @triton.jit
-def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
+def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
                        G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr,
-                       BDV: tl.constexpr, GUARD: tl.constexpr):
+                       BDV: tl.constexpr, GUARD: tl.constexpr, SCALED: tl.constexpr):
     """o, lse of one (token, kv head): the softmax merge of its slots' partials (slot order)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
@@ -136,7 +137,7 @@ def _pair_merge_kernel(RANK, OP, LP, O, LSE, FLAG, srb, srt, srh, sob, sot, soh,
         l_i = l_i * alpha + beta
         m_i = m_new
     has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    o = acc * ((tl.load(VS) if SCALED else 1.0) / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(O + b * sob + t64 * sot + hq[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
              mask=row_ok[:, None] & dv_ok)
@@ -170,7 +171,9 @@ def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTun
     (dq: the dK/dV walk's dq partials, tuning.dq_pair_dtype)."""
     B, T, HQ = q.shape[:3]
     kind = (tuning.dq_pair_dtype or tuning.pair_dtype) if dq else tuning.pair_dtype
-    pdt = torch.float32 if kind == "fp32" else q.dtype
+    if dq and kind == "fp16":   # the scaled fp16 form is the forward's (o is bounded by max|v|); dq is not
+        kind = "input"
+    pdt = {"fp32": torch.float32, "fp16": torch.float16}.get(kind, q.dtype)
     return torch.empty(max(1, B * T * n_sel * HQ), dim, device=q.device, dtype=pdt)
 
 
@@ -205,6 +208,9 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     op = pair_buffer(q, n_sel, H, dv, tn)      # positions past the valid pairs are never written
     lp = torch.empty(op.shape[0], device=q.device, dtype=torch.float32)
+    scaled = tn.pair_dtype == "fp16"
+    # fp16 partials of o / max|v| (a device scalar: no sync); 1 where v is all zero
+    vs = v.detach().abs().amax().float().clamp_min(1e-30).reshape(1) if scaled else lp
     flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     wg = walk_group(G, tn)
@@ -212,17 +218,17 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     items = (inv if tn.pair_chunk in (0, inv["chunk"])
              else work_items(inv["segoff"], inv["n_pairs"], tn.pair_chunk))
     _pair_fwd_kernel[(items["w_max"],)](
-        q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, flag,
+        q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, vs, flag,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
         G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
         BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode,
-        IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)),
+        IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
         num_warps=tn.pair_warps,
         num_stages=tn.pair_stages)
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
-        rank, op, lp, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
+        rank, op, lp, vs, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
         o.stride(0), o.stride(1), o.stride(2), T, H, G=G, GR=max(16, gp), NSEL=n_sel, DV=dv, BDV=bdv,
-        GUARD=mode, num_warps=tn.merge_warps)
+        GUARD=mode, SCALED=scaled, num_warps=tn.merge_warps)
     return o, lse
