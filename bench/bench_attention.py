@@ -126,6 +126,11 @@ def sweep_space() -> dict[str, list[dict]]:
                         {"select.pair_dtype": "fp32", "select.dq_pair_dtype": "fp32"}, {"select.prefetch": False},
                         {"select.block_dkdv_rows": 128},
                         {"select.block_dkdv_rows": 128, "select.prefetch": False}],
+        # the block-order path's launch knobs again, after the walks stopped spilling (table 9)
+        "select.retune": [{f"select.{k}": v for k, v in ch.items()} for ch in [
+            dict(pair_rows=128, pair_warps=8), dict(pair_stages=3), dict(pair_stages=1), dict(merge_warps=4),
+            dict(dkdv_warps=8), dict(dkdv_stages=1), dict(dkdv_stages=3), dict(block_dkdv_rows=32), dict(chunk=512),
+            dict(chunk=2048), dict(pair_chunk=64), dict(pair_chunk=256)]],
         "select.chunk": [{"select.chunk": c} for c in (256, 512, 2048)],
         "select.pair_chunk": [{"select.pair_chunk": c} for c in (64, 128, 256)],
         "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 64},
