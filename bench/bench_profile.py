@@ -142,7 +142,8 @@ def run_compare(a) -> None:
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
         per, totals = {}, {}
         for v in variants:
-            tuning = common.changed_tuning([c for c in v.split(",") if c] + a.tuning)
+            # commas inside parentheses belong to a value, e.g. scores.tile=ScoreTile(128,64,8,2,2,2)
+            tuning = common.changed_tuning([c for c in re.split(r",(?![^()]*\))", v) if c] + a.tuning)
             before = compiled_kernels()
 
             def nsa_step():
