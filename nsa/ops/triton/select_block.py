@@ -12,8 +12,9 @@ slots' positions come from the inverse permutation, `rank`) into o [B,T,HQ,dv] a
 the same quantities slc_fwd writes; the backward is unchanged.
 
 Traffic per pair: the q rows in (G*dk) and the partial out and back ((G*dv + G) * partial bytes), against
-l_sel*(dk+dv) K/V elements per pair in the per-token kernel. Partials are fp32 unless tuning says
-"input" (q's dtype; for bf16 that rounds each block's o to bf16 before the merge).
+l_sel*(dk+dv) K/V elements per pair in the per-token kernel. Partials are fp32, q's dtype ("input": for
+bf16 that rounds each block's o to bf16 before the merge) or "fp16": o / max|v| in fp16, which the merge
+scales back (o is a convex mix of v rows, so the stored values lie in [-1, 1]).
 """
 from __future__ import annotations
 
@@ -209,8 +210,9 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     op = pair_buffer(q, n_sel, H, dv, tn)      # positions past the valid pairs are never written
     lp = torch.empty(op.shape[0], device=q.device, dtype=torch.float32)
     scaled = tn.pair_dtype == "fp16"
-    # fp16 partials of o / max|v| (a device scalar: no sync); 1 where v is all zero
-    vs = v.detach().abs().amax().float().clamp_min(1e-30).reshape(1) if scaled else lp
+    # fp16 partials of o / max|v| (a device scalar from one reduction: no sync; clamped so an all-zero v,
+    # whose o is 0, divides by no zero)
+    vs = torch.linalg.vector_norm(v.detach(), float("inf")).float().clamp_min(1e-30).reshape(1) if scaled else lp
     flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     wg = walk_group(G, tn)
