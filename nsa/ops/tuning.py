@@ -82,18 +82,18 @@ class SelectTuning:
     pair_warps: int = 4
     pair_stages: int = 2
     # forward pair partials (o): fp32, q's dtype, or "fp16": o / max|v| in fp16 (o is a convex mix of v rows,
-    # so it lies in [-1, 1]: 11-bit mantissa at bf16's 2 bytes; the merge scales back)
+    # so o / max|v| lies in [-1, 1]: an 11-bit mantissa at bf16's 2 bytes; the merge scales back)
     pair_dtype: Literal["fp32", "input", "fp16"] = "fp32"
-    # the dK/dV walk's dq pair partials (None: pair_dtype). On a trained model's inputs (64k, layers 0/5/11)
-    # bf16 o partials took dk_slc 0.4-0.9% away from the per-token op (its delta = dO.o amplifies o's
-    # rounding), bf16 dq partials did not (H100, bench/RESULTS.md table 9)
+    # the dK/dV walk's dq pair partials (None: pair_dtype, with "fp16" read as q's dtype: dq has no bound
+    # like o's). On a trained model's inputs (64k, layers 0/5/11) bf16 o partials took dk_slc 0.4-0.9% away
+    # from the per-token op (its delta = dO.o amplifies o's rounding), bf16 dq partials did not (H100,
+    # bench/RESULTS.md table 9)
     dq_pair_dtype: Literal["fp32", "input", None] = None
-    # where the forward runs block by block (by_block(G), like block_dkdv_rows: the per-token path of
-    # G=16 was not measured with it and its 32-row walk loses pipelining with it):
     # the dK/dV walk over a block's token list loads each step's token ids two steps ahead, so a step's
     # q / dO / lse gathers never wait on their token-id load (H100, HQ=12/H=2/d=64 at 64 rows: the walk
-    # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower; the block-order
-    # forward measured slower with it, so it has none)
+    # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower). Only where the
+    # forward runs block by block (prefetch_for): G=16's 32-row per-token walk loses Triton's pipelining with
+    # it. The block-order forward measured slower with its own prefetch, so it has none.
     prefetch: bool = False
     # the block-order forward loads a piece's token ids (pair_chunk <= 256) into registers once, so no step's
     # q gather waits on a token-id load and Triton pipelines it (H100, HQ=12/H=2/d=64: forward 0.43 -> 0.38 ms
