@@ -21,9 +21,6 @@ step: a training step of the prod_50k model per step-mode variant (bare nsa.trai
   tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
   means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
   the most self CPU / GPU time. JSON: profile_step.
-regs: registers / spills / shared memory of the selection walks compiled for a GPU that is not here (default sm_90)
-  on CPU tensors of the production shape, with a stand-in driver (every launch compiles, none runs) and ptxas -v;
-  use the device's Triton (3.6): pip install --target /tmp/t36 --no-deps triton==3.6.0, PYTHONPATH=/tmp/t36:$PWD.
 ncu-source REPORT: the warp-state samples of an Nsight Compute report (ncu --set full) per source line and stall
   reason (Triton kernels carry their Python lines); needs Nsight's extras/python on PYTHONPATH (gpu.sh ncu).
 accuracy: on captured inputs (bench/captured), o and every gradient of the bf16 op against the fp32 per-token op,
@@ -41,9 +38,7 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -108,6 +103,14 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
+def fwd_bwd(x: list[torch.Tensor], do: torch.Tensor, tuning):
+    """One NSA forward+backward of the op's inputs x under tuning, as a callable."""
+    def step():
+        o, _ = common.nsa_op(x, tuning)
+        return torch.autograd.grad(o, x, do)
+    return step
+
+
 def compiled_kernels() -> dict:
     """{id: (kernel name, warps, stages, registers, spills, shared bytes)} of every Triton kernel of nsa
     compiled so far in this process (Triton's in-memory cache)."""
@@ -145,11 +148,7 @@ def run_compare(a) -> None:
             # commas inside parentheses belong to a value, e.g. scores.tile=ScoreTile(128,64,8,2,2,2)
             tuning = common.changed_tuning([c for c in re.split(r",(?![^()]*\))", v) if c] + a.tuning)
             before = compiled_kernels()
-
-            def nsa_step():
-                o, _ = common.nsa_op(x, tuning)
-                return torch.autograd.grad(o, x, do)
-
+            nsa_step = fwd_bwd(x, do, tuning)
             rows, ms = kernel_table(nsa_step, a.iters)
             new = [k for i, k in compiled_kernels().items() if i not in before]
             if new:
@@ -182,10 +181,7 @@ def run_kernels(a) -> None:
     for T in a.T:
         x = common.nsa_inputs(B, T, HQ, H, dk, dv)
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
-
-        def nsa_step():
-            o, _ = common.nsa_op(x, tuning)
-            return torch.autograd.grad(o, x, do)
+        nsa_step = fwd_bwd(x, do, tuning)
 
         bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
         qd, kd, vd = torch.randn(B, HQ, T, dk, **bf), torch.randn(B, H, T, dk, **bf), torch.randn(B, H, T, dv, **bf)
@@ -324,119 +320,6 @@ def run_ncu_decode(a) -> None:
               "shared", getattr(getattr(k, "metadata", None), "shared", None))
 
 
-# ----------------------------------------------------------------------------------------- regs
-class _Driver:
-    """What JITFunction.run asks the active driver for, answered for a GPU that is not here."""
-
-    def __init__(self, arch: int):
-        from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return self.target
-
-    def is_active(self):
-        return True
-
-
-def compile_only(arch: int) -> list:
-    """Makes every Triton launch compile and return (no run); returns the list the kernels go to."""
-    import triton
-    from triton.runtime import driver
-    from triton.runtime.jit import JITFunction
-    driver.set_active(_Driver(arch))
-    seen: list = []
-    run = JITFunction.run
-
-    def warm(self, *args, grid, warmup, **kwargs):
-        k = run(self, *args, grid=grid, warmup=True, **kwargs)
-        seen.append((self.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"), k))
-        return k
-
-    JITFunction.run = warm
-    assert triton is not None
-    return seen
-
-
-def ptxas_report(ptx: str, arch: int) -> dict:
-    """ptxas -v of one kernel's PTX: registers, spill stores / loads (bytes), shared memory."""
-    from triton.backends.nvidia.compiler import get_ptxas
-    try:
-        ptxas = get_ptxas(arch).path
-    except TypeError:   # older Triton: no arch argument
-        ptxas = get_ptxas().path
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.o")],
-                           capture_output=True, text=True)
-    text = r.stderr + r.stdout
-    def num(pat):
-        m = re.search(pat, text)
-        return int(m.group(1)) if m else None
-    return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"))
-
-
-def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
-    """A valid block_idx [1, T, H, n_sel]: forced blocks plus random eligible ones, ascending, -1 padded."""
-    t = torch.arange(T).view(1, T, 1, 1)
-    j = torch.arange(nsb).view(1, 1, 1, nsb)
-    cur = t // l_sel
-    s = torch.rand(1, T, H, nsb)
-    s = torch.where(j > cur, float("-inf"), s)
-    s = torch.where((j == cur) | (j == 0) | (j == cur - 1), float("inf"), s)
-    v, idx = torch.topk(s, min(n_sel, nsb), dim=-1)
-    idx = torch.where(v == float("-inf"), -1, idx)
-    idx = torch.sort(torch.where(idx < 0, nsb, idx), dim=-1).values
-    return torch.where(idx == nsb, -1, idx)
-
-
-def run_regs(a) -> None:
-    from nsa.ops.tuning import HOPPER
-    from nsa.ops.triton import select as tsel
-    from nsa.ops.triton import select_block as sb
-    tuning = common.changed_tuning(a.tuning, HOPPER) or HOPPER
-    seen = compile_only(a.arch)
-    hp = common.HP
-    l_sel, n_sel = hp["l_sel"], hp["n_sel"]
-    B, T, HQ, H, dk, dv = 1, a.T, a.HQ, a.H, a.dk, a.dv
-    bf = dict(dtype=torch.bfloat16)
-    q, k, v = torch.randn(B, T, HQ, dk, **bf), torch.randn(B, T, H, dk, **bf), torch.randn(B, T, H, dv, **bf)
-    do = torch.randn(B, T, HQ, dv, **bf)
-    gates = torch.rand(B, T, HQ, 3, **bf)
-    bi = selection(T, H, -(-T // l_sel), n_sel, l_sel)
-    tn = tuning.select
-    inv = tsel.invert_selection(bi, l_sel, tn.chunk, ranks=True)
-    o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk, tuning=tn)
-    lse = torch.zeros(B, T, HQ)
-    delta = torch.zeros(B, T, HQ)
-    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
-    tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
-                  tuning=tn, inv=inv, dq_pairs=dqp)
-    rows = []
-    for name, warps, stages, ck in seen:
-        if ck is None or "ptx" not in getattr(ck, "asm", {}):
-            continue
-        r = ptxas_report(ck.asm["ptx"], a.arch)
-        if a.dump:
-            os.makedirs(a.dump, exist_ok=True)
-            for ext in ("ttgir", "ptx"):
-                with open(os.path.join(a.dump, f"{name}.{ext}"), "w") as f:
-                    f.write(ck.asm[ext])
-        rows.append([name, warps, stages, r["regs"], r["spill_stores"], r["spill_loads"],
-                     ck.metadata.shared])
-    print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
-    common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
-
-
 # ----------------------------------------------------------------------------------------- ncu-source
 def load_ncu_report():
     """Nsight Compute's own Python module (its install's extras/python on PYTHONPATH: bench/gpu.sh ncu)."""
@@ -571,13 +454,6 @@ def main() -> int:
     na.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="as for kernels")
     for name in ("HQ", "H", "dk", "dv"):   # e.g. the production shape: --HQ 12 --H 2 --dk 64 --dv 64
         na.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
-    r = sub.add_parser("regs", help="registers / spills of the selection walks compiled for a GPU not here (CPU)")
-    r.add_argument("--T", type=int, default=16384)
-    r.add_argument("--arch", type=int, default=90)
-    r.add_argument("--dump", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
-    r.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="changes to the Hopper preset")
-    for name, dflt in (("HQ", 12), ("H", 2), ("dk", 64), ("dv", 64)):
-        r.add_argument(f"--{name}", type=int, default=dflt)
     ns = sub.add_parser("ncu-source", help="stalls per source line of an Nsight Compute report")
     ns.add_argument("report")
     ns.add_argument("--top", type=int, default=14)
@@ -589,10 +465,10 @@ def main() -> int:
     nd.add_argument("--S", type=int, default=65536)
     nd.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
-    if a.mode not in ("step", "regs", "ncu-source") and not common.has_cuda():
+    if a.mode not in ("step", "ncu-source") and not common.has_cuda():
         raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
     {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,
-     "ncu-decode": run_ncu_decode, "regs": run_regs, "ncu-source": run_ncu_source,
+     "ncu-decode": run_ncu_decode, "ncu-source": run_ncu_source,
      "accuracy": run_accuracy}[a.mode](a)
     return 0
 

@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Registers, spills and shared memory of the selection walks' kernels, compiled for a GPU that is not
+here (default sm_90), without running them.
+
+    pip install --target /tmp/t36 --no-deps triton==3.6.0      # the device's Triton
+    PYTHONPATH=/tmp/t36:$PWD python bench/bench_regs.py [--T 16384] [--tuning select.block_dkdv_rows=64 ...]
+
+The launchers run on CPU tensors of the production shape (HQ=12, H=2, d=64 unless told) with a stand-in
+driver that reports the target GPU: every launch compiles and returns instead of running (JITFunction.run's
+warm-up path), and ptxas -v reports each kernel. --tuning changes the Hopper preset; --dump writes each
+kernel's TTGIR and PTX. Nsight Compute showed the 128-row dK/dV walk spilling at 255 registers; this
+answers such questions in seconds instead of device time (bench/RESULTS.md table 9).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import common
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, default=16384)
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dump", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
+    ap.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="changes to the Hopper preset")
+    for name, dflt in (("HQ", 12), ("H", 2), ("dk", 64), ("dv", 64)):
+        ap.add_argument(f"--{name}", type=int, default=dflt)
+    return ap.parse_args()
+
+
+class _Driver:
+    """What JITFunction.run asks the active driver for, answered for a GPU that is not here."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+def compile_only(arch: int) -> list:
+    """Makes every Triton launch compile and return (no run); returns the list the kernels go to."""
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+    driver.set_active(_Driver(arch))
+    seen: list = []
+    run = JITFunction.run
+
+    def warm(self, *args, grid, warmup, **kwargs):
+        k = run(self, *args, grid=grid, warmup=True, **kwargs)
+        seen.append((self.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"), k))
+        return k
+
+    JITFunction.run = warm
+    assert triton is not None
+    return seen
+
+
+def ptxas_report(ptx: str, arch: int) -> dict:
+    """ptxas -v of one kernel's PTX: registers, spill stores / loads (bytes), shared memory."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    try:
+        ptxas = get_ptxas(arch).path
+    except TypeError:   # older Triton: no arch argument
+        ptxas = get_ptxas().path
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    text = r.stderr + r.stdout
+    def num(pat):
+        m = re.search(pat, text)
+        return int(m.group(1)) if m else None
+    return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"))
+
+
+def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
+    """A valid block_idx [1, T, H, n_sel]: forced blocks plus random eligible ones, ascending, -1 padded."""
+    t = torch.arange(T).view(1, T, 1, 1)
+    j = torch.arange(nsb).view(1, 1, 1, nsb)
+    cur = t // l_sel
+    s = torch.rand(1, T, H, nsb)
+    s = torch.where(j > cur, float("-inf"), s)
+    s = torch.where((j == cur) | (j == 0) | (j == cur - 1), float("inf"), s)
+    v, idx = torch.topk(s, min(n_sel, nsb), dim=-1)
+    idx = torch.where(v == float("-inf"), -1, idx)
+    idx = torch.sort(torch.where(idx < 0, nsb, idx), dim=-1).values
+    return torch.where(idx == nsb, -1, idx)
+
+
+def main() -> int:
+    a = parse_args()
+    from nsa.ops.tuning import HOPPER
+    from nsa.ops.triton import select as tsel
+    from nsa.ops.triton import select_block as sb
+    tuning = common.changed_tuning(a.tuning, HOPPER) or HOPPER
+    seen = compile_only(a.arch)
+    hp = common.HP
+    l_sel, n_sel = hp["l_sel"], hp["n_sel"]
+    B, T, HQ, H, dk, dv = 1, a.T, a.HQ, a.H, a.dk, a.dv
+    bf = dict(dtype=torch.bfloat16)
+    q, k, v = torch.randn(B, T, HQ, dk, **bf), torch.randn(B, T, H, dk, **bf), torch.randn(B, T, H, dv, **bf)
+    do = torch.randn(B, T, HQ, dv, **bf)
+    gates = torch.rand(B, T, HQ, 3, **bf)
+    bi = selection(T, H, -(-T // l_sel), n_sel, l_sel)
+    tn = tuning.select
+    inv = tsel.invert_selection(bi, l_sel, tn.chunk, ranks=True)
+    o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk, tuning=tn)
+    lse = torch.zeros(B, T, HQ)
+    delta = torch.zeros(B, T, HQ)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
+    tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
+                  tuning=tn, inv=inv, dq_pairs=dqp)
+    rows = []
+    for name, warps, stages, ck in seen:
+        if ck is None or "ptx" not in getattr(ck, "asm", {}):
+            continue
+        r = ptxas_report(ck.asm["ptx"], a.arch)
+        if a.dump:
+            os.makedirs(a.dump, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                with open(os.path.join(a.dump, f"{name}.{ext}"), "w") as f:
+                    f.write(ck.asm[ext])
+        rows.append([name, warps, stages, r["regs"], r["spill_stores"], r["spill_loads"],
+                     ck.metadata.shared])
+    print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
+    common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
