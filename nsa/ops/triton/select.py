@@ -459,8 +459,8 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
-    # the block's rows from scalars here: block_kv's int64 kp / k_ok vectors would stay live through
-    # the loop (the walk spilled them)
+    # the block's rows from scalars (j, T) rather than block_kv's int64 kp / k_ok vectors; on sm_90 this
+    # compiled to the same registers, it only keeps the loop free of them in the source
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
     first = first & (kk < tl.minimum(T - j * LSEL, LSEL))
     o_row = ((b * T + j * LSEL) * H + h) + kk.to(tl.int64) * H              # rows of [B,T,H,*] fp32
