@@ -122,10 +122,59 @@ def test_gather_rows_kernel_and_inverse_maps():
     want = torch.where((idx >= 0).view(1, -1, 1), x[:, idx.clamp(min=0)], 0.0)
     assert torch.equal(y, want)
     T, N, HQ, H, l, d = 70, common.num_cmp_tokens(70, 8, 4), 6, 2, 8, 4
-    slot_src, row_slot = cmp_dense._maps(T, N, HQ, H, l, d, DEV)
-    ok = row_slot >= 0
-    assert torch.equal(slot_src[row_slot[ok]], torch.arange(T * HQ, device=DEV)[ok])
-    assert int(ok.sum()) == (T - (l - 1)) * HQ == int((slot_src >= 0).sum())
+    bhnd = cmp_dense._maps(T, N, HQ, H, l, d, DEV, False)
+    for bnhd in (False, True):
+        slot_src, row_slot, lse_slot = cmp_dense._maps(T, N, HQ, H, l, d, DEV, bnhd)
+        ok = row_slot >= 0
+        assert torch.equal(slot_src[row_slot[ok]], torch.arange(T * HQ, device=DEV)[ok])
+        assert int(ok.sum()) == (T - (l - 1)) * HQ == int((slot_src >= 0).sum())
+        assert torch.equal(lse_slot, bhnd[1])   # the lse index is (head, position) in both layouts
+        # bnhd row j*HQ' + h' holds what bhnd row h'*N + j holds
+        hd = torch.arange(d * HQ * N, device=DEV)
+        moved = (hd % N) * (d * HQ) + hd // N if bnhd else hd
+        assert torch.equal(slot_src[moved], bhnd[0])
+
+
+def test_dense_cmp_layouts_agree():
+    """The compressed branch on the dense problem in either row layout (bhnd for torch's SDPA ops,
+    bnhd for flash-attn's): the same o, lse and gradients."""
+    from nsa.ops.triton import cmp_dense
+    x = make_inputs(1, 70, 4, 2, 16, 16, 8, 4, torch.float32, seed=5)
+    out = []
+    for bnhd in (False, True):
+        a = [x[n].detach().clone().requires_grad_() for n in ("q", "k_cmp", "v_cmp")]
+        o, lse = cmp_dense.cmp_attention_dense(*a, l=8, d=4, scale=0.25, backend="math", bnhd=bnhd)
+        out.append((o, lse, *torch.autograd.grad((o * o).sum(), a)))
+    for u, v in zip(*out):
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+    assert out[0][1].isinf().any() and not out[0][1].isinf().all()
+
+
+@pytest.mark.parametrize("parts", ["rows+win", "rows", "win", "rows+win, win unused"])
+def test_q_fork_sums_every_branch_gradient(parts):
+    """_QFork: q's gradient = the dense compressed rows' gradient gathered back + the window branch's +
+    the Function's, in one fp32 sum; a branch whose output goes unused (a fallback) adds nothing."""
+    from nsa.ops.triton import cmp_dense
+    from nsa.ops.triton.function import _fork
+    B, T, HQ, dk, l, d = 2, 45, 4, 16, 8, 4
+    N = common.num_cmp_tokens(T, l, d)
+    q = torch.randn(B, T, HQ, dk, device=DEV, requires_grad=True)
+    maps = cmp_dense._maps(T, N, HQ, 2, l, d, DEV, True) if "rows" in parts else None
+    rows, q_win, q_slc = _fork(q, maps, "win" in parts)
+    w = [torch.randn(B, T, HQ, dk, device=DEV) for _ in range(2)]
+    loss = (q_slc * w[0]).sum()
+    if "win" in parts and "unused" not in parts:
+        assert q_win is not q
+        loss = loss + (q_win.sin() * w[1]).sum()
+    want = w[0] + (q.detach().cos() * w[1] if ("win" in parts and "unused" not in parts) else 0)
+    if rows is not None:
+        wr = torch.randn(rows.shape, device=DEV)
+        loss = loss + (rows * wr).sum()
+        back = maps[1]
+        want = want + torch.where((back >= 0).view(1, -1, 1), wr[:, back.clamp(min=0)], 0.0).view(B, T, HQ, dk)
+        assert torch.equal(rows, cmp_dense.gather_rows(q.detach().reshape(B, T * HQ, dk), maps[0]))
+    loss.backward()
+    torch.testing.assert_close(q.grad, want, rtol=1e-6, atol=1e-6)
 
 
 def test_dense_cmp_probe_is_isolated_from_checkpointing(monkeypatch):
@@ -178,7 +227,7 @@ def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
     from nsa.ops import dispatch
     from nsa.ops.triton import cmp_dense
 
-    monkeypatch.setattr(cmp_dense, "cmp_attention_dense", _refuse)
+    monkeypatch.setattr(cmp_dense, "cmp_attention_rows", _refuse)
     monkeypatch.setattr(cmp_dense, "_PROBES", {})
     (o, bi), (o2, bi2), args = _refused_then_plain(with_cmp_dense("math"), with_cmp_dense("off"))
     assert torch.equal(o, o2) and torch.equal(bi, bi2)

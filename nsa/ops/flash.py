@@ -33,7 +33,7 @@ dense problems too. `branch_flash_backend` answers, from the kernel tuning's `fl
 (nsa/ops/tuning.py FlashBranchTuning: per branch off / auto / forced, set per device family by
 measurement), whether a branch runs on flash-attn for given inputs; the Triton op
 (nsa/ops/triton/function.py) then calls `dense_attention(window=w)` for the window branch and
-`flash_sdpa_lse` for the compressed one.
+`flash_lse` (flash-attn's own [B, N, heads, D] layout) for the compressed one.
 """
 from __future__ import annotations
 
@@ -374,11 +374,18 @@ def branch_flash_backend(branch: str, cfg, q: torch.Tensor, dv: int) -> tuple[st
     return (None, f"{mode}: {why}") if why is not None else (mode, f"{mode} (forced by tuning.flash.{branch})")
 
 
+def flash_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over a square problem on flash-attn's own layout: q [B,N,HQ',dk], k/v
+    [B,N,H,*] (GQA) -> (o [B,N,HQ',dv], lse [B,HQ',N] fp32, natural log)."""
+    return _flash(backend, q, k, v, True, None, scale, True)
+
+
 def flash_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                    backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """cmp_dense._sdpa_lse's contract on flash-attn: q [B,HQ',N,dk], k/v [B,H,N,*] (GQA), top-left
     causal over a square problem -> (o [B,HQ',N,dv], lse [B,HQ',N] fp32, natural log)."""
-    o, lse = _flash(backend, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, None, scale, True)
+    o, lse = flash_lse(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale, backend)
     return o.transpose(1, 2), lse
 
 

@@ -9,9 +9,11 @@ SDPA call (head order h, r, g), and the fastest dense kernels (cuDNN, flash) run
 their usual efficiency instead of a masked Triton kernel. Queries with j < 0 (t < l - 1 + ...) see
 no compressed token: o = 0, lse = -inf there, as in the reference.
 
-The regrouping is one row gather each way (q rows into SDPA order, SDPA output rows back), each
-with an exact inverse, so forward and backward are gathers: no scatter, no atomics. (The dense
-kernels' own backward may not be bitwise repeatable: cuDNN's was not at 64k.)
+The regrouping is one row gather each way (q rows into the dense problem's order, its output rows
+back), each with an exact inverse, so forward and backward are gathers: no scatter, no atomics. The
+rows are ordered as the dense kernel lays them out ([B, N, heads, D] for flash-attn), so nothing is
+copied to transpose. (The dense kernels' own backward may not be bitwise repeatable: cuDNN's was
+not at 64k.)
 The SDPA op is one of PyTorch's private aten entry points that return the log-sum-exp; autograd
 runs the same kernel family's backward.
 """
@@ -28,13 +30,16 @@ BACKENDS = ("cudnn", "flash")
 
 
 @functools.lru_cache(maxsize=64)
-def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str):
-    """Row maps between q/o rows (t, hq) of [B, T*HQ, *] and SDPA rows (h, r, g, j) of [B, HQ'*N, *]
-    (HQ' = d*HQ, head h*d*G + r*G + g, position j); -1 = no row (a zero row is produced).
+def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str, bnhd: bool = False):
+    """Row maps between q/o rows (t, hq) of [B, T*HQ, *] and the dense problem's rows of
+    [B, HQ'*N, *] (HQ' = d*HQ heads h' = h*d*G + r*G + g, position j): row h'*N + j (bhnd, the layout
+    of torch's SDPA ops) or j*HQ' + h' (bnhd, flash-attn's own layout, so its inputs and outputs need
+    no transposing copy); -1 = no row (a zero row is produced).
 
-    slot_src [HQ'*N]: the (t, hq) row an SDPA row reads (-1 for padding rows, t >= T);
-    row_slot [T*HQ]: the SDPA row of (t, hq) (-1 for t < l - 1, which see no compressed token).
-    Each is the other's inverse on the rows it maps."""
+    slot_src [HQ'*N]: the (t, hq) row a dense row reads (-1 for padding rows, t >= T);
+    row_slot [T*HQ]: the dense row of (t, hq) (-1 for t < l - 1, which see no compressed token);
+    lse_slot [T*HQ]: the index h'*N + j of (t, hq) in the dense lse [B, HQ', N] (-1 likewise).
+    slot_src and row_slot are each other's inverse on the rows they map."""
     G = HQ // H
     r = torch.arange(d).view(d, 1)
     j = torch.arange(N).view(1, N)
@@ -45,10 +50,15 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str):
     gg = torch.arange(G).view(1, 1, G, 1)
     okx = ok.view(1, d, 1, N).expand(H, d, G, N)
     src = t.view(1, d, 1, N) * HQ + hh * G + gg                                  # [H, d, G, N]
-    slot_src = torch.where(okx, src, -1).reshape(-1)
+    head_pos = torch.arange(H * d * G * N).view(H, d, G, N)                     # h'*N + j
+    dense = (head_pos % N) * (H * d * G) + head_pos // N if bnhd else head_pos
+    slot_src = torch.full((H * d * G * N,), -1, dtype=torch.int64)
+    slot_src[dense[okx]] = src[okx]
     row_slot = torch.full((T * HQ,), -1, dtype=torch.int64)
-    row_slot[src[okx]] = torch.arange(H * d * G * N).view(H, d, G, N)[okx]
-    return slot_src.to(device), row_slot.to(device)
+    row_slot[src[okx]] = dense[okx]
+    lse_slot = torch.full((T * HQ,), -1, dtype=torch.int64)
+    lse_slot[src[okx]] = head_pos[okx]
+    return slot_src.to(device), row_slot.to(device), lse_slot.to(device)
 
 
 @triton.jit
@@ -105,7 +115,7 @@ def _sdpa_lse(q, k, v, scale: float, backend: str):
     elif backend in ("fa4", "fa2"):   # flash-attn (nsa/ops/flash.py), the same contract
         from nsa.ops.flash import flash_sdpa_lse
         return flash_sdpa_lse(q, k, v, scale, backend)
-    elif backend == "math":   # plain torch (CPU tests of the regrouping; O(N^2) memory)
+    elif backend in ("math", "reference"):   # plain torch (CPU tests of the regrouping; O(N^2) memory)
         G = q.shape[1] // k.shape[1]
         s = torch.einsum("bhnd,bhmd->bhnm", q.float(), k.float().repeat_interleave(G, 1)) * scale
         n = q.shape[2]
@@ -114,27 +124,58 @@ def _sdpa_lse(q, k, v, scale: float, backend: str):
         o = torch.einsum("bhnm,bhmd->bhnd", torch.exp(s - lse[..., None]), v.float().repeat_interleave(G, 1))
         return o.to(q.dtype), lse.detach()
     else:
-        raise ValueError(f"cmp_dense backend must be one of {BACKENDS + ('fa4', 'fa2', 'math')}, "
+        raise ValueError(f"cmp_dense backend must be one of {BACKENDS + ('fa4', 'fa2', 'math', 'reference')}, "
                          f"got {backend!r}")
     o, lse = out[0], out[1]
     return o, lse.reshape(q.shape[0], q.shape[1], q.shape[2]).float()
 
 
+def bnhd_layout(backend: str) -> bool:
+    """flash-attn backends (and "reference", the math stand-in for them) take [B, N, heads, D] as is;
+    torch's SDPA ops and "math" take [B, heads, N, D]."""
+    return backend in ("fa4", "fa2", "reference")
+
+
+def cmp_maps(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, bnhd: bool):
+    """(slot_src, row_slot, lse_slot) of _maps for q [B,T,HQ,*] and k_cmp [B,N,H,*] (cached)."""
+    T, HQ, N, H = q.shape[1], q.shape[2], k_cmp.shape[1], k_cmp.shape[2]
+    return _maps(T, N, HQ, H, l, d, str(q.device), bnhd)
+
+
+def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, maps: tuple, *,
+                       T: int, HQ: int, scale: float, backend: str, bnhd: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed branch from q rows already in the dense problem's order (q_rows [B, HQ'*N, dk] =
+    gather_rows(q, slot_src), differentiable): (o_cmp [B,T,HQ,dv], lse_cmp fp32 [B,T,HQ]) as
+    cmp_attention_dense returns them."""
+    B, dk = q_rows.shape[0], q_rows.shape[2]
+    N, dv = k_cmp.shape[1], v_cmp.shape[3]
+    _, row_slot, lse_slot = maps
+    HQd = q_rows.shape[1] // N
+    if bnhd and backend in ("fa4", "fa2"):   # flash-attn on its own layout: no transposes, o rows come out in order
+        from nsa.ops.flash import flash_lse
+        o, lse = flash_lse(q_rows.view(B, N, HQd, dk), k_cmp, v_cmp, scale, backend)
+    else:
+        o, lse = _sdpa_lse(q_rows.view(B, N, HQd, dk).transpose(1, 2) if bnhd else q_rows.view(B, HQd, N, dk),
+                           k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale, backend)
+        o = o.transpose(1, 2) if bnhd else o                                     # the rows' order
+    o_cmp = _Rows.apply(o.contiguous().view(B, HQd * N, dv), row_slot, maps[0]).view(B, T, HQ, dv)
+    lse = lse.reshape(B, HQd * N).index_select(1, lse_slot.clamp(min=0))
+    lse_cmp = lse.masked_fill_((lse_slot < 0).view(1, -1), float("-inf"))   # nothing visible: -inf
+    return o_cmp, lse_cmp.view(B, T, HQ)
+
+
 def cmp_attention_dense(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, *, l: int, d: int,
-                        scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        scale: float, backend: str, bnhd: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Compressed-branch attention: q [B,T,HQ,dk], k_cmp/v_cmp [B,N,H,*] (N >= 1) ->
     (o_cmp [B,T,HQ,dv] in q's dtype, lse_cmp fp32 [B,T,HQ], natural log, -inf where nothing is
-    visible; lse is not differentiable). Differentiable w.r.t. q, k_cmp, v_cmp through autograd."""
+    visible; lse is not differentiable). Differentiable w.r.t. q, k_cmp, v_cmp through autograd.
+    bnhd: the dense problem's row layout (None: the backend's own, bnhd_layout)."""
     B, T, HQ, dk = q.shape
-    N, H, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
-    slot_src, row_slot = _maps(T, N, HQ, H, l, d, str(q.device))
-    qr = _Rows.apply(q.reshape(B, T * HQ, dk), slot_src, row_slot)
-    o, lse = _sdpa_lse(qr.view(B, d * HQ, N, dk), k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale,
-                       backend)
-    o_cmp = _Rows.apply(o.contiguous().view(B, d * HQ * N, dv), row_slot, slot_src).view(B, T, HQ, dv)
-    lse = lse.reshape(B, d * HQ * N).index_select(1, row_slot.clamp(min=0))
-    lse_cmp = lse.masked_fill_((row_slot < 0).view(1, -1), float("-inf"))   # nothing visible: -inf
-    return o_cmp, lse_cmp.view(B, T, HQ)
+    bnhd = bnhd_layout(backend) if bnhd is None else bnhd
+    maps = cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd)
+    qr = _Rows.apply(q.reshape(B, T * HQ, dk), maps[0], maps[1])
+    return cmp_attention_rows(qr, k_cmp, v_cmp, maps, T=T, HQ=HQ, scale=scale, backend=backend, bnhd=bnhd)
 
 
 _PROBES: dict = {}

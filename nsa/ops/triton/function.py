@@ -74,6 +74,67 @@ def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, n_rows, DV: tl.constexpr,
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
 
 
+@triton.jit
+def _qgrad_kernel(GC, SLOT, GW, GS, DQ, n_rows, sgc, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                  HAS_C: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
+    """dq[b, r] = gc[b, SLOT[r]] (0 where SLOT[r] < 0) + gw[b, r] + gs[b, r], summed in fp32; rows of
+    D contiguous elements, gw/gs/dq [B, n_rows, D], gc [B, *, D] (each term only where HAS_*)."""
+    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
+    ok = r < n_rows
+    c = tl.arange(0, BD)
+    m = ok[:, None] & (c[None, :] < D)
+    off = b * n_rows * D + r[:, None] * D + c[None, :]
+    acc = tl.zeros([BR, BD], tl.float32)
+    if HAS_C:
+        src = tl.load(SLOT + r, mask=ok, other=-1)
+        acc += tl.load(GC + b * sgc + src[:, None] * D + c[None, :], mask=m & (src >= 0)[:, None],
+                       other=0.0).to(tl.float32)
+    if HAS_W:
+        acc += tl.load(GW + off, mask=m, other=0.0).to(tl.float32)
+    if HAS_S:
+        acc += tl.load(GS + off, mask=m, other=0.0).to(tl.float32)
+    tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=m)
+
+
+class _QFork(torch.autograd.Function):
+    """q handed to the branches computed outside the Function: (q's rows gathered into the dense
+    compressed problem's order when slot_src is given, then n_alias <= 2 views of q). The backward
+    sums every branch's gradient of q in one pass (the compressed one gathered back through
+    row_slot), where autograd would gather it and then add the three pairwise in q's dtype (two more
+    passes over [B,T,HQ,dk], and two roundings)."""
+
+    @staticmethod
+    def forward(ctx, q, slot_src, row_slot, n_alias):
+        ctx.set_materialize_grads(False)   # a branch that fell back leaves its output unused: None
+        ctx.has_rows, ctx.shape = slot_src is not None, q.shape
+        ctx.save_for_backward(row_slot)
+        B, T, HQ, dk = q.shape
+        rows = (cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), slot_src),) if ctx.has_rows else ()
+        return (*rows, *(q.view_as(q) for _ in range(n_alias)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (row_slot,) = ctx.saved_tensors
+        gc = grads[0] if ctx.has_rows else None
+        rest = [g.contiguous() for g in grads[int(ctx.has_rows):] if g is not None]
+        if gc is None and len(rest) < 2:
+            return (rest[0] if rest else None), None, None, None
+        B, T, HQ, dk = ctx.shape
+        gc = gc.contiguous() if gc is not None else None
+        ref = gc if gc is not None else rest[0]
+        dq = torch.empty(ctx.shape, device=ref.device, dtype=ref.dtype)
+        n = T * HQ
+        if n and B:
+            bd = max(16, next_pow2(dk))
+            br = max(1, min(64, 4096 // bd))
+            gw, gs = (rest + [dq, dq])[:2]   # unused operands: any valid pointer
+            _qgrad_kernel[(triton.cdiv(n, br), B)](ref, row_slot if gc is not None else dq, gw, gs, dq, n,
+                                                   ref.stride(0), D=dk, BD=bd, BR=br, HAS_C=gc is not None,
+                                                   HAS_W=len(rest) > 0, HAS_S=len(rest) > 1)
+        return dq, None, None, None
+
+
 def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
     bdv = max(16, next_pow2(dv))
     block = max(1, min(64, 2048 // bdv))   # small tiles: 3 operand tiles stay in registers
@@ -250,26 +311,44 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     dkdv_chunk = tuning.select.chunk if dkdv_chunk is None else dkdv_chunk
     o_cmp = lse_cmp = o_win = None
     be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
+    wbe = window_flash_backend(q, v_win, tuning)
+    bnhd = be is not None and cmp_dense.bnhd_layout(be)
+    maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
+    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None)
     if be is not None:
         try:
-            o_cmp, lse_cmp = cmp_dense.cmp_attention_dense(q, k_cmp, v_cmp, l=l, d=d, scale=scale, backend=be)
+            o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
+                                                          scale=scale, backend=be, bnhd=bnhd)
             lse_cmp = lse_cmp.detach()
         except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise
             _dense_failed(q, v_cmp, be, exc)
             o_cmp = lse_cmp = None
-    wbe = window_flash_backend(q, v_win, tuning)
     if wbe is not None:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
-            o_win = dense_attention(q, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
+            o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise
             _window_failed(q, v_win, wbe, exc)
-    return NSATritonFunction.apply(q, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
+    return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
                                    gates.contiguous(), o_cmp, lse_cmp, o_win, l, d, l_sel, n_sel, w, scale,
                                    dkdv_chunk, tuning)
+
+
+def _fork(q: torch.Tensor, maps: tuple | None, win: bool):
+    """(q rows for the dense compressed branch or None, q for the flash window branch, q for the
+    Function). With q's gradient wanted, one _QFork node hands them out, so q's gradient is one
+    fused sum of the branches' (plain tensors, and no node, otherwise)."""
+    B, T, HQ, dk = q.shape
+    if not (torch.is_grad_enabled() and q.requires_grad) or (maps is None and not win):
+        rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps[0]) if maps is not None else None
+        return rows, q, q
+    out = list(_QFork.apply(q, maps[0] if maps is not None else None, maps[1] if maps is not None else None,
+                            1 + int(win)))
+    rows = out.pop(0) if maps is not None else None
+    return rows, (out[0] if win else q), out[-1]
 
 
 _WIN_OFF: dict[tuple, str] = {}
@@ -320,7 +399,7 @@ def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
         return None
     fb = branch_flash_backend("cmp", flash or tuning_for(q.device).flash, q, v_cmp.shape[-1])[0]
     if fb is not None and not cmp_dense.refused(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], fb):
-        return "math" if fb == "reference" else fb
+        return fb   # "reference": cmp_dense's math stand-in for flash-attn, on flash-attn's layout
     if cfg.mode != "auto":
         return cfg.mode
     if not q.is_cuda or q.shape[1] < cfg.min_t or torch.are_deterministic_algorithms_enabled():
