@@ -124,7 +124,8 @@ def test_gather_rows_kernel_and_inverse_maps():
     T, N, HQ, H, l, d = 70, common.num_cmp_tokens(70, 8, 4), 6, 2, 8, 4
     bhnd = cmp_dense._maps(T, N, HQ, H, l, d, DEV, False)
     for bnhd in (False, True):
-        slot_src, row_slot, lse_slot = cmp_dense._maps(T, N, HQ, H, l, d, DEV, bnhd)
+        slot_src, row_slot, lse_slot, pad_rows = cmp_dense._maps(T, N, HQ, H, l, d, DEV, bnhd)
+        assert torch.equal(pad_rows, (slot_src < 0).nonzero().view(-1))
         ok = row_slot >= 0
         assert torch.equal(slot_src[row_slot[ok]], torch.arange(T * HQ, device=DEV)[ok])
         assert int(ok.sum()) == (T - (l - 1)) * HQ == int((slot_src >= 0).sum())

@@ -38,7 +38,8 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str, bnhd: bo
 
     slot_src [HQ'*N]: the (t, hq) row a dense row reads (-1 for padding rows, t >= T);
     row_slot [T*HQ]: the dense row of (t, hq) (-1 for t < l - 1, which see no compressed token);
-    lse_slot [T*HQ]: the index h'*N + j of (t, hq) in the dense lse [B, HQ', N] (-1 likewise).
+    lse_slot [T*HQ]: the index h'*N + j of (t, hq) in the dense lse [B, HQ', N] (-1 likewise);
+    pad_rows: the dense rows no query maps to (slot_src = -1).
     slot_src and row_slot are each other's inverse on the rows they map."""
     G = HQ // H
     r = torch.arange(d).view(d, 1)
@@ -58,7 +59,8 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str, bnhd: bo
     row_slot[src[okx]] = dense[okx]
     lse_slot = torch.full((T * HQ,), -1, dtype=torch.int64)
     lse_slot[src[okx]] = head_pos[okx]
-    return slot_src.to(device), row_slot.to(device), lse_slot.to(device)
+    pad_rows = (slot_src < 0).nonzero().view(-1)
+    return slot_src.to(device), row_slot.to(device), lse_slot.to(device), pad_rows.to(device)
 
 
 @triton.jit
@@ -137,20 +139,21 @@ def bnhd_layout(backend: str) -> bool:
 
 
 def cmp_maps(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, bnhd: bool):
-    """(slot_src, row_slot, lse_slot) of _maps for q [B,T,HQ,*] and k_cmp [B,N,H,*] (cached)."""
+    """(slot_src, row_slot, lse_slot, pad_rows) of _maps for q [B,T,HQ,*] and k_cmp [B,N,H,*] (cached)."""
     T, HQ, N, H = q.shape[1], q.shape[2], k_cmp.shape[1], k_cmp.shape[2]
     return _maps(T, N, HQ, H, l, d, str(q.device), bnhd)
 
 
 def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, maps: tuple, *,
-                       T: int, HQ: int, scale: float, backend: str, bnhd: bool
+                       T: int, HQ: int, scale: float, backend: str, bnhd: bool, rows_out: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed branch from q rows already in the dense problem's order (q_rows [B, HQ'*N, dk] =
     gather_rows(q, slot_src), differentiable): (o_cmp [B,T,HQ,dv], lse_cmp fp32 [B,T,HQ]) as
-    cmp_attention_dense returns them."""
+    cmp_attention_dense returns them; rows_out: o_cmp left in the dense problem's rows [B, HQ'*N, dv]
+    (for kernels that read it through row_slot, which saves the gather each way)."""
     B, dk = q_rows.shape[0], q_rows.shape[2]
     N, dv = k_cmp.shape[1], v_cmp.shape[3]
-    _, row_slot, lse_slot = maps
+    _, row_slot, lse_slot, _ = maps
     HQd = q_rows.shape[1] // N
     if bnhd and backend in ("fa4", "fa2"):   # flash-attn on its own layout: no transposes, o rows come out in order
         from nsa.ops.flash import flash_lse
@@ -159,7 +162,8 @@ def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
         o, lse = _sdpa_lse(q_rows.view(B, N, HQd, dk).transpose(1, 2) if bnhd else q_rows.view(B, HQd, N, dk),
                            k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale, backend)
         o = o.transpose(1, 2) if bnhd else o                                     # the rows' order
-    o_cmp = _Rows.apply(o.contiguous().view(B, HQd * N, dv), row_slot, maps[0]).view(B, T, HQ, dv)
+    o_rows = o.contiguous().view(B, HQd * N, dv)
+    o_cmp = o_rows if rows_out else _Rows.apply(o_rows, row_slot, maps[0]).view(B, T, HQ, dv)
     lse = lse.reshape(B, HQd * N).index_select(1, lse_slot.clamp(min=0))
     lse_cmp = lse.masked_fill_((lse_slot < 0).view(1, -1), float("-inf"))   # nothing visible: -inf
     return o_cmp, lse_cmp.view(B, T, HQ)

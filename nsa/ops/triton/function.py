@@ -34,42 +34,61 @@ from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, til
 
 
 @triton.jit
-def _combine_fwd_kernel(OC, OS, OW, GT, O, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over contiguous rows [n_rows, DV]."""
+def _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV: tl.constexpr, ROWS: tl.constexpr):
+    """(element offset of o_cmp's row for q rows r [BLOCK] (flattened b, t, hq), valid mask): r itself,
+    or with ROWS the dense compressed problem's row SLOT[t*HQ + hq] of batch b (invalid where -1:
+    nothing visible, o_cmp = 0)."""
+    if ROWS:
+        b = r // n_per_b
+        slot = tl.load(SLOT + (r - b * n_per_b), mask=ok, other=-1)
+        return (b * s_rows + slot) * DV, ok & (slot >= 0)
+    return r * DV, ok
+
+
+@triton.jit
+def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_rows, n_per_b, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                        BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over rows [n_rows, DV] (o_cmp's rows: _cmp_rows)."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = r < n_rows
     c = tl.arange(0, BDV)
-    m = ok[:, None] & (c[None, :] < DV)
+    cm = c[None, :] < DV
+    m = ok[:, None] & cm
     off = r[:, None] * DV + c[None, :]
+    oc_row, oc_ok = _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV, ROWS)
     g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
     g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
     g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
-    o = g0[:, None] * tl.load(OC + off, mask=m, other=0.0).to(tl.float32)
+    o = g0[:, None] * tl.load(OC + oc_row[:, None] + c[None, :], mask=oc_ok[:, None] & cm, other=0.0).to(tl.float32)
     o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
     o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
     tl.store(O + off, o.to(O.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, n_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                     BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr, WRITE_DOW: tl.constexpr):
-    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO, with
-    WRITE_DOW dO_win = g_win * dO (the gradients of branch outputs computed outside, in dO's dtype),
-    from the same read."""
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, n_rows, n_per_b, s_rows, DV: tl.constexpr,
+                     BDV: tl.constexpr, BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr, WRITE_DOW: tl.constexpr,
+                     ROWS: tl.constexpr):
+    """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO (into o_cmp's
+    row, _cmp_rows), with WRITE_DOW dO_win = g_win * dO (the gradients of branch outputs computed
+    outside, in dO's dtype), from the same read."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = r < n_rows
     c = tl.arange(0, BDV)
-    m = ok[:, None] & (c[None, :] < DV)
+    cm = c[None, :] < DV
+    m = ok[:, None] & cm
     off = r[:, None] * DV + c[None, :]
+    oc_row, oc_ok = _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV, ROWS)
+    oc = oc_row[:, None] + c[None, :]
     do = tl.load(DO + off, mask=m, other=0.0).to(tl.float32)
     if WRITE_DOC:
         g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
-        tl.store(DOC + off, (g0[:, None] * do).to(DOC.dtype.element_ty), mask=m)
+        tl.store(DOC + oc, (g0[:, None] * do).to(DOC.dtype.element_ty), mask=oc_ok[:, None] & cm)
     if WRITE_DOW:
         g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
         tl.store(DOW + off, (g2[:, None] * do).to(DOW.dtype.element_ty), mask=m)
-    tl.store(DG + r * 3, tl.sum(do * tl.load(OC + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
+    dg0 = tl.sum(do * tl.load(OC + oc, mask=oc_ok[:, None] & cm, other=0.0).to(tl.float32), 1)
+    tl.store(DG + r * 3, dg0, mask=ok)
     tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
 
@@ -141,32 +160,41 @@ def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
     return triton.cdiv(n_rows, block), bdv, block
 
 
-def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-    """All contiguous: o_* [B,T,HQ,dv], gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_cmp's dtype."""
-    o = torch.empty_like(o_cmp)
+def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
+            cmp_rows: tuple | None = None) -> torch.Tensor:
+    """All contiguous: o_* [B,T,HQ,dv] (o_cmp [B,S,dv] in the dense problem's rows with cmp_rows, see
+    _rows_args), gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype."""
+    o = torch.empty_like(o_slc)
     n_rows, dv = o.numel() // o.shape[-1], o.shape[-1]
     if n_rows == 0:
         return o
     nb, bdv, block = _rows_grid(n_rows, dv)
-    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, n_rows, DV=dv, BDV=bdv, BLOCK=block)
+    slot, n_per_b = (cmp_rows[0], cmp_rows[0].numel()) if cmp_rows is not None else (o, 1)
+    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, slot, n_rows, n_per_b, o_cmp.shape[1], DV=dv,
+                               BDV=bdv, BLOCK=block, ROWS=cmp_rows is not None)
     return o
 
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-               gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False
+               gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False, cmp_rows: tuple | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous, gates [B,T,HQ,3]. Also returns
-    g_cmp * dO (ext_cmp) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
+    g_cmp * dO (ext_cmp; shaped like o_cmp, in its rows with cmp_rows = (row_slot, pad_rows), whose
+    pad rows get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
     outputs computed outside the Function."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
-    doc = torch.empty_like(do) if ext_cmp else None
+    doc = torch.empty(o_cmp.shape, device=do.device, dtype=do.dtype) if ext_cmp else None
     dow = torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
+    if ext_cmp and cmp_rows is not None and cmp_rows[1].numel():   # rows no query maps to: dO = 0
+        doc.index_fill_(1, cmp_rows[1], 0)
     if n_rows == 0:
         return dg, doc, dow
     nb, bdv, block = _rows_grid(n_rows, dv)
+    slot, n_per_b = (cmp_rows[0], cmp_rows[0].numel()) if cmp_rows is not None else (do, 1)
     _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
-                            n_rows, DV=dv, BDV=bdv, BLOCK=block, WRITE_DOC=ext_cmp, WRITE_DOW=ext_win)
+                            slot, n_rows, n_per_b, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block, WRITE_DOC=ext_cmp,
+                            WRITE_DOW=ext_win, ROWS=cmp_rows is not None)
     return dg, doc, dow
 
 
@@ -174,9 +202,10 @@ class NSATritonFunction(torch.autograd.Function):
     """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
 
     @staticmethod
-    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, l, d,
-                l_sel, n_sel, w, scale, chunk, tuning):
+    def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
+                l, d, l_sel, n_sel, w, scale, chunk, tuning):
         ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
+        ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: (row_slot, pad_rows), else None
         at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
             o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
@@ -213,7 +242,7 @@ class NSATritonFunction(torch.autograd.Function):
             o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
         else:
             o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
-        o = combine(o_cmp, o_slc, o_win, gates)
+        o = combine(o_cmp, o_slc, o_win, gates, cmp_rows)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
         ctx.hp = (l, d, l_sel, w, scale, chunk, tuning)
@@ -227,7 +256,7 @@ class NSATritonFunction(torch.autograd.Function):
         l, d, l_sel, w, scale, chunk, tuning = ctx.hp
         do = do.contiguous()
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
-        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win)
+        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows)
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
         else:
@@ -269,7 +298,7 @@ class NSATritonFunction(torch.autograd.Function):
                                     stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
                                     tuning=tuning.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: float, chunk: int, tuning,
@@ -309,7 +338,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
     tuning = tuning or tuning_for(q.device)
     dkdv_chunk = tuning.select.chunk if dkdv_chunk is None else dkdv_chunk
-    o_cmp = lse_cmp = o_win = None
+    o_cmp = lse_cmp = o_win = cmp_rows = None
     be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
     wbe = window_flash_backend(q, v_win, tuning)
     bnhd = be is not None and cmp_dense.bnhd_layout(be)
@@ -318,13 +347,13 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     if be is not None:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
-                                                          scale=scale, backend=be, bnhd=bnhd)
-            lse_cmp = lse_cmp.detach()
+                                                          scale=scale, backend=be, bnhd=bnhd, rows_out=True)
+            lse_cmp, cmp_rows = lse_cmp.detach(), (maps[1], maps[3])
         except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise
             _dense_failed(q, v_cmp, be, exc)
-            o_cmp = lse_cmp = None
+            o_cmp = lse_cmp = cmp_rows = None
     if wbe is not None:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
             o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
@@ -333,7 +362,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
                 raise
             _window_failed(q, v_win, wbe, exc)
     return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
-                                   gates.contiguous(), o_cmp, lse_cmp, o_win, l, d, l_sel, n_sel, w, scale,
+                                   gates.contiguous(), o_cmp, lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale,
                                    dkdv_chunk, tuning)
 
 
