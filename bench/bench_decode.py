@@ -15,9 +15,8 @@ layer's cache; "hot": back-to-back calls (inner loop of 10), the cache may sit i
 --sweep: the decode launch-knob variants of SWEEP, each passed as tuning= (nothing patched), at the
 largest S first; the fastest per batch size (small batch -> the small regime, large batch -> the large
 one) is used for the table. --jobs N compiles the variants in N processes first (Triton's on-disk
-cache), so the timed process compiles nothing. --stages: graph replays of the first 1..3 launches (1..4
-with fuse_combine off; the critical-path cost of each). --breakdown: per-kernel device times and registers
-at the largest S.
+cache), so the timed process compiles nothing. --stages: graph replays of the first 1..4 launches (the
+critical-path cost of each). --breakdown: per-kernel device times and registers at the largest S.
 
 JSON: bench/out/decode_<stamp>.json; --save copies it to bench/results/decode.json.
 """
@@ -193,7 +192,7 @@ def pick_best(res: dict) -> dict:
 
 
 def stage_costs(c, S, reps, tuning) -> dict:
-    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..3 (4),
+    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4,
     and of a graph with one trivial kernel: the differences are each launch's cost on the critical
     path (the truncated steps compute garbage; only their time is used). The truncation wraps the
     launcher's internal launch function for the duration of this call only."""
@@ -203,17 +202,10 @@ def stage_costs(c, S, reps, tuning) -> dict:
     one = torch.zeros(1, device="cuda")
     trivial = common.graphed(lambda: one.add_(1))
     out = {"trivial": {"cold_us": time_cold(trivial, reps), "hot_us": time_hot(trivial, reps)}}
-    launches = []   # the step's launch count: 3 with the combine fused (DecodeKnobs.fuse_combine), else 4
-
-    def first(specs, pdl, *rest, n):
-        launches.append(len(specs))
-        return orig(specs[:n], pdl, *rest)
     try:
         for n in (1, 2, 3, 4):
-            tdec._launch_with_pdl_fallback = lambda specs, pdl, *rest, n=n: first(specs, pdl, *rest, n=n)
+            tdec._launch_with_pdl_fallback = lambda specs, pdl, *rest, n=n: orig(specs[:n], pdl, *rest)
             replay = common.graphed(lambda: common.decode_op(args, pos, win, tuning))
-            if n > launches[-1]:
-                break
             out[f"first_{n}"] = {"cold_us": time_cold(replay, reps), "hot_us": time_hot(replay, reps)}
     finally:
         tdec._launch_with_pdl_fallback = orig
@@ -229,7 +221,7 @@ def main() -> None:
                     help="time the SWEEP launch knobs at the largest S first and use the best for the table")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
     ap.add_argument("--stages", action="store_true",
-                    help="at the largest S: graph times of the first 1..3 (4) launches (critical-path cost of each)")
+                    help="at the largest S: graph times of the first 1..4 launches (critical-path cost of each)")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the SWEEP variants first")
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the SWEEP variants (--jobs processes) and exit")

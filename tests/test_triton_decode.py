@@ -37,23 +37,6 @@ def run_kernel(views, pos0, win_pos0, hp, **kw):
                                   **hp, **kw)
 
 
-def run_fused_and_unfused(views, pos0, win_pos0, hp, tuning=None, **kw):
-    """The kernel with the combine as a fourth launch and fused into the selection/window launch
-    (its last program per (row, kv head) merges the G heads): the same blocks, and the same o --
-    bitwise in the interpreter when the fused merge takes all partials in one step (the unfused
-    arithmetic; on a GPU the [G, ..] and [1, ..] tiles' layouts reduce in other orders), to rounding
-    when it takes one partial a step (sums reassociated). Returns the latter's result."""
-    tn = tuning or tuning_for(DEV).decode
-    ou, iu = run_kernel(views, pos0, win_pos0, hp, tuning=tn.with_knobs(fuse_combine=False), **kw)
-    for regs in (1 << 16, 1):
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn.with_knobs(fuse_combine=True, comb_regs=regs),
-                             **kw)
-        assert torch.equal(id_, iu), (regs, id_.flatten().tolist(), iu.flatten().tolist())
-        err = (od.double() - ou.double()).abs().max().item()
-        assert torch.equal(od, ou) if regs > 1 and not od.is_cuda else err <= 1e-6, (regs, err)
-    return od, id_
-
-
 def check(od, id_, o_ref, idx_ref, tol, what):
     assert torch.isfinite(od).all(), what
     assert torch.equal(id_.cpu(), idx_ref.cpu()), (what, id_.flatten().tolist(), idx_ref.flatten().tolist())
@@ -115,8 +98,7 @@ def test_single_token_matches_prefill(case):
     for i, t in enumerate(ts):
         views, pos0, win_pos0 = decode_views(xs, t, 1, hp["w"], l, d)
         tn = TUNES[i % len(TUNES)]
-        run = run_fused_and_unfused if i % 4 == 1 else run_kernel
-        od, id_ = run(views, pos0, win_pos0, hp, tuning=tn)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, (name, t, tn))
 
 
@@ -125,8 +107,7 @@ def test_chunked_queries(case):
     name, xs, hp, o, idx = case
     for t, tq in ((0, 4), (hp["l"] - 3, 6)):
         views, pos0, win_pos0 = decode_views(xs, t, tq, hp["w"], hp["l"], hp["d"])
-        run = run_fused_and_unfused if t and name == "G2" else run_kernel
-        od, id_ = run(views, pos0, win_pos0, hp, tuning=TUNES[t % 2])
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=TUNES[t % 2])
         check(od, id_, o[:, t:t + tq], idx[:, t:t + tq], 1e-5, (name, t, tq))
 
 
@@ -151,8 +132,9 @@ def test_device_positions_on_capacity_buffers():
         kc_c[:, common.num_cmp_tokens(t + 1, hp["l"], hp["d"]):] = float("nan")  # not yet emitted
         pos = torch.tensor([t], device=DEV)
         win = torch.tensor([w0], device=DEV)
-        views = [q[:, t:t + 1], kc_c, vc_c, ks_c, vs_c, kw_c, vw_c, g[:, t:t + 1]]
-        od, id_ = run_fused_and_unfused(views, pos, win, hp, target_programs=3, cmp_tile=16)
+        od, id_ = tdec.nsa_decode_triton(q[:, t:t + 1], kc_c, vc_c, ks_c, vs_c, kw_c, vw_c, g[:, t:t + 1],
+                                         pos0=pos, win_pos0=win, scale=dk ** -0.5, **hp,
+                                         target_programs=3, cmp_tile=16)
         check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, t)
         kc_c[:, : kc.shape[1]] = kc
         vc_c[:, : vc.shape[1]] = vc
@@ -172,7 +154,7 @@ def test_ring_window_buffer():
         kr[:, p % ring], vr[:, p % ring] = xs[5][:, p], xs[6][:, p]
         views[5:7] = [kr, vr]
         pos = torch.tensor([t], device=DEV) if i % 2 else t
-        od, id_ = run_fused_and_unfused(views, pos, None, hp, win_ring=ring, tuning=TUNES[i % 2])
+        od, id_ = run_kernel(views, pos, None, hp, win_ring=ring, tuning=TUNES[i % 2])
         check(od, id_, o[:, t:t + 1], idx[:, t:t + 1], 1e-5, t)
 
 
@@ -213,9 +195,9 @@ def test_many_sorted_scoring_slices():
         x = [torch.zeros_like(xs[0])] + xs[1:] if zero_q else xs
         views, pos0, win_pos0 = decode_views(x, t, 1, hp["w"], hp["l"], hp["d"])
         ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
-        od, id_ = run_fused_and_unfused(views, pos0, win_pos0, hp, tuning=tn)
+        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, ro, ridx, 1e-5, (t, tn, zero_q))
-    # the split-K semaphores (scoring slices, fused combine) are back at zero for the next launch
+    # the slices' split-K semaphores are back at zero for the next launch
     assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())
 
 

@@ -284,9 +284,7 @@ class DecodeKnobs:
     cmp_tile: compressed tokens loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm: programs
     per multiprocessor the split-K and the selection+window launches aim at; score_slice: blocks per
     scoring program (raised to NB/16); tile: key tokens per selection/window load (<= 64); pdl:
-    programmatic dependent launch of every launch but the first; fuse_combine: the last selection/window
-    program of a (row, kv head) merges the branches (3 launches, not 4 with a combine kernel); comb_regs:
-    fp32 elements per thread of that merge's [G, partials, dv] tile."""
+    programmatic dependent launch of launches 2-4."""
 
     cmp_tile: int = 64
     cmp_per_sm: float = 2
@@ -300,8 +298,6 @@ class DecodeKnobs:
     tile: int = 64
     comb_warps: Warps = 4
     pdl: bool = True      # helps few rows (latency-bound)
-    fuse_combine: bool = True
-    comb_regs: int = 32
 
 
 # from large_rows (query row, kv head) pairs on the launches are bandwidth-bound: PDL off, auto warps

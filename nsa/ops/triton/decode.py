@@ -1,10 +1,9 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Three launches (four with the `fuse_combine` knob off), every grid sized from buffer capacities
-(never from the current length), and the query position read from a device tensor when one is given,
-so one CUDA graph replays every step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv
-head; grids list the fastest axis first (the kv heads of one row sit side by side, so they stream the
-same cache rows together).
+Four launches, every grid sized from buffer capacities (never from the current length),
+and the query position read from a device tensor when one is given, so one CUDA graph replays every
+step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
+axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
 
 1. ``_cmp_kernel``    grid (H, NCH, R)
    Split-K over the compressed tokens (flash-decoding), NCH chunks of SUBS sub-tiles sized for about
@@ -28,17 +27,12 @@ same cache rows together).
 3. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
    Selection programs read the block ids of their SPB slots and attend over them; window programs
    attend over WSUB*TW window tokens.
-   Key tiles are dealt evenly over the programs. Softmax partials; then the last of a (row, kv head)'s
-   NP2 programs to finish (split-K semaphore as in 2, its own counters) merges, for its G query heads,
-   the NCH chunk partials of 1 and the NP2 selection / window partials ([G, XC, dv] tiles, XC partials
-   a step), applies the gates and stores o.
-   With fuse_combine off that merge is a fourth launch, ``_combine_kernel`` grid (HQ, R).
+   Key tiles are dealt evenly over the programs. Softmax partials.
+4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes every launch but the first programmatic dependent
-launches (each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait
-right before reading the previous results): a gain for few rows, a loss for many (bandwidth-bound).
-Window programs of 3 read nothing of 2, so they do not wait; the one that runs the merge does, before
-reading 1's partials (every program of 2 waited on 1 before it ended).
+The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2-4 programmatic dependent launches
+(each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait right before
+reading the previous results): a gain for few rows, a loss for many (bandwidth-bound).
 
 Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*]
 (linear from win_pos0, or a ring of win_ring rows: position p at row p % win_ring),
@@ -47,20 +41,23 @@ gates [B,Tq,HQ,3]; any strides with a unit last dim. Forward only (decode is inf
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ..common import FORCED_STEP, LOG2E
-from ..tuning import DecodeTuning, tuning_for
+from ..tuning import DecodeKnobs, DecodeTuning, Warps, tuning_for
 from . import check_supported
 from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
-# host side (geometry, semaphores, PDL launching); tests and bench reach decode_plan, CPU_SMS, _COUNTERS here
-from .decode_launch import _COUNTERS, CPU_SMS, _counters, _launch_with_pdl_fallback, _sm_count, _warps  # noqa: F401
-from .decode_launch import decode_plan
 from .scores import SCORE_GRID, _bitonic_sort, _merge_rows
+
+# learnt once per process: whether this Triton accepts launch_pdl (None: not tried yet); a capability
+# of the installed Triton/driver, not a tuning knob, written only by _launch_with_pdl_fallback
+_PDL = {"ok": None}
+CPU_SMS = 4              # "multiprocessors" the plan assumes off-GPU (interpreter, offline compiles)
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -122,55 +119,15 @@ def _dot_split3(p, cnt, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _merge(M, L, O, base, lo, hi, hq, h_ok, HQ, HP: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr,
-           NP: tl.constexpr, XC: tl.constexpr):
-    """Normalised softmax merge, per head hq [HP] (where h_ok), of the partials x in [lo, hi) (< NP)
-    at rows base + x of M/L [.., HQ] and O [.., HQ, DV]: the max over all first, then XC partials a
-    step ([HP, XC, BDV] tiles). [HP, BDV], 0 where nothing merged. Loads bypass L1 (.cg): the fused
-    tail reads partials that other programs of its launch wrote."""
-    x = tl.arange(0, NP)
-    mk = h_ok[:, None] & ((x >= lo) & (x < hi))[None, :]
-    m = tl.load(M + (base + x).to(tl.int64)[None, :] * HQ + hq[:, None], mask=mk, other=float("-inf"),
-                cache_modifier=".cg")
-    mx = tl.max(m, 1)
+def _merge(m, l, o, ok):
+    """Normalised softmax merge of partials m/l [N], o [N, BDV] where ok; 0 when nothing merged."""
+    m = tl.where(ok, m, float("-inf"))
+    mx = tl.max(m, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    offs_dv = tl.arange(0, BDV)
-    dv_ok = (offs_dv < DV)[None, None, :]
-    tot = tl.zeros([HP], tl.float32)
-    osum = tl.zeros([HP, BDV], tl.float32)
-    for x0 in range(lo, hi, XC):
-        xc = x0 + tl.arange(0, XC)
-        ok = h_ok[:, None] & (xc < hi)[None, :]
-        off = (base + xc).to(tl.int64)[None, :] * HQ + hq[:, None]                          # [HP, XC]
-        mc = tl.load(M + off, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        lc = tl.load(L + off, mask=ok, other=0.0, cache_modifier=".cg")
-        oc = tl.load(O + off[:, :, None] * DV + offs_dv[None, None, :], mask=ok[:, :, None] & dv_ok, other=0.0,
-                     cache_modifier=".cg")
-        wt = tl.where(ok, tl.exp2(mc - mx[:, None]), 0.0)
-        tot += tl.sum(wt * lc, 1)
-        osum += tl.sum(wt[:, :, None] * oc, 1)
-    return tl.where(tot[:, None] > 0, osum / tl.maximum(tot, 1e-30)[:, None], 0.0)
-
-
-@triton.jit
-def _combine(GT, O, CM, CL, CO, XM, XL, XO, row, b, iq, hq, h_ok, sgb, sgt, sgh, sgk, sob, sot, soh,
-             NCH, NSS, NP2, HQ, HP: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr,
-             NP2_P2: tl.constexpr, XC: tl.constexpr):
-    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win of query row `row` (batch b, token iq) for the
-    heads hq [HP] where h_ok: merges the NCH chunk partials and the NP2 selection (x < NSS) / window
-    partials of the row."""
-    gp = GT + b * sgb + iq * sgt + hq * sgh
-    g0 = tl.load(gp, mask=h_ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(gp + sgk, mask=h_ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(gp + 2 * sgk, mask=h_ok, other=0.0).to(tl.float32)[:, None]
-    xb = row * NP2
-    # o_cmp is exactly 0 when no compressed token is visible
-    o = g0 * _merge(CM, CL, CO, row * NCH, 0, NCH, hq, h_ok, HQ, HP, DV, BDV, NCH_P2, XC)
-    o += g1 * _merge(XM, XL, XO, xb, 0, NSS, hq, h_ok, HQ, HP, DV, BDV, NP2_P2, XC)
-    o += g2 * _merge(XM, XL, XO, xb, NSS, NP2, hq, h_ok, HQ, HP, DV, BDV, NP2_P2, XC)
-    offs_dv = tl.arange(0, BDV)
-    tl.store(O + b * sob + iq * sot + hq[:, None] * soh + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=h_ok[:, None] & (offs_dv < DV)[None, :])
+    wt = tl.where(ok, tl.exp2(m - mx), 0.0)
+    tot = tl.sum(wt * l, 0)
+    osum = tl.sum(wt[:, None] * o, 0)
+    return tl.where(tot > 0, osum / tl.maximum(tot, 1e-30), 0.0)
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -356,19 +313,15 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, CM, CL, CO, CNT,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    sgb, sgt, sgh, sgk, sob, sot, soh,
-                    spos, swin, pos_base, win_base, wmod, Tq, H, NCH, NSS, NP2, scale_log2,
+                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
-                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr,
-                    FUSE: tl.constexpr, NCH_P2: tl.constexpr, NP2_P2: tl.constexpr, XC: tl.constexpr):
+                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
     """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
-    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers). FUSE: the last
-    of the (row, kv head)'s NP2 programs also combines its G heads (GT, O, CM/CL/CO, CNT: see
-    _combine; unused otherwise)."""
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -428,35 +381,141 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, CM, CL
     tl.store(XM + part, m_run, mask=g_ok)
     tl.store(XL + part, l_run, mask=g_ok)
     tl.store(XO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
-    if FUSE:
-        # split-K semaphore as in _score_kernel: every thread's partial stores, a CTA barrier (the
-        # tail's other threads read them), one acq_rel increment per program; the last of the NP2
-        # resets the counter (left at zero for the next launch) and combines the G heads
-        tl.debug_barrier()
-        done = tl.atomic_add(CNT + rh, 1, sem="acq_rel", scope="gpu")
-        if done == NP2 - 1:
-            tl.atomic_xchg(CNT + rh, 0, sem="relaxed", scope="gpu")
-            # CM/CL/CO come from _cmp_kernel, two launches back; window programs have not waited yet
-            # (every _score_kernel program waits before it ends, so this one returns at once)
-            _pdl_wait(PDL)
-            _combine(GT, O, CM, CL, CO, XM, XL, XO, row, b, iq.to(tl.int64), hq, g_ok, sgb, sgt, sgh, sgk,
-                     sob, sot, soh, NCH, NSS, NP2, HQ, GP, DV, BDV, NCH_P2, NP2_P2, XC)
 
 
 @triton.jit
 def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, Tq, NCH, NSS, NP2,
                     HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr,
-                    NP2_P2: tl.constexpr, XC: tl.constexpr, PDL: tl.constexpr):
-    """The unfused combine (fuse_combine off): one (query head, row) a program."""
-    hq = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
+                    NP2_P2: tl.constexpr, PDL: tl.constexpr):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for one (row, query head)."""
+    hq = tl.program_id(0)
     row = tl.program_id(1)
+    b = (row // Tq).to(tl.int64)
+    iq = (row % Tq).to(tl.int64)
+    offs_dv = tl.arange(0, BDV)
+    dv_ok = offs_dv[None, :] < DV
+    gp = GT + b * sgb + iq * sgt + hq * sgh
+    g0 = tl.load(gp).to(tl.float32)
+    g1 = tl.load(gp + sgk).to(tl.float32)
+    g2 = tl.load(gp + 2 * sgk).to(tl.float32)
+    c = tl.arange(0, NCH_P2)
+    c_ok = c < NCH
+    x = tl.arange(0, NP2_P2)
+    x_ok = x < NP2
+    crow = (row * NCH + c).to(tl.int64) * HQ + hq
+    xrow = (row * NP2 + x).to(tl.int64) * HQ + hq
     _pdl_wait(PDL)
-    _combine(GT, O, CM, CL, CO, XM, XL, XO, row, (row // Tq).to(tl.int64), (row % Tq).to(tl.int64), hq, hq < HQ,
-             sgb, sgt, sgh, sgk, sob, sot, soh, NCH, NSS, NP2, HQ, 1, DV, BDV, NCH_P2, NP2_P2, XC)
+    cm = tl.load(CM + crow, mask=c_ok, other=float("-inf"))
+    cl = tl.load(CL + crow, mask=c_ok, other=0.0)
+    co = tl.load(CO + crow[:, None] * DV + offs_dv[None, :], mask=c_ok[:, None] & dv_ok, other=0.0)
+    xm = tl.load(XM + xrow, mask=x_ok, other=float("-inf"))
+    xl = tl.load(XL + xrow, mask=x_ok, other=0.0)
+    xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok, other=0.0)
+    o_cmp = _merge(cm, cl, co, c_ok)                       # exactly 0 when no compressed token is visible
+    o_slc = _merge(xm, xl, xo, x_ok & (x < NSS))
+    o_win = _merge(xm, xl, xo, x_ok & (x >= NSS))
+    o = g0 * o_cmp + g1 * o_slc + g2 * o_win
+    tl.store(O + b * sob + iq * sot + hq * soh + offs_dv, o.to(O.dtype.element_ty), mask=offs_dv < DV)
 
 
 # ----------------------------------------------------------------------------------------------
 # launcher
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_COUNTERS: dict = {}   # (device, stream) -> int32 semaphores, zero between kernels
+
+
+def _counters(dev: torch.device, n: int) -> torch.Tensor:
+    """n zeroed int32 split-K semaphores for a launch on the current stream. The kernels leave them
+    at zero, so one buffer per (device, stream) serves every later call; inside a CUDA-graph capture
+    without a large enough buffer a fresh zeroed one is captured (its memset replays with the graph)."""
+    key = (str(dev), torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    buf = torch.zeros(max(n, 64), device=dev, dtype=torch.int32)
+    if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _COUNTERS[key] = buf
+    return buf
+
+
+def _warps(knob: Warps, elems: int) -> int:
+    """num_warps: the knob, or for "auto" about 32 elements of the largest tile per thread (1..8)."""
+    if knob != "auto":
+        return int(knob)
+    return max(1, min(8, next_pow2(triton.cdiv(elems, 32 * 32))))
+
+
+def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: int, n_sel: int,
+                w: int, sms: int, knobs: DecodeKnobs) -> dict:
+    """Launch geometry from capacities only (so a captured graph fits every later step).
+
+    rows_h = B*Tq*H (row, kv head) pairs; n_cap compressed-token slots; s_cap raw-token slots;
+    sms = multiprocessors; knobs = DecodeTuning.knobs(rows_h).
+    """
+    r, u = l // d, l_sel // d
+    bn = max(16, next_pow2(max(knobs.cmp_tile, r + u)))
+    nbj = (bn - (r - 1)) // u                       # selection blocks a sub-tile owns
+    nb_vis_cap = (n_cap + r - 1 + u - 1) // u if n_cap > 0 else 0
+    nsub = max(1, triton.cdiv(nb_vis_cap, nbj))
+    # split-K: about cmp_per_sm programs per multiprocessor in all (one resident wave)
+    want = max(1, int(knobs.cmp_per_sm * sms) // rows_h)
+    subs = triton.cdiv(nsub, min(want, nsub))
+    nch = triton.cdiv(nsub, subs)
+    nb_p2 = max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1))
+    kr = max(2, next_pow2(n_sel))
+    sl = min(nb_p2, max(2, next_pow2(knobs.score_slice), nb_p2 // 16))
+    ck = min(sl, kr)                                # candidates per scoring slice
+    ncand = (nb_p2 // sl) * ck
+    # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
+    # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
+    tw = min(max(16, next_pow2(l_sel)), knobs.tile)      # key tile (tokens) of both kinds
+    nbs = triton.cdiv(l_sel, tw)
+    nwt = triton.cdiv(min(w, max(s_cap, 1)), tw)
+    p2 = max(2, int(knobs.sw_per_sm * sms) // rows_h)
+    tpp = max(1, triton.cdiv(n_sel * nbs + nwt, p2))
+    spb = triton.cdiv(n_sel, triton.cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
+    nss = triton.cdiv(n_sel, spb)
+    wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpp))            # window tiles per window program
+    nwc = triton.cdiv(nwt, wsub)
+    return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
+                NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
+                NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
+
+
+def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
+    """Launch [(name, kernel, grid, args, constexprs)] in order; with pdl the kernels get PDL=True
+    (griddepcontrol in the code) and every launch but the first the launch_pdl attribute. info, when
+    given, receives name -> the compiled kernel (register / spill diagnostics)."""
+    for i, (name, kernel, grid, args, kw) in enumerate(specs):
+        extra = dict(launch_pdl=True) if pdl and i > 0 else {}
+        compiled = kernel[grid](*args, **kw, PDL=pdl, **extra)
+        if info is not None:
+            info[name] = compiled
+
+
+def _launch_with_pdl_fallback(specs: list, want_pdl: bool, info: dict | None = None) -> None:
+    """Programmatic dependent launch when wanted and this Triton/driver takes it; learnt once, on the
+    first try outside a CUDA-graph capture (a failed launch must not happen inside one)."""
+    pdl = want_pdl and _PDL["ok"] is not False
+    if pdl and _PDL["ok"] is None and torch.cuda.is_current_stream_capturing():
+        pdl = False
+    if not pdl:
+        _launch_all(specs, False, info)
+        return
+    try:
+        _launch_all(specs, True, info)
+        _PDL["ok"] = True
+    except Exception:  # noqa: BLE001 - e.g. no launch_pdl in this Triton: plain launches from now on
+        if _PDL["ok"]:
+            raise
+        _PDL["ok"] = False
+        _launch_all(specs, False, info)
 
 
 def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
@@ -527,9 +586,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
     cand = torch.empty(R * H, plan["NCAND"], device=dev, dtype=torch.int64)   # per-slice best keys
     sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
-    # split-K semaphores (zeros, left at zero): [0, R*H) the scoring slices', [R*H, 2*R*H) the
-    # selection/window programs' (fused combine)
-    cnt = _counters(dev, 2 * R * H)
+    cnt = _counters(dev, R * H)                                                # zeros, left at zero
     bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
@@ -554,30 +611,23 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                     LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
                     LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
-    fuse = bool(tn.fuse_combine)
-    np2_p2 = max(2, next_pow2(NP2))
-    comb = (gates, o, cm, cl, co)
-    gstr = (gates.stride(0), gates.stride(1), gates.stride(2), gates.stride(3), o.stride(0), o.stride(1),
-            o.stride(2))
-    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo, *comb, cnt[R * H:],
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
-               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), *gstr, spos, swin, pos_base,
-               win_base, int(win_ring), Tq, H, NCH, plan["NSS"], NP2, sl2)
-    # fused merge: XC partials a step, [GP, XC, bdv] fp32 tiles of about comb_regs elements a thread
-    per = tn.comb_regs * 32 * tn.slc_warps // (GP * bdv)
-    xc = min(max(nch_p2, np2_p2), 1 << max(0, per.bit_length() - 1))
+               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
+               win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
+               sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
-                 FUSE=fuse, NCH_P2=nch_p2, NP2_P2=np2_p2, XC=xc,
                  num_warps=tn.slc_warps, num_stages=tn.slc_stages)
-    specs = [("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
-             ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-             ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw)]
-    if not fuse:  # a fourth launch, one program per (query head, row), all partials in one step
-        comb_args = (*comb, xm, xl, xo, *gstr, Tq, NCH, plan["NSS"], NP2)
-        comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2, XC=max(nch_p2, np2_p2),
-                       num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
-        specs.append(("combine", _combine_kernel, (HQ, R), comb_args, comb_kw))
-    _launch_with_pdl_fallback(specs, bool(tn.pdl) and q.is_cuda, launch_info)
+    comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
+                 gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
+    np2_p2 = max(2, next_pow2(NP2))
+    comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
+                   num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
+    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
+                               ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
+                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
+                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
+                              bool(tn.pdl) and q.is_cuda, launch_info)
     return o, bi
