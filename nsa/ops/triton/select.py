@@ -479,10 +479,11 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
 
 
 @triton.jit
-def _slc_reduce_kernel(DKO, DVO, XDK, XDV, NCH, XOFF, T, H, NSB,
+def _slc_reduce_kernel(DKO, DVO, XDK, XDV, DK_OUT, DV_OUT, NCH, XOFF, T, H, NSB,
                        LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BDK: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr):
-    """Adds the fp32 partials of chunks 1.. of one segment to chunk 0's result, in chunk order."""
+    """dK/dV of one segment's LSEL keys in the output dtype: chunk 0's fp32 result plus the fp32
+    partials of chunks 1.., added in chunk order (one pass: no separate dtype conversion)."""
     seg = tl.program_id(0)
     j = seg % NSB
     bh = seg // NSB
@@ -492,8 +493,7 @@ def _slc_reduce_kernel(DKO, DVO, XDK, XDV, NCH, XOFF, T, H, NSB,
     xo = tl.load(XOFF + seg)
     kk = tl.arange(0, BS)
     kp = j * LSEL + kk
-    need = (tl.zeros([BS], tl.int32) + (nch > 1).to(tl.int32)) > 0   # vector: see the dkdv kernel
-    k_ok = (kk < LSEL) & (kp < T) & need
+    k_ok = (kk < LSEL) & (kp < T)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
     o_row = ((b * T + kp) * H + h)
@@ -505,8 +505,8 @@ def _slc_reduce_kernel(DKO, DVO, XDK, XDV, NCH, XOFF, T, H, NSB,
         x_row = ((xo + c - 1) * LSEL + kk).to(tl.int64)
         acc_k += tl.load(XDK + x_row[:, None] * DK + offs_dk[None, :], mask=mk, other=0.0)
         acc_v += tl.load(XDV + x_row[:, None] * DV + offs_dv[None, :], mask=mv, other=0.0)
-    tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], acc_k, mask=mk)
-    tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], acc_v, mask=mv)
+    tl.store(DK_OUT + o_row[:, None] * DK + offs_dk[None, :], acc_k.to(DK_OUT.dtype.element_ty), mask=mk)
+    tl.store(DV_OUT + o_row[:, None] * DV + offs_dv[None, :], acc_v.to(DV_OUT.dtype.element_ty), mask=mv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -542,6 +542,20 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     return o, lse
 
 
+@triton.jit
+def _toks_rank_kernel(ORDER, SKEY, TOKS, RANK, P, S, T, NSEG, RANKS: tl.constexpr, BLOCK: tl.constexpr):
+    """toks[i] = the token of sorted slot i (order[i] = flat (b, h, t, s) position); with RANKS also
+    rank[order[i]] = i where the slot holds a block (sorted key < NSEG), else -1 (a permutation:
+    every rank entry is written once)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < P
+    o = tl.load(ORDER + i, mask=ok, other=0).to(tl.int64)
+    tl.store(TOKS + i, (o // S) % T, mask=ok)
+    if RANKS:
+        listed = tl.load(SKEY + i, mask=ok, other=0).to(tl.int64) < NSEG
+        tl.store(RANK + o, tl.where(listed, i, -1), mask=ok)
+
+
 def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
     """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
 
@@ -551,12 +565,15 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: boo
     """
     B, T, H, S = block_idx.shape
     inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk)   # [B, H, T, S]
-    order = inv.pop("order")
-    inv["toks"] = (order // S) % T
+    order, skey = inv.pop("order"), inv.pop("skey")
+    P = order.numel()
+    inv["toks"] = torch.empty_like(order)
+    rank = torch.empty(B, H, T, S, device=order.device, dtype=order.dtype) if ranks else order
+    if P:
+        _toks_rank_kernel[(triton.cdiv(P, 1024),)](order, skey, inv["toks"], rank, P, S, T, inv["nseg"],
+                                                   RANKS=ranks, BLOCK=1024)
     if ranks:
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-        inv["rank"] = torch.where(inv.pop("listed"), pos, -1).view(B, H, T, S)
+        inv["rank"] = rank
     return inv
 
 
@@ -566,7 +583,7 @@ def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     of <= chunk of them (the token walks of invert_selection, the tile walks of select_tile).
 
     Device-only. Returns order [P] (flat slot positions grouped by segment; slots holding no block
-    last), listed [B*H*N*S] (the slot holds a block), segoff [NSEG+1], work_items' nch / wseg / wchunk /
+    last), skey [P] (their sorted keys: bh*nsb + block, NSEG for no block), segoff [NSEG+1], work_items' nch / wseg / wchunk /
     w_max / chunk, xoff [NSEG] (first fp32 scratch slot of a segment's chunks 1..), and the host ints
     n_slots, nseg, nsb, n_pairs."""
     B, H = blocks.shape[:2]
@@ -586,7 +603,7 @@ def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     items = work_items(segoff, n_pairs, chunk)
     nch = items["nch"]
     xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    return dict(order=order, listed=key < nseg, segoff=segoff, xoff=xoff,
+    return dict(order=order, skey=skey, segoff=segoff, xoff=xoff,
                 n_slots=max(1, (n_pairs + chunk - 1) // chunk), nseg=nseg, nsb=nsb, n_pairs=n_pairs, **items)
 
 
@@ -688,10 +705,21 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
             **{k: v for k, v in meta.items() if k != "GR"})
-    _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
-                                       LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
-                                       num_warps=8)
-    return dk32.to(k.dtype), dv32.to(v.dtype)
+    return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
+
+
+def reduce_dkdv(dk32: torch.Tensor, dv32: torch.Tensor, xdk: torch.Tensor, xdv: torch.Tensor, inv: dict,
+                k_dtype: torch.dtype, v_dtype: torch.dtype, *, l_sel: int, bdk: int, bdv: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dK, dV) [B,T,H,*] in k's / v's dtype from a dK/dV walk's fp32 chunk-0 results dk32/dv32 and its
+    fp32 partials of later chunks xdk/xdv (segments and chunks of inv)."""
+    B, T, H, dk = dk32.shape
+    dks = torch.empty(B, T, H, dk, device=dk32.device, dtype=k_dtype)
+    dvs = torch.empty(B, T, H, dv32.shape[3], device=dk32.device, dtype=v_dtype)
+    _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, dks, dvs, inv["nch"], inv["xoff"], T, H, inv["nsb"],
+                                       LSEL=l_sel, DK=dk, DV=dv32.shape[3], BDK=bdk, BDV=bdv,
+                                       BS=max(16, next_pow2(l_sel)), num_warps=8)
+    return dks, dvs
 
 
 def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,

@@ -37,7 +37,7 @@ from ._utils import dot_precision, next_pow2
 from .attn import attn_fwd, online_softmax_step
 from .scores import select_blocks
 from .guard import Guard, skip_program
-from .select import (_bwd_args, _slc_reduce_kernel, block_kv, dq_buffer, segment_lists, slc_bwd, slc_dkdv, slc_fwd,
+from .select import (_bwd_args, block_kv, dq_buffer, reduce_dkdv, segment_lists, slc_bwd, slc_dkdv, slc_fwd,
                      work_item)
 
 LOG2E = 1.4426950408889634
@@ -458,7 +458,7 @@ def invert_tiles(un: TileUnion, T: int, l_sel: int, chunk: int) -> dict:
     searchsorted). Same layout as select.invert_selection with `src` for its `toks`."""
     inv = segment_lists(un.blocks.to(torch.int64), triton.cdiv(T, l_sel), chunk)   # [B, H, tile, u]
     inv["src"] = inv.pop("order")
-    del inv["listed"]
+    del inv["skey"]
     return inv
 
 
@@ -521,10 +521,8 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
         inv["xoff"], dk32, dv32, xdk, xdv, *strides, T, H, nt, inv["nsb"], inv["nseg"], scale * LOG2E,
         scale, QB=qb, ROWS=max(16, next_pow2(qb * m * G)), CH=max(1, chunk // m), BS=bs,
         HAS_GATE=gate is not None, num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta)
-    _slc_reduce_kernel[(inv["nseg"],)](dk32, dv32, xdk, xdv, inv["nch"], inv["xoff"], T, H, inv["nsb"],
-                                       LSEL=l_sel, DK=dk, DV=dv, BDK=meta["BDK"], BDV=meta["BDV"], BS=bs,
-                                       num_warps=8)
-    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    return (dq, *reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"],
+                             bdv=meta["BDV"]))
 
 
 # ----------------------------------------------------------------------------------------------
