@@ -11,8 +11,10 @@ dq is accumulated across the three branches in one fp32 buffer, in a fixed order
 
 Compressed branch on a dense kernel (tuning.cmp_dense, nsa/ops/tuning.py): on CUDA with fp16/bf16 the
 compressed attention can run as one grouped-query causal SDPA call (cuDNN or flash, cmp_dense.py) outside the Function;
-its output and log-sum-exp come in as o_cmp / lse_cmp, the Function returns g_cmp * dO as their
-gradient and autograd runs that kernel's backward (dq of that branch is then added by autograd).
+its output (left in the dense problem's rows, read through row_slot) and log-sum-exp come in as
+o_cmp / lse_cmp, the Function returns g_cmp * dO in those rows as their gradient and autograd runs that
+kernel's backward. The window branch on flash-attn likewise. q reaches those branches through one
+_QFork node, whose backward sums the three branches' gradients of q in one pass.
 """
 from __future__ import annotations
 
