@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 from test_triton_tile import CASES, DEV, case_inputs, oracle, rel_err, tol  # noqa: E402
 
 from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton.inversion import work_items  # noqa: E402
 from nsa.ops.triton import select_block as sb  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
 from nsa.ops.testing import make_inputs  # noqa: E402
@@ -115,7 +116,7 @@ def test_forward_chunk_of_its_own_changes_nothing(pair_chunk):
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
     inv = tsel.invert_selection(bi, l_sel, 64, ranks=True)
-    items = tsel.work_items(inv["segoff"], inv["n_pairs"], pair_chunk)
+    items = work_items(inv["segoff"], inv["n_pairs"], pair_chunk)
     assert items["w_max"] > inv["w_max"] and int(items["nch"].sum()) <= items["w_max"]
     kw = dict(l_sel=l_sel, scale=scale, chunk=64)
     o0, lse0 = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=by_block(pair_rows=16))
@@ -304,3 +305,32 @@ def test_gpu_op_by_block_on_captured_inputs(T):
         assert same >= 0.999, f"{where}: block_idx equal to the capture's on {same:.4%} of rows"
         for name, err in errs:
             assert err <= 5e-3, f"{where}, {name}: {err:.2e}"
+
+
+def _work_items_plain(segoff: torch.Tensor, n_pairs: int, chunk: int) -> dict:
+    """work_items written as plain torch ops (searchsorted over the chunk counts' prefix sum)."""
+    nseg = segoff.numel() - 1
+    nch = torch.clamp((segoff[1:] - segoff[:-1] + chunk - 1) // chunk, min=1)
+    cum = torch.cumsum(nch, 0)
+    w = torch.arange(nseg + (n_pairs + chunk - 1) // chunk, device=segoff.device)
+    wseg = torch.searchsorted(cum, w, right=True)
+    segc = wseg.clamp(max=nseg - 1)
+    return dict(nch=nch, xoff=torch.cumsum(nch - 1, 0) - (nch - 1), wseg=wseg, wchunk=w - (cum[segc] - nch[segc]))
+
+
+@pytest.mark.parametrize("nseg,chunk", [(1, 4), (7, 3), (1500, 16), (2500, 1)])
+def test_work_items_kernels_match_plain_torch(nseg, chunk):
+    """The two work-item kernels (chunk counts and prefix sums over segment tiles with a carried total;
+    item -> segment by binary search) against the plain torch formula: empty segments, one segment
+    holding most entries, more segments than one tile, and spare items past the last."""
+    g = torch.Generator().manual_seed(nseg)
+    cnt = torch.randint(0, 3 * chunk, (nseg,), generator=g)
+    cnt[torch.randint(0, nseg, (max(1, nseg // 5),), generator=g)] = 0
+    cnt[nseg // 2] = 40 * chunk + 1
+    segoff = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(cnt, 0)]).to(DEV)
+    n_pairs = int(segoff[-1]) + 3 * chunk   # listed slots plus empty ones, as segment_lists counts them
+    got, want = work_items(segoff, n_pairs, chunk), _work_items_plain(segoff, n_pairs, chunk)
+    assert got["w_max"] == want["wseg"].numel() and got["chunk"] == chunk
+    for name in ("nch", "xoff", "wseg", "wchunk"):
+        assert got[name].dtype == torch.int64 and torch.equal(got[name], want[name]), name
+    assert int((got["wseg"] == nseg).sum()) == got["w_max"] - int(want["nch"].sum()) > 0

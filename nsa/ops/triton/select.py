@@ -33,6 +33,7 @@ from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
+from .inversion import invert_selection
 from .scores import SCORE_GRID
 
 
@@ -542,92 +543,10 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     return o, lse
 
 
-@triton.jit
-def _toks_rank_kernel(ORDER, SKEY, TOKS, RANK, P, S, T, NSEG, RANKS: tl.constexpr, BLOCK: tl.constexpr):
-    """toks[i] = the token of sorted slot i (order[i] = flat (b, h, t, s) position); with RANKS also
-    rank[order[i]] = i where the slot holds a block (sorted key < NSEG), else -1 (a permutation:
-    every rank entry is written once)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < P
-    o = tl.load(ORDER + i, mask=ok, other=0).to(tl.int64)
-    tl.store(TOKS + i, (o // S) % T, mask=ok)
-    if RANKS:
-        listed = tl.load(SKEY + i, mask=ok, other=0).to(tl.int64) < NSEG
-        tl.store(RANK + o, tl.where(listed, i, -1), mask=ok)
-
-
-def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
-    """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
-
-    Device-only (sort + searchsorted, no host sync). Returns segment_lists' dict plus toks [P]
-    (tokens, grouped by segment, ascending t within one); with ranks also rank [B,H,T,S] (the position
-    of slot (b, h, t, s) in toks, -1 for an empty slot).
-    """
-    B, T, H, S = block_idx.shape
-    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk)   # [B, H, T, S]
-    order, skey = inv.pop("order"), inv.pop("skey")
-    P = order.numel()
-    inv["toks"] = torch.empty_like(order)
-    rank = torch.empty(B, H, T, S, device=order.device, dtype=order.dtype) if ranks else order
-    if P:
-        _toks_rank_kernel[(triton.cdiv(P, 1024),)](order, skey, inv["toks"], rank, P, S, T, inv["nseg"],
-                                                   RANKS=ranks, BLOCK=1024)
-    if ranks:
-        inv["rank"] = rank
-    return inv
-
-
-def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
-    """blocks [B, H, N, S] (block ids of N entries of S slots each, -1 for none) -> for each segment
-    (b, h, block j) the flat positions of the slots holding j, in (n, s) order, split in work items
-    of <= chunk of them (the token walks of invert_selection, the tile walks of select_tile).
-
-    Device-only. Returns order [P] (flat slot positions grouped by segment; slots holding no block
-    last), skey [P] (their sorted keys: bh*nsb + block, NSEG for no block), segoff [NSEG+1], work_items' nch / wseg / wchunk /
-    w_max / chunk, xoff [NSEG] (first fp32 scratch slot of a segment's chunks 1..), and the host ints
-    n_slots, nseg, nsb, n_pairs."""
-    B, H = blocks.shape[:2]
-    dev = blocks.device
-    nseg = B * H * nsb
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
-    # the narrowest keys that fit: the radix sort makes 2 passes for int16, 4 for int32, 8 for int64 (its 8
-    # passes were 0.24 ms of the op's 15.9 at 64k, production shape, H100)
-    kdt = torch.int16 if nseg < 2 ** 15 - 1 else torch.int32 if nseg < 2 ** 31 - 1 else torch.int64
-    key = torch.where(blocks >= 0, bh * nsb + blocks, nseg).reshape(-1).to(kdt)   # order (b, h, n, s)
-    skey, order = torch.sort(key, stable=True)
-    segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=kdt))
-    n_pairs = key.numel()
-    if n_pairs + chunk >= 2 ** 31:
-        raise ValueError(f"the selection has {n_pairs} (entry, slot) pairs: list positions are int32 in the "
-                         "walks, so split the batch (B) into calls of fewer than 2**31 pairs")
-    items = work_items(segoff, n_pairs, chunk)
-    nch = items["nch"]
-    xoff = torch.cumsum(nch - 1, 0) - (nch - 1)
-    return dict(order=order, skey=skey, segoff=segoff, xoff=xoff,
-                n_slots=max(1, (n_pairs + chunk - 1) // chunk), nseg=nseg, nsb=nsb, n_pairs=n_pairs, **items)
-
-
 def walk_group(G: int, tn: SelectTuning) -> int:
     """Rows per token in the walks over a block's token list: G (heads packed densely) or G padded to
     a power of two (tuning.pack_heads)."""
     return G if tn.pack_heads else next_pow2(G)
-
-
-def work_items(segoff: torch.Tensor, n_pairs: int, chunk: int) -> dict:
-    """Work items over an inversion's segments (segoff [NSEG+1]) in chunks of <= chunk list entries:
-    nch [NSEG] (chunks per segment, >= 1: an empty block's one item writes its zero dK/dV), wseg /
-    wchunk [w_max] (item -> segment, chunk; segment NSEG marks a spare item past the last one), w_max
-    (a host int from the sizes alone: no sync), chunk. Device-only."""
-    nseg = segoff.numel() - 1
-    cnt = segoff[1:] - segoff[:-1]
-    nch = torch.clamp((cnt + chunk - 1) // chunk, min=1)
-    cum = torch.cumsum(nch, 0)
-    w_max = nseg + (n_pairs + chunk - 1) // chunk
-    w = torch.arange(w_max, device=segoff.device, dtype=torch.int64)
-    wseg = torch.searchsorted(cum, w, right=True)                           # == nseg past the last item
-    segc = wseg.clamp(max=nseg - 1)
-    wchunk = w - (cum[segc] - nch[segc])
-    return dict(nch=nch, wseg=wseg, wchunk=wchunk, w_max=w_max, chunk=chunk)
 
 
 def _bwd_args(q, k, v, do, lse, delta, gate):

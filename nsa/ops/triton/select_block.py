@@ -26,7 +26,8 @@ from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2
 from .guard import Guard, skip_program
-from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item, work_items
+from .inversion import work_items
+from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
 
 
 @triton.jit

@@ -37,7 +37,8 @@ from ._utils import dot_precision, next_pow2
 from .attn import attn_fwd, online_softmax_step
 from .scores import select_blocks
 from .guard import Guard, skip_program
-from .select import (_bwd_args, block_kv, dq_buffer, reduce_dkdv, segment_lists, slc_bwd, slc_dkdv, slc_fwd,
+from .inversion import segment_lists
+from .select import (_bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_bwd, slc_dkdv, slc_fwd,
                      work_item)
 
 LOG2E = 1.4426950408889634
