@@ -81,6 +81,23 @@ def test_tile_tuning_is_checked():
     assert tn.launch(tn.fwd, 64) is tn.fwd[0] and tn.launch(tn.fwd, 128) is tn.fwd[1]
 
 
+def test_score_tile_register_cap_is_checked():
+    """ScoreTile.max_regs: None or an int in [24, 255]; a GPU launch option only, so the interpreter's
+    selection under a capped tile equals the uncapped one."""
+    from nsa.ops.triton.scores import select_blocks
+    from nsa.ops.tuning import CPU, ScoreTile
+    for bad in (True, 23, 256, 80.0):
+        with pytest.raises(ValueError, match="ScoreTile.max_regs"):
+            ScoreTile(128, 64, 8, 2, 2, 2, max_regs=bad)
+    assert HOPPER.scores.small_group.max_regs == 80 and HOPPER.scores.tile.max_regs is None
+    g = torch.Generator().manual_seed(0)
+    q, kc = torch.randn(1, 200, 4, 16, generator=g), torch.randn(1, 12, 2, 16, generator=g)
+    lse = torch.randn(1, 200, 4, generator=g).abs() + 2.0
+    kw = dict(l=32, d=16, l_sel=32, n_sel=3, scale=0.25)
+    capped = dataclasses.replace(CPU.scores, tile=dataclasses.replace(CPU.scores.tile, max_regs=64))
+    assert torch.equal(select_blocks(q, kc, lse, **kw, tuning=capped), select_blocks(q, kc, lse, **kw, tuning=CPU.scores))
+
+
 def test_decode_regimes_and_overrides():
     dt = DecodeTuning()
     assert dt.knobs(dt.large_rows - 1) is dt.small and dt.knobs(dt.large_rows) is dt.large

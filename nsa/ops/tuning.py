@@ -206,6 +206,14 @@ class ScoreTile:
     stages: int
     map_small: int
     map_big: int
+    # registers per thread (ptxas .maxnreg; None: the compiler's choice). The kernel is latency-bound
+    # (chunks of dependent dot -> exp -> map -> sort steps), so fewer registers buy resident blocks
+    max_regs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_regs is not None and (isinstance(self.max_regs, bool) or not isinstance(self.max_regs, int)
+                                          or not 24 <= self.max_regs <= 255):
+            raise ValueError(f"ScoreTile.max_regs must be None or an int in [24, 255], got {self.max_regs!r}")
 
 
 @dataclass(frozen=True)
@@ -372,13 +380,15 @@ class KernelTuning:
 # and the scaled fp16 ones match fp32's errors against the fp32 op at bf16's speed (table 9).
 # For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
 # tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 64 rows (10 packed
-# tokens) per step with token ids prefetched: since the walk holds its rows on the MMA's M side it no
-# longer spills, and that beat 128 rows (the best while it spilled, table 8): H100, HQ=12/H=2/d=64, walk
-# device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9).
+# tokens) per step with token ids prefetched: since the walk holds its rows on the MMA's M side it spills
+# 56 B instead of heavily, and that beat 128 rows (the best while it spilled, table 8): H100, HQ=12/H=2/d=64, walk
+# device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9). Their score
+# tile capped at 80 registers (122 uncapped, no spills either way) runs 3 blocks per SM instead of 2:
+# 0.207 -> 0.188 ms at 16k, 2.750 -> 2.525 ms at 64k (table 10; 72 spills, 96 fits no third block).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", pair_dtype="fp16", dq_pair_dtype="input", block_dkdv_rows=64,
                                           pair_chunk=128, pack_heads=True, prefetch=True, ids_in_regs=True),
-                      scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2)))
+                      scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

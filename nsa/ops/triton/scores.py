@@ -306,5 +306,6 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=tuning.skip_merge, num_warps=warps, num_stages=stages)
+        SKIP=tuning.skip_merge, num_warps=warps, num_stages=stages,
+        **(dict(maxnreg=tile.max_regs) if tile.max_regs is not None and q.is_cuda else {}))
     return bi
