@@ -53,9 +53,8 @@ def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     of <= chunk of them (the token walks of invert_selection, the tile walks of select_tile).
 
     Device-only. Returns order [P] (flat slot positions grouped by segment; slots holding no block
-    last), skey [P] (their sorted keys: bh*nsb + block, NSEG for no block), segoff [NSEG+1], work_items' nch / wseg / wchunk /
-    w_max / chunk, xoff [NSEG] (first fp32 scratch slot of a segment's chunks 1..), and the host ints
-    n_slots, nseg, nsb, n_pairs."""
+    last), skey [P] (their sorted keys: bh*nsb + block, NSEG for no block), segoff [NSEG+1], work_items'
+    nch / xoff / wseg / wchunk / w_max / chunk, and the host ints n_slots, nseg, nsb, n_pairs."""
     B, H = blocks.shape[:2]
     dev = blocks.device
     nseg = B * H * nsb
