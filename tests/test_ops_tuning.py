@@ -95,7 +95,8 @@ def test_score_tile_register_cap_is_checked():
     lse = torch.randn(1, 200, 4, generator=g).abs() + 2.0
     kw = dict(l=32, d=16, l_sel=32, n_sel=3, scale=0.25)
     capped = dataclasses.replace(CPU.scores, tile=dataclasses.replace(CPU.scores.tile, max_regs=64))
-    assert torch.equal(select_blocks(q, kc, lse, **kw, tuning=capped), select_blocks(q, kc, lse, **kw, tuning=CPU.scores))
+    plain = select_blocks(q, kc, lse, **kw, tuning=CPU.scores)
+    assert torch.equal(select_blocks(q, kc, lse, **kw, tuning=capped), plain)
 
 
 def test_decode_regimes_and_overrides():

@@ -10,10 +10,10 @@ their usual efficiency instead of a masked Triton kernel. Queries with j < 0 (t 
 no compressed token: o = 0, lse = -inf there, as in the reference.
 
 The regrouping is one row gather each way (q rows into the dense problem's order, its output rows
-back; the Triton op skips the way back, its kernels read the rows through row_slot), each with an exact inverse, so forward and backward are gathers: no scatter, no atomics. The
-rows are ordered as the dense kernel lays them out ([B, N, heads, D] for flash-attn), so nothing is
-copied to transpose. (The dense kernels' own backward may not be bitwise repeatable: cuDNN's was
-not at 64k.)
+back; the Triton op skips the way back, its kernels read the rows through row_slot), each with an
+exact inverse, so forward and backward are gathers: no scatter, no atomics. The rows are ordered as
+the dense kernel lays them out ([B, N, heads, D] for flash-attn), so nothing is copied to transpose.
+(The dense kernels' own backward may not be bitwise repeatable: cuDNN's was not at 64k.)
 The SDPA op is one of PyTorch's private aten entry points that return the log-sum-exp; autograd
 runs the same kernel family's backward.
 """
