@@ -182,15 +182,7 @@ def run_kernels(a) -> None:
         x = common.nsa_inputs(B, T, HQ, H, dk, dv)
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
         nsa_step = fwd_bwd(x, do, tuning)
-
-        bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        qd, kd, vd = torch.randn(B, HQ, T, dk, **bf), torch.randn(B, H, T, dk, **bf), torch.randn(B, H, T, dv, **bf)
-        dod = torch.randn(B, HQ, T, dv, device="cuda", dtype=torch.bfloat16)
-
-        def dense_step():
-            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
-            return torch.autograd.grad(o, (qd, kd, vd), dod)
-
+        dense_step = _dense_fwd_bwd(B, T, HQ, H, dk, dv)
         rows, ms = kernel_table(nsa_step, a.iters)
         drows, dms = kernel_table(dense_step, a.iters)
         run = result["runs"][str(T)] = {"nsa_device_ms": round(ms, 3), "dense_device_ms": round(dms, 3),
@@ -204,9 +196,21 @@ def run_kernels(a) -> None:
             common.print_table(["aten op (own device time)", "ms", "calls", "input shapes"],
                                [[r["op"], r["ms_per_iter"], r["calls_per_iter"], r["shapes"]] for r in ops],
                                ["", ".3f", "g", ""])
-        del x, qd, kd, vd
+        del x, nsa_step, dense_step
         torch.cuda.empty_cache()
     common.write_result(result, "profile_attention", a)
+
+
+def _dense_fwd_bwd(B: int, T: int, HQ: int, H: int, dk: int, dv: int):
+    """A causal GQA SDPA forward+backward step on fresh bf16 inputs (the dense side of the kernel table)."""
+    bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qd, kd, vd = torch.randn(B, HQ, T, dk, **bf), torch.randn(B, H, T, dk, **bf), torch.randn(B, H, T, dv, **bf)
+    dod = torch.randn(B, HQ, T, dv, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+        return torch.autograd.grad(o, (qd, kd, vd), dod)
+    return step
 
 
 # ----------------------------------------------------------------------------------------- step
