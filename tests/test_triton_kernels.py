@@ -124,7 +124,8 @@ def test_gather_rows_kernel_and_inverse_maps():
     T, N, HQ, H, l, d = 70, common.num_cmp_tokens(70, 8, 4), 6, 2, 8, 4
     bhnd = cmp_dense._maps(T, N, HQ, H, l, d, DEV, False)
     for bnhd in (False, True):
-        slot_src, row_slot, lse_slot, pad_rows = cmp_dense._maps(T, N, HQ, H, l, d, DEV, bnhd)
+        maps = cmp_dense._maps(T, N, HQ, H, l, d, DEV, bnhd)
+        slot_src, row_slot, lse_slot, pad_rows = maps.slot_src, maps.row_slot, maps.lse_slot, maps.pad_rows
         assert torch.equal(pad_rows, (slot_src < 0).nonzero().view(-1))
         ok = row_slot >= 0
         assert torch.equal(slot_src[row_slot[ok]], torch.arange(T * HQ, device=DEV)[ok])
@@ -171,9 +172,9 @@ def test_q_fork_sums_every_branch_gradient(parts):
     if rows is not None:
         wr = torch.randn(rows.shape, device=DEV)
         loss = loss + (rows * wr).sum()
-        back = maps[1]
+        back = maps.row_slot
         want = want + torch.where((back >= 0).view(1, -1, 1), wr[:, back.clamp(min=0)], 0.0).view(B, T, HQ, dk)
-        assert torch.equal(rows, cmp_dense.gather_rows(q.detach().reshape(B, T * HQ, dk), maps[0]))
+        assert torch.equal(rows, cmp_dense.gather_rows(q.detach().reshape(B, T * HQ, dk), maps.slot_src))
     loss.backward()
     torch.testing.assert_close(q.grad, want, rtol=1e-6, atol=1e-6)
 

@@ -20,6 +20,7 @@ runs the same kernel family's backward.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -27,6 +28,17 @@ import triton.language as tl
 
 # backends in the order tried by "auto"
 BACKENDS = ("cudnn", "flash")
+
+
+class CmpMaps(NamedTuple):
+    """Row maps of the regrouped compressed problem (_maps); lse_idx / lse_none are lse_slot clamped to
+    0 and its -1 mask, kept here so a step does not recompute them from these cached constants."""
+    slot_src: torch.Tensor
+    row_slot: torch.Tensor
+    lse_slot: torch.Tensor
+    pad_rows: torch.Tensor
+    lse_idx: torch.Tensor
+    lse_none: torch.Tensor
 
 
 @functools.lru_cache(maxsize=64)
@@ -40,7 +52,7 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str, bnhd: bo
     row_slot [T*HQ]: the dense row of (t, hq) (-1 for t < l - 1, which see no compressed token);
     lse_slot [T*HQ]: the index h'*N + j of (t, hq) in the dense lse [B, HQ', N] (-1 likewise);
     pad_rows: the dense rows no query maps to (slot_src = -1).
-    slot_src and row_slot are each other's inverse on the rows they map."""
+    slot_src and row_slot are each other's inverse on the rows they map. Returns a CmpMaps on device."""
     G = HQ // H
     r = torch.arange(d).view(d, 1)
     j = torch.arange(N).view(1, N)
@@ -60,7 +72,8 @@ def _maps(T: int, N: int, HQ: int, H: int, l: int, d: int, device: str, bnhd: bo
     lse_slot = torch.full((T * HQ,), -1, dtype=torch.int64)
     lse_slot[src[okx]] = head_pos[okx]
     pad_rows = (slot_src < 0).nonzero().view(-1)
-    return slot_src.to(device), row_slot.to(device), lse_slot.to(device), pad_rows.to(device)
+    return CmpMaps(*(x.to(device) for x in (slot_src, row_slot, lse_slot, pad_rows, lse_slot.clamp(min=0),
+                                            (lse_slot < 0).view(1, -1))))
 
 
 @triton.jit
@@ -138,13 +151,13 @@ def bnhd_layout(backend: str) -> bool:
     return backend in ("fa4", "fa2", "reference")
 
 
-def cmp_maps(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, bnhd: bool):
-    """(slot_src, row_slot, lse_slot, pad_rows) of _maps for q [B,T,HQ,*] and k_cmp [B,N,H,*] (cached)."""
+def cmp_maps(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, bnhd: bool) -> CmpMaps:
+    """The CmpMaps of _maps for q [B,T,HQ,*] and k_cmp [B,N,H,*] (cached)."""
     T, HQ, N, H = q.shape[1], q.shape[2], k_cmp.shape[1], k_cmp.shape[2]
     return _maps(T, N, HQ, H, l, d, str(q.device), bnhd)
 
 
-def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, maps: tuple, *,
+def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, maps: CmpMaps, *,
                        T: int, HQ: int, scale: float, backend: str, bnhd: bool, rows_out: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed branch from q rows already in the dense problem's order (q_rows [B, HQ'*N, dk] =
@@ -153,7 +166,6 @@ def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
     (for kernels that read it through row_slot, which saves the gather each way)."""
     B, dk = q_rows.shape[0], q_rows.shape[2]
     N, dv = k_cmp.shape[1], v_cmp.shape[3]
-    _, row_slot, lse_slot, _ = maps
     HQd = q_rows.shape[1] // N
     if bnhd and backend in ("fa4", "fa2"):   # flash-attn on its own layout: no transposes, o rows come out in order
         from nsa.ops.flash import flash_lse
@@ -163,9 +175,9 @@ def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.T
                            k_cmp.transpose(1, 2), v_cmp.transpose(1, 2), scale, backend)
         o = o.transpose(1, 2) if bnhd else o                                     # the rows' order
     o_rows = o.contiguous().view(B, HQd * N, dv)
-    o_cmp = o_rows if rows_out else _Rows.apply(o_rows, row_slot, maps[0]).view(B, T, HQ, dv)
-    lse = lse.reshape(B, HQd * N).index_select(1, lse_slot.clamp(min=0))
-    lse_cmp = lse.masked_fill_((lse_slot < 0).view(1, -1), float("-inf"))   # nothing visible: -inf
+    o_cmp = o_rows if rows_out else _Rows.apply(o_rows, maps.row_slot, maps.slot_src).view(B, T, HQ, dv)
+    lse = lse.reshape(B, HQd * N).index_select(1, maps.lse_idx)
+    lse_cmp = lse.masked_fill_(maps.lse_none, float("-inf"))   # nothing visible: -inf
     return o_cmp, lse_cmp.view(B, T, HQ)
 
 
@@ -178,7 +190,7 @@ def cmp_attention_dense(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tenso
     B, T, HQ, dk = q.shape
     bnhd = bnhd_layout(backend) if bnhd is None else bnhd
     maps = cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd)
-    qr = _Rows.apply(q.reshape(B, T * HQ, dk), maps[0], maps[1])
+    qr = _Rows.apply(q.reshape(B, T * HQ, dk), maps.slot_src, maps.row_slot)
     return cmp_attention_rows(qr, k_cmp, v_cmp, maps, T=T, HQ=HQ, scale=scale, backend=backend, bnhd=bnhd)
 
 

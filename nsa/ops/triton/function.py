@@ -48,7 +48,7 @@ def _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV: tl.constexpr, ROWS: tl.constexpr
 
 
 @triton.jit
-def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_rows, n_per_b, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
+def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over rows [n_rows, DV] (o_cmp's rows: _cmp_rows)."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -68,7 +68,7 @@ def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_rows, n_per_b, s_rows, DV: tl
 
 
 @triton.jit
-def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, n_rows, n_per_b, s_rows, DV: tl.constexpr,
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr,
                      BDV: tl.constexpr, BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr, WRITE_DOW: tl.constexpr,
                      ROWS: tl.constexpr):
     """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO (into o_cmp's
@@ -162,41 +162,46 @@ def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
     return triton.cdiv(n_rows, block), bdv, block
 
 
+def _rows_args(cmp_rows: cmp_dense.CmpMaps | None, other: torch.Tensor) -> tuple:
+    """(SLOT, n_per_b) kernel arguments of _cmp_rows: the dense problem's row_slot and its length, or
+    (any valid pointer, 1) when o_cmp is in q's rows."""
+    return (cmp_rows.row_slot, cmp_rows.row_slot.numel()) if cmp_rows is not None else (other, 1)
+
+
 def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
-            cmp_rows: tuple | None = None) -> torch.Tensor:
-    """All contiguous: o_* [B,T,HQ,dv] (o_cmp [B,S,dv] in the dense problem's rows with cmp_rows, see
-    _rows_args), gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype."""
+            cmp_rows: cmp_dense.CmpMaps | None = None) -> torch.Tensor:
+    """All contiguous: o_* [B,T,HQ,dv] (o_cmp [B,S,dv] in the dense problem's rows with cmp_rows),
+    gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype."""
     o = torch.empty_like(o_slc)
     n_rows, dv = o.numel() // o.shape[-1], o.shape[-1]
     if n_rows == 0:
         return o
     nb, bdv, block = _rows_grid(n_rows, dv)
-    slot, n_per_b = (cmp_rows[0], cmp_rows[0].numel()) if cmp_rows is not None else (o, 1)
-    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, slot, n_rows, n_per_b, o_cmp.shape[1], DV=dv,
-                               BDV=bdv, BLOCK=block, ROWS=cmp_rows is not None)
+    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, *_rows_args(cmp_rows, o), n_rows, o_cmp.shape[1],
+                               DV=dv, BDV=bdv, BLOCK=block, ROWS=cmp_rows is not None)
     return o
 
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
-               gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False, cmp_rows: tuple | None = None
+               gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False,
+               cmp_rows: cmp_dense.CmpMaps | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous, gates [B,T,HQ,3]. Also returns
-    g_cmp * dO (ext_cmp; shaped like o_cmp, in its rows with cmp_rows = (row_slot, pad_rows), whose
-    pad rows get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
+    g_cmp * dO (ext_cmp; shaped like o_cmp, in the dense problem's rows with cmp_rows, whose pad rows
+    get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
     outputs computed outside the Function."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
     doc = torch.empty(o_cmp.shape, device=do.device, dtype=do.dtype) if ext_cmp else None
     dow = torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
-    if ext_cmp and cmp_rows is not None and cmp_rows[1].numel():   # rows no query maps to: dO = 0
-        doc.index_fill_(1, cmp_rows[1], 0)
+    if ext_cmp and cmp_rows is not None and cmp_rows.pad_rows.numel():   # rows no query maps to: dO = 0
+        doc.index_fill_(1, cmp_rows.pad_rows, 0)
     if n_rows == 0:
         return dg, doc, dow
     nb, bdv, block = _rows_grid(n_rows, dv)
-    slot, n_per_b = (cmp_rows[0], cmp_rows[0].numel()) if cmp_rows is not None else (do, 1)
     _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
-                            slot, n_rows, n_per_b, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block, WRITE_DOC=ext_cmp,
-                            WRITE_DOW=ext_win, ROWS=cmp_rows is not None)
+                            *_rows_args(cmp_rows, do), n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
+                            WRITE_DOC=ext_cmp, WRITE_DOW=ext_win, ROWS=cmp_rows is not None)
     return dg, doc, dow
 
 
@@ -207,7 +212,7 @@ class NSATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
                 l, d, l_sel, n_sel, w, scale, chunk, tuning):
         ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
-        ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: (row_slot, pad_rows), else None
+        ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
         at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
             o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
@@ -350,7 +355,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
                                                           scale=scale, backend=be, bnhd=bnhd, rows_out=True)
-            lse_cmp, cmp_rows = lse_cmp.detach(), (maps[1], maps[3])
+            lse_cmp, cmp_rows = lse_cmp.detach(), maps
         except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise
@@ -368,16 +373,16 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
                                    dkdv_chunk, tuning)
 
 
-def _fork(q: torch.Tensor, maps: tuple | None, win: bool):
+def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool):
     """(q rows for the dense compressed branch or None, q for the flash window branch, q for the
     Function). With q's gradient wanted, one _QFork node hands them out, so q's gradient is one
     fused sum of the branches' (plain tensors, and no node, otherwise)."""
     B, T, HQ, dk = q.shape
     if not (torch.is_grad_enabled() and q.requires_grad) or (maps is None and not win):
-        rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps[0]) if maps is not None else None
+        rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps.slot_src) if maps is not None else None
         return rows, q, q
-    out = list(_QFork.apply(q, maps[0] if maps is not None else None, maps[1] if maps is not None else None,
-                            1 + int(win)))
+    out = list(_QFork.apply(q, maps.slot_src if maps is not None else None,
+                            maps.row_slot if maps is not None else None, 1 + int(win)))
     rows = out.pop(0) if maps is not None else None
     return rows, (out[0] if win else q), out[-1]
 
