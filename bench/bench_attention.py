@@ -131,6 +131,17 @@ def sweep_space() -> dict[str, list[dict]]:
             dict(pair_rows=128, pair_warps=8), dict(pair_stages=3), dict(pair_stages=1), dict(merge_warps=4),
             dict(dkdv_warps=8), dict(dkdv_stages=1), dict(dkdv_stages=3), dict(block_dkdv_rows=32), dict(chunk=512),
             dict(chunk=2048), dict(pair_chunk=64), dict(pair_chunk=256)]],
+        # register caps of the block-order forward (it waits on gathers: resident programs hide them)
+        "select.regs": [{"select.pair_max_regs": r} for r in (128, 96)],
+        # the paper shape (G=16): forward per token (faster there than block by block), dq from the dK/dV
+        # walk's pair partials (64-row walks spill 248 B on 4 warps, sm_90 ptxas; none on 8 warps)
+        "select.g16": [{"select.loop": "auto", "select.dq_block_max_g": 16, **{f"select.{k}": v for k, v in ch.items()}}
+                       for ch in [dict(), dict(dkdv_warps=8, block_dkdv_rows=128), dict(prefetch=False),
+                                  dict(chunk=512), dict(block_dkdv_rows=32), dict(dq_block_max_g=8)]],
+        # the paper shape's score tile (G=16, d=128: 224 registers, 1 program of 8 warps per SM) capped
+        "scores.paper": [{"scores.tile": ScoreTile(*t, max_regs=r)} for t, r in [
+            ((128, 64, 8, 2, 0, 2), 80), ((128, 64, 8, 2, 0, 2), None), ((256, 64, 8, 2, 0, 2), 128),
+            ((128, 64, 8, 2, 2, 2), 80), ((256, 64, 8, 3, 0, 2), 128)]],
         "select.chunk": [{"select.chunk": c} for c in (256, 512, 2048)],
         "select.pair_chunk": [{"select.pair_chunk": c} for c in (64, 128, 256)],
         "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 64},

@@ -116,6 +116,7 @@ def main() -> int:
     from nsa.ops.tuning import HOPPER
     from nsa.ops.triton import select as tsel
     from nsa.ops.triton import select_block as sb
+    from nsa.ops.triton.scores import select_blocks
     tuning = common.changed_tuning(a.tuning, HOPPER) or HOPPER
     seen = compile_only(a.arch)
     hp = common.HP
@@ -134,6 +135,12 @@ def main() -> int:
     dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
                   tuning=tn, inv=inv, dq_pairs=dqp)
+    # the per-token forward and dq, and the fused block scores + top-n
+    tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=dk ** -0.5, tuning=tn)
+    tsel.slc_dq(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, tuning=tn)
+    k_cmp = torch.randn(B, (T - hp["l"]) // hp["d"] + 1, H, dk, **bf)
+    select_blocks(q, k_cmp, lse, l=hp["l"], d=hp["d"], l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
+                  tuning=tuning.scores)
     rows = []
     for name, warps, stages, ck in seen:
         if ck is None or "ptx" not in getattr(ck, "asm", {}):

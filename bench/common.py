@@ -367,10 +367,11 @@ def attn_tile(rows: int, keys: int, warps: int, stages: int):
     return Tile(rows, keys, warps, stages)
 
 
-def score_tile(*fields: int):
-    """A fused-selection tile (nsa.ops.tuning.ScoreTile): rows, min keys, warps, stages, two map kinds."""
+def score_tile(*fields: int, max_regs: int | None = None):
+    """A fused-selection tile (nsa.ops.tuning.ScoreTile): rows, min keys, warps, stages, two map kinds,
+    and a register cap (None: the compiler's choice)."""
     from nsa.ops.tuning import ScoreTile
-    return ScoreTile(*fields)
+    return ScoreTile(*fields, max_regs=max_regs)
 
 
 def parse_changes(items: list[str]) -> dict:

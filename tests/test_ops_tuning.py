@@ -29,21 +29,25 @@ def test_presets_are_frozen_and_named():
     # query tiles: no preset runs them (m=1; on Hopper they stopped paying against the block-order
     # kernels, measured); the launches are shared
     assert HOPPER.tile == CPU.tile == AMPERE.tile == TileTuning() and HOPPER.tile.m == 1
-    # selection forward and dq block by block on Hopper for the production model's G=6 (measured), per
-    # token for the paper's G=16 and on the other presets (not measured block by block)
+    # selection forward and dq block by block on Hopper for the production model's G=6, dq alone for the
+    # paper's G=16 (both measured), per token on the other presets (not measured block by block)
     assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp16"
-    assert HOPPER.select.dq_pair_dtype == "input"
+    assert HOPPER.select.dq_by_block(16) and not HOPPER.select.dq_by_block(32)
+    assert HOPPER.select.dq_pair_dtype == "input" and HOPPER.select.pair_max_regs == 128
     assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
-    # where the forward runs block by block, the dK/dV walk takes 64 rows per step with its token ids
-    # prefetched, and the score tiles 128 rows (all measured at G=6); G=16 and the other presets keep theirs
-    assert HOPPER.select.dkdv_rows_for(6) == 64 and HOPPER.select.dkdv_rows_for(16) == HOPPER.select.dkdv_rows == 32
-    assert HOPPER.select.prefetch_for(6) and not HOPPER.select.prefetch_for(16)
+    assert not AMPERE.select.dq_by_block(6) and AMPERE.select.pair_max_regs is None
+    # where dq comes from the walk's pair partials, the walk takes 64 rows per step with its token ids
+    # prefetched, and at G=6 the score tiles 128 rows (all measured); the other presets keep theirs
+    assert HOPPER.select.dkdv_rows_for(6) == HOPPER.select.dkdv_rows_for(16) == 64
+    assert HOPPER.select.dkdv_rows_for(32) == HOPPER.select.dkdv_rows == 32
+    assert HOPPER.select.prefetch_for(6) and HOPPER.select.prefetch_for(16) and not HOPPER.select.prefetch_for(32)
     assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
     assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
-    assert HOPPER.scores.tile_for(False, 6).rows == 128 and HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
+    assert HOPPER.scores.tile_for(False, 6) is HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
+    assert HOPPER.scores.tile.rows == 128 and HOPPER.scores.small_group is None
     assert HOPPER.scores.tile_for(True, 6) is HOPPER.scores.big
     assert AMPERE.scores.tile_for(False, 6) is AMPERE.scores.tile and CPU.scores.small_group is None
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -81,15 +85,15 @@ def test_tile_tuning_is_checked():
     assert tn.launch(tn.fwd, 64) is tn.fwd[0] and tn.launch(tn.fwd, 128) is tn.fwd[1]
 
 
-def test_score_tile_register_cap_is_checked():
-    """ScoreTile.max_regs: None or an int in [24, 255]; a GPU launch option only, so the interpreter's
-    selection under a capped tile equals the uncapped one."""
+def test_register_caps_are_checked():
+    """ScoreTile.max_regs and select.pair_max_regs: None or an int in [24, 255]; GPU launch options
+    only, so the interpreter's selection under a capped tile equals the uncapped one."""
     from nsa.ops.triton.scores import select_blocks
-    from nsa.ops.tuning import CPU, ScoreTile
+    from nsa.ops.tuning import CPU, ScoreTile, SelectTuning
     for bad in (True, 23, 256, 80.0):
         with pytest.raises(ValueError, match="ScoreTile.max_regs"):
             ScoreTile(128, 64, 8, 2, 2, 2, max_regs=bad)
-    assert HOPPER.scores.small_group.max_regs == 80 and HOPPER.scores.tile.max_regs is None
+    assert HOPPER.scores.tile.max_regs == 80 and HOPPER.scores.big.max_regs is None
     g = torch.Generator().manual_seed(0)
     q, kc = torch.randn(1, 200, 4, 16, generator=g), torch.randn(1, 12, 2, 16, generator=g)
     lse = torch.randn(1, 200, 4, generator=g).abs() + 2.0
@@ -97,6 +101,10 @@ def test_score_tile_register_cap_is_checked():
     capped = dataclasses.replace(CPU.scores, tile=dataclasses.replace(CPU.scores.tile, max_regs=64))
     plain = select_blocks(q, kc, lse, **kw, tuning=CPU.scores)
     assert torch.equal(select_blocks(q, kc, lse, **kw, tuning=capped), plain)
+    for bad in (False, 8, 300, "96"):
+        with pytest.raises(ValueError, match="select.pair_max_regs"):
+            SelectTuning(pair_max_regs=bad)
+    assert SelectTuning(pair_max_regs=128).pair_max_regs == 128
 
 
 def test_decode_regimes_and_overrides():

@@ -221,10 +221,35 @@ def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
         assert rel_err(a, b) <= 2 * tol(torch.float32), f"grad {i}: {rel_err(a, b):.2e}"
 
 
+def test_op_token_forward_with_dq_from_pairs(monkeypatch):
+    """select.dq_block_max_g above block_max_g (the Hopper preset at G=16): the forward per token, dq
+    from the dK/dV walk's pair partials; same block_idx, o and gradients as the per-token op, and the
+    block-order forward never runs while pair_dq does."""
+    from nsa.ops.triton import function as fn
+    calls = []
+    for name in ("slc_fwd_pairs", "pair_dq", "slc_fwd"):
+        real = getattr(fn, name)
+        monkeypatch.setattr(fn, name, functools.partial(lambda r, n, *a, **k: calls.append(n) or r(*a, **k), real, name))
+    xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()
+    sel = SelectTuning(loop="auto", block_max_g=2, dq_block_max_g=3, block_dkdv_rows=16)   # G = 3
+    o1, bi1, g1 = run_op(xs, do, dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1)))
+    assert calls == ["slc_fwd", "pair_dq"]
+    assert torch.equal(bi0, bi1) and rel_err(o1, o0) <= tol(torch.float32)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert rel_err(a, b) <= 2 * tol(torch.float32), f"grad {i}: {rel_err(a, b):.2e}"
+
+
 def test_auto_picks_block_order_by_group_size():
     tn = SelectTuning(loop="auto", block_max_g=8)
     assert tn.by_block(6) and tn.by_block(8) and not tn.by_block(16)
     assert not SelectTuning().by_block(1) and SelectTuning(loop="block").by_block(64)
+    hybrid = SelectTuning(loop="auto", block_max_g=8, dq_block_max_g=16)
+    assert not hybrid.by_block(16) and hybrid.dq_by_block(16) and not hybrid.dq_by_block(32)
+    assert not SelectTuning(loop="token", dq_block_max_g=16).dq_by_block(16)
+    assert hybrid.dkdv_rows_for(16) == hybrid.block_dkdv_rows and hybrid.dkdv_rows_for(32) == hybrid.dkdv_rows
+    for bad in (dict(block_max_g=-1), dict(dq_block_max_g=2.5), dict(dq_block_max_g=True)):
+        with pytest.raises(ValueError, match="max_g"):
+            SelectTuning(**bad)
     with pytest.raises(ValueError, match="select.loop"):
         SelectTuning(loop="pairs")
     with pytest.raises(ValueError, match="select.pair_dtype"):
@@ -244,7 +269,7 @@ def _by_block_vs_per_token(xs, do, hp: dict, **changes):
     base = tuning_for("cuda")
     res = []
     for sel in (dataclasses.replace(base.select, loop="token"),
-                dataclasses.replace(base.select, loop="block", **changes)):
+                dataclasses.replace(base.select, **{"loop": "block", **changes})):
         x = [a.detach().clone().requires_grad_() for a in xs]
         o, bi = nsa_triton_apply(*x, **hp, tuning=dataclasses.replace(base, select=sel))
         res.append((o, bi, torch.autograd.grad(o, x, do)))
@@ -265,6 +290,23 @@ def test_gpu_op_by_block_matches_per_token_bf16(T, pdt):
     do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
     hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5)
     bi0, bi1, errs = _by_block_vs_per_token(xs, do, hp, pair_dtype=pdt, dq_pair_dtype=pdt)
+    assert torch.equal(bi0, bi1)
+    for name, e in errs:
+        assert e <= 5e-3, f"{name}: {e:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_paper_shape_dq_from_pairs(T):
+    """Paper shape (HQ=64, H=4, d=128), bf16, random inputs: the forward per token and dq from the dK/dV
+    walk's pair partials (loop=auto, dq_block_max_g=16 at G=16, the preset's walk); o and every gradient
+    within 0.5% relative RMS of the per-token op's, block_idx identical."""
+    B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 64, 4, 128, 32, 16, 64, 16, 512
+    xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=2)
+    do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
+    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5)
+    bi0, bi1, errs = _by_block_vs_per_token(xs, do, hp, loop="auto", dq_block_max_g=16)
     assert torch.equal(bi0, bi1)
     for name, e in errs:
         assert e <= 5e-3, f"{name}: {e:.2e}"

@@ -48,6 +48,12 @@ class AttnTuning:
         return (self.big_fwd, self.big_dq, self.big_dkdv) if big else (self.fwd, self.dq, self.dkdv)
 
 
+def check_max_regs(name: str, value) -> None:
+    """A register cap (ptxas .maxnreg) is None or an int in [24, 255]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 24 <= value <= 255):
+        raise ValueError(f"{name} must be None or an int in [24, 255], got {value!r}")
+
+
 @dataclass(frozen=True)
 class SelectTuning:
     """Selected-block attention (nsa/ops/triton/select.py): forward, dq and dK/dV kernels."""
@@ -61,8 +67,8 @@ class SelectTuning:
     fwd_keys: int = 64          # key rows per pipeline stage (capped by l_sel); smaller tiles were slower
     dq_keys: int = 64
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
-    # the same where the forward runs block by block (by_block(G)): there the walk also writes the dq
-    # partials (Hopper preset: 64 rows with prefetch, bench/RESULTS.md table 9)
+    # the same where dq comes from pair partials (dq_by_block(G)): there the walk also writes them
+    # (Hopper preset: 64 rows with prefetch, bench/RESULTS.md table 9)
     block_dkdv_rows: int = 32
     chunk: int = 1024           # tokens of one block's list per dK/dV program
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
@@ -78,6 +84,10 @@ class SelectTuning:
     # the MMA tile is mostly padding), else "token"
     loop: Literal["token", "block", "auto"] = "token"
     block_max_g: int = 8
+    # the same for dq alone under loop="auto" (the forward keeps block_max_g): dq from the dK/dV walk's
+    # pair partials needs no K/V per token, where the per-token forward beats the block-order one at
+    # G=16 (its partials cost more than the per-token kernel's block loads there)
+    dq_block_max_g: int = 8
     pair_rows: int = 64         # (token, head) rows per step of the block-order forward
     pair_warps: int = 4
     pair_stages: int = 2
@@ -92,16 +102,20 @@ class SelectTuning:
     # the dK/dV walk over a block's token list loads each step's token ids two steps ahead, so a step's
     # q / dO / lse gathers never wait on their token-id load (H100, HQ=12/H=2/d=64 at 64 rows: the walk
     # 0.62 -> 0.59 ms at 16k, 2.70 -> 2.38 ms at 64k; at 128 rows it spilled and was slower). Only where the
-    # forward runs block by block (prefetch_for): G=16's 32-row per-token walk loses Triton's pipelining with
-    # it. The block-order forward measured slower with its own prefetch, so it has none.
+    # walk also writes dq partials (prefetch_for): G=16's 32-row walk without them loses Triton's pipelining
+    # with it. The block-order forward measured slower with its own prefetch, so it has none.
     prefetch: bool = False
     # the block-order forward loads a piece's token ids (pair_chunk <= 256) into registers once, so no step's
     # q gather waits on a token-id load and Triton pipelines it (H100, HQ=12/H=2/d=64: forward 0.43 -> 0.38 ms
     # at 16k, 1.85 -> 1.69 ms at 64k; bench/RESULTS.md table 9)
     ids_in_regs: bool = False
     merge_warps: int = 2
+    # registers per thread of the block-order forward (ptxas .maxnreg; None: the compiler's choice). Its
+    # programs wait on gathered q rows (long scoreboard), so fewer registers buy resident programs
+    pair_max_regs: int | None = None
 
     def __post_init__(self) -> None:
+        check_max_regs("select.pair_max_regs", self.pair_max_regs)
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
         if self.pair_dtype not in ("fp32", "input", "fp16"):
@@ -112,23 +126,31 @@ class SelectTuning:
             raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
         if self.pair_chunk < 0:
             raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
+        for name in ("block_max_g", "dq_block_max_g"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"select.{name} must be an int >= 0 (query heads per KV head), got {val!r}")
         for name in ("pack_heads", "prefetch", "ids_in_regs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be true or false, got {getattr(self, name)!r}")
 
     def by_block(self, G: int) -> bool:
-        """Whether the forward and dq run block by block for G query heads per KV head."""
+        """Whether the forward runs block by block for G query heads per KV head."""
         return self.loop == "block" or (self.loop == "auto" and G <= self.block_max_g)
+
+    def dq_by_block(self, G: int) -> bool:
+        """Whether dq comes from the dK/dV walk's pair partials for G query heads per KV head."""
+        return self.loop == "block" or (self.loop == "auto" and G <= self.dq_block_max_g)
 
     def dkdv_rows_for(self, G: int, big: bool = False) -> int:
         """(query, head) rows per dK/dV step for G query heads per KV head; big: padded head dims
         above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
         shared memory there)."""
-        return self.block_dkdv_rows if self.by_block(G) and not big else self.dkdv_rows
+        return self.block_dkdv_rows if self.dq_by_block(G) and not big else self.dkdv_rows
 
     def prefetch_for(self, G: int) -> bool:
         """Whether the dK/dV walk prefetches its token ids for G query heads per KV head."""
-        return self.prefetch and self.by_block(G)
+        return self.prefetch and self.dq_by_block(G)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
@@ -211,9 +233,7 @@ class ScoreTile:
     max_regs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_regs is not None and (isinstance(self.max_regs, bool) or not isinstance(self.max_regs, int)
-                                          or not 24 <= self.max_regs <= 255):
-            raise ValueError(f"ScoreTile.max_regs must be None or an int in [24, 255], got {self.max_regs!r}")
+        check_max_regs("ScoreTile.max_regs", self.max_regs)
 
 
 @dataclass(frozen=True)
@@ -374,8 +394,7 @@ class KernelTuning:
 # per-call choice (threshold 0.2) was 0.3-2.4% slower than no tiles at 8k-64k and training tokens/s was
 # the same (table 8), so the preset runs without them (m=1); TileTuning(m=8, auto_union=...) opts in.
 # Forward and dq block by block for G <= 8: at the production shape (HQ=12, H=2, d=64) the op's fwd+bwd
-# device time fell 13.5% at 16k (H100, table 7); G=16 (paper shape) stays per token (not measured block by
-# block). The forward's o partials are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials
+# device time fell 13.5% at 16k (H100, table 7); for G=16 (paper shape) see below. The forward's o partials are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials
 # failed the per-token op's 0.5% on a trained model's inputs (dk_slc 0.9%), fp32 o partials cost 7% at 16k,
 # and the scaled fp16 ones match fp32's errors against the fp32 op at bf16's speed (table 9).
 # For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
@@ -385,10 +404,18 @@ class KernelTuning:
 # device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9). Their score
 # tile capped at 80 registers (122 uncapped, no spills either way) runs 3 blocks per SM instead of 2:
 # 0.207 -> 0.188 ms at 16k, 2.750 -> 2.525 ms at 64k (table 10; 72 spills, 96 fits no third block).
+# The same capped score tile serves G=16 (8 tokens per tile on the fp16-split map; 224 registers and one
+# program per SM on the uncapped 256-row exact-map tile): paper-shape op forward 7.26 -> 7.05 ms at 16k,
+# 40.5 -> 39.5 at 64k (table 11; the 128-row tile on the exact map was 7-26% slower, capped or not).
+# The block-order forward capped at 128 registers (133 uncapped) runs 4 programs per SM instead of 3: op
+# forward 1.024 -> 0.991 ms at 16k, 6.18 -> 6.08 at 64k (96 was slower). G=16 runs the forward per token
+# but dq from the dK/dV walk's pair partials (64-row walk): paper-shape fwd+bwd 21.39 -> 20.65 ms at 16k,
+# 111.3 -> 109.2 at 64k, where the block-order forward was 4-9% slower (both table 11).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
-                      select=SelectTuning(loop="auto", pair_dtype="fp16", dq_pair_dtype="input", block_dkdv_rows=64,
-                                          pair_chunk=128, pack_heads=True, prefetch=True, ids_in_regs=True),
-                      scores=ScoreTuning(small_group=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)))
+                      select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
+                                          block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
+                                          ids_in_regs=True, pair_max_regs=128),
+                      scores=ScoreTuning(tile=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

@@ -223,16 +223,21 @@ class NSATritonFunction(torch.autograd.Function):
                                   tuning=tuning.scores)
         m = tuning.tile.m
         G = q.shape[2] // k_slc.shape[2]
-        # block-order forward: the pair inversion it needs is the one the dK/dV kernel walks, kept for it
-        pairs = tuning.select.by_block(G) and (m == 1 or tuning.tile.auto_union > 0)
-        ctx.inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if pairs else None
+        # block-order forward and / or dq from pair partials: the pair inversion they need is the one the
+        # dK/dV kernel walks, kept for it
+        pairs = m == 1 or tuning.tile.auto_union > 0
+        fwd_pairs = pairs and tuning.select.by_block(G)
+        ctx.inv = (invert_selection(block_idx, l_sel, chunk, ranks=True)
+                   if pairs and (fwd_pairs or tuning.select.dq_by_block(G)) else None)
+        inv_fwd = ctx.inv if fwd_pairs else None
+        ctx.dq_pairs = ctx.inv is not None and tuning.select.dq_by_block(G)
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
             union = tile_unions(block_idx, m, guard=on_tile)          # built only when tiles run
             B, T, HQ = q.shape[:3]
             out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-            _slc_fwd_token(ctx.inv, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
+            _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
                            tuning=tuning.select, out=out, guard=on_token)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m, union=union,
                                           tuning=tuning.tile, out=out, guard=on_tile)
@@ -243,7 +248,7 @@ class NSATritonFunction(torch.autograd.Function):
                                           union=union, tuning=tuning.tile)
         else:
             union = ()
-            o_slc, lse_slc = _slc_fwd_token(ctx.inv, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale,
+            o_slc, lse_slc = _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale,
                                             chunk=chunk, tuning=tuning.select)
         if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
             o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
@@ -279,10 +284,10 @@ class NSATritonFunction(torch.autograd.Function):
             args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
             kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
             buf = dq_buffer(q, dq, slc_kw["dq_dtype"])
-            if ctx.inv is None:
+            if not ctx.dq_pairs:
                 slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
                 dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                    tuning=tuning.select)
+                                    tuning=tuning.select, inv=ctx.inv)
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
                 _, dks, dvs = _slc_bwd_pairs(ctx.inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                              dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token)
@@ -292,12 +297,12 @@ class NSATritonFunction(torch.autograd.Function):
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)
-        elif ctx.inv is not None:
+        elif ctx.dq_pairs:
             dq, dks, dvs = _slc_bwd_pairs(ctx.inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                           gates[..., 1], tuning=tuning.select, **slc_kw)
         else:
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                   gates[..., 1], tuning=tuning.select, **slc_kw)
+                                   gates[..., 1], tuning=tuning.select, inv=ctx.inv, **slc_kw)
         if ctx.ext_win:
             dkw = dvw = None
         else:

@@ -227,8 +227,8 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
         BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode,
         IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
-        num_warps=tn.pair_warps,
-        num_stages=tn.pair_stages)
+        num_warps=tn.pair_warps, num_stages=tn.pair_stages,
+        **(dict(maxnreg=tn.pair_max_regs) if tn.pair_max_regs is not None and q.is_cuda else {}))
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
         rank, op, lp, vs, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
