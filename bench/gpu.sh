@@ -59,7 +59,7 @@ gpu_info() {
 peers() {  # fla-core (and einops) from carried wheels, when present
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD"
+      .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"   # after FA4's paths (fa4), not instead
   fi
 }
 

@@ -85,6 +85,23 @@ def test_tile_tuning_is_checked():
     assert tn.launch(tn.fwd, 64) is tn.fwd[0] and tn.launch(tn.fwd, 128) is tn.fwd[1]
 
 
+def test_dkdv_chunk_halves_for_calls_with_few_pairs():
+    """select.chunk_for: the chunk halves (down to 16) while the call's pairs fill fewer than
+    chunk_min_items full chunks; the Hopper preset: 512 for the production shape at 8k (2 KV heads x
+    16 blocks x 8192 tokens), 1024 from 16k and for the paper shape at 8k."""
+    from nsa.ops.tuning import SelectTuning
+    tn = SelectTuning(chunk=1024, chunk_min_items=512)
+    assert tn.chunk_for(512 * 1024) == 1024 and tn.chunk_for(512 * 1024 - 1) == 512
+    assert tn.chunk_for(512 * 512 - 1) == 256 and tn.chunk_for(1) == 16
+    assert SelectTuning().chunk_for(1) == 1024
+    hs = HOPPER.select
+    assert hs.chunk_for(8192 * 2 * 16) == 512 and hs.chunk_for(16384 * 2 * 16) == 1024
+    assert hs.chunk_for(8192 * 4 * 16) == 1024 and CPU.select.chunk_for(1) == CPU.select.chunk
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="select.chunk_min_items"):
+            SelectTuning(chunk_min_items=bad)
+
+
 def test_register_caps_are_checked():
     """ScoreTile.max_regs and select.pair_max_regs: None or an int in [24, 255]; GPU launch options
     only, so the interpreter's selection under a capped tile equals the uncapped one."""

@@ -202,20 +202,21 @@ def test_op_by_block_matches_per_token_op(tile):
 
 def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
     """Wide dK/dV steps on the block path (block_dkdv_rows=64, packed heads: 21 tokens of 3 each)
-    and the list chunk from select.chunk (no dkdv_chunk argument): same block_idx, o and gradients as
-    the per-token op, and the inversion is made with the tuned chunk."""
+    and the list chunk from select.chunk_for (no dkdv_chunk argument: 636 pairs are fewer than 20
+    chunks of 40, so 20): same block_idx, o and gradients as the per-token op, and the inversion is
+    made with that chunk."""
     from nsa.ops.triton import function as fn
     seen = []
     real = fn.invert_selection
     monkeypatch.setattr(fn, "invert_selection", lambda bi, l_sel, chunk, **kw: seen.append(chunk) or
                         real(bi, l_sel, chunk, **kw))
     xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()
-    sel = by_block(pair_rows=32, block_dkdv_rows=64, chunk=7, pack_heads=True)
+    sel = by_block(pair_rows=32, block_dkdv_rows=64, chunk=40, chunk_min_items=20, pack_heads=True)
     tn = dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1))
     x = [a.detach().clone().requires_grad_() for a in xs]
     o1, bi1 = nsa_triton_apply(*x, **OP_HP, scale=xs[0].shape[-1] ** -0.5, tuning=tn)
     g1 = torch.autograd.grad(o1, x, do)
-    assert seen == [7]
+    assert seen == [20]
     assert torch.equal(bi0, bi1) and rel_err(o1, o0) <= tol(torch.float32)
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) <= 2 * tol(torch.float32), f"grad {i}: {rel_err(a, b):.2e}"

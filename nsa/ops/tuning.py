@@ -71,6 +71,9 @@ class SelectTuning:
     # (Hopper preset: 64 rows with prefetch, bench/RESULTS.md table 9)
     block_dkdv_rows: int = 32
     chunk: int = 1024           # tokens of one block's list per dK/dV program
+    # halve chunk while the call's (token, kv head, block) pairs fill fewer than this many full chunks
+    # (0: never): with few, long work items the dK/dV walk's last wave runs a handful of them alone
+    chunk_min_items: int = 0
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
     # the walks over a block's token list (dK/dV, block-order forward) pack each token's G head rows
     # densely (G=6: 10 tokens in 64 rows) instead of padding them to a power of two (8 tokens, 48 of
@@ -124,6 +127,9 @@ class SelectTuning:
             raise ValueError(f"select.dq_pair_dtype must be fp32, input or null (pair_dtype), got {self.dq_pair_dtype!r}")
         if self.chunk < 1:
             raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
+        if isinstance(self.chunk_min_items, bool) or not isinstance(self.chunk_min_items, int) \
+                or self.chunk_min_items < 0:
+            raise ValueError(f"select.chunk_min_items must be an int >= 0 (0: off), got {self.chunk_min_items!r}")
         if self.pair_chunk < 0:
             raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
         for name in ("block_max_g", "dq_block_max_g"):
@@ -133,6 +139,13 @@ class SelectTuning:
         for name in ("pack_heads", "prefetch", "ids_in_regs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be true or false, got {getattr(self, name)!r}")
+
+    def chunk_for(self, pairs: int) -> int:
+        """Tokens per dK/dV program for a call with `pairs` (token, kv head, selected block) pairs."""
+        chunk = self.chunk
+        while chunk >= 32 and pairs < self.chunk_min_items * chunk:
+            chunk //= 2
+        return chunk
 
     def by_block(self, G: int) -> bool:
         """Whether the forward runs block by block for G query heads per KV head."""
@@ -404,6 +417,9 @@ class KernelTuning:
 # device time 0.65 -> 0.59 ms at 16k and 2.61 -> 2.38 ms at 64k (bench/RESULTS.md table 9). Their score
 # tile capped at 80 registers (122 uncapped, no spills either way) runs 3 blocks per SM instead of 2:
 # 0.207 -> 0.188 ms at 16k, 2.750 -> 2.525 ms at 64k (table 10; 72 spills, 96 fits no third block).
+# The dK/dV walk's lists in chunks of 512 instead of 1024 where a call has fewer than 512 x 1024 pairs (the
+# production shape below 16k): 256 long items left a ragged last wave on 132 SMs; op fwd+bwd at 8k 1.495 ->
+# 1.445 and 1.484 -> 1.433 ms, 16k the same with either chunk (table 11; 64k is past the threshold).
 # The same capped score tile serves G=16 (8 tokens per tile on the fp16-split map; 224 registers and one
 # program per SM on the uncapped 256-row exact-map tile): paper-shape op forward 7.26 -> 7.05 ms at 16k,
 # 40.5 -> 39.5 at 64k (table 11; the 128-row tile on the exact map was 7-26% slower, capped or not).
@@ -414,7 +430,7 @@ class KernelTuning:
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
-                                          ids_in_regs=True, pair_max_regs=128),
+                                          ids_in_regs=True, pair_max_regs=128, chunk_min_items=512),
                       scores=ScoreTuning(tile=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128

@@ -342,14 +342,15 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
 
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
-    fp32 partials added in a fixed order; None: tuning.select.chunk); small values exercise that path
-    in tests."""
+    fp32 partials added in a fixed order; None: tuning.select.chunk_for the call's pairs); small values
+    exercise that path in tests."""
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
     q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
     tuning = tuning or tuning_for(q.device)
-    dkdv_chunk = tuning.select.chunk if dkdv_chunk is None else dkdv_chunk
+    if dkdv_chunk is None:   # pairs = B * T * H * n_sel (shapes only: no sync)
+        dkdv_chunk = tuning.select.chunk_for(q.shape[0] * q.shape[1] * k_slc.shape[2] * n_sel)
     o_cmp = lse_cmp = o_win = cmp_rows = None
     be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
     wbe = window_flash_backend(q, v_win, tuning)
