@@ -142,6 +142,10 @@ def sweep_space() -> dict[str, list[dict]]:
         "scores.paper": [{"scores.tile": ScoreTile(*t, max_regs=r)} for t, r in [
             ((128, 64, 8, 2, 0, 2), 80), ((128, 64, 8, 2, 0, 2), None), ((256, 64, 8, 2, 0, 2), 128),
             ((128, 64, 8, 2, 2, 2), 80), ((256, 64, 8, 3, 0, 2), 128)]],
+        # G=16's per-token forward and its dK/dV walk (with dq partials) re-swept after the change above
+        "select.g16b": [{f"select.{k}": v for k, v in ch.items()} for ch in [
+            dict(dkdv_stages=1), dict(dkdv_stages=3), dict(chunk=2048), dict(fwd_warps=4), dict(fwd_stages=3),
+            dict(fwd_stages=1), dict(fwd_keys=32), dict(fwd_warps=4, fwd_stages=3)]],
         "select.chunk": [{"select.chunk": c} for c in (256, 512, 2048)],
         "select.pair_chunk": [{"select.pair_chunk": c} for c in (64, 128, 256)],
         "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 64},
