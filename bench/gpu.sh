@@ -22,6 +22,9 @@
 #                                                FA2, cuDNN, flash SDPA), selection tiles TILE_M (default
 #                                                "1 2 4 8"), locality table; training 250 steps at 64k takes
 #                                                ~4 min, so capture-model and capture-bench fit one call each
+#   bash bench/gpu.sh capture-paper [T ...]      the paper shape (HQ=64, H=4, d=128): a 4-layer TinyLM at that attention
+#                                                shape trained STEPS=100 at 64k (~3 min), layers 0 3 captured to
+#                                                bench/captured_paper (default T=65536), then the op on them against FA4
 #   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
 #                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
 #                                                on bench/captured when capture-model made it on this machine
@@ -119,6 +122,19 @@ run_capture_model() {  # trained model + captures in bench/captured (git-ignored
   [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
   timeout "$T_BENCH" python3 bench/capture_inputs.py "${src[@]}" --T $T --out bench/captured \
     data.path=data/fineweb_local logging.mlflow=false 2>&1 | tee "$OUT/capture.log" | grep -vE "Warning|warn" | tail -24
+}
+
+PAPER_MODEL="model.n_layers=4 model.n_heads=64 model.n_kv_groups=4 model.d_k=128 model.d_v=128"
+
+run_capture_paper() {  # bench/captured_paper is git-ignored (bench/captured*), so it stays while the machine is warm
+  local T=${*:-65536}
+  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+  timeout "$T_BENCH" python3 bench/capture_inputs.py --seq 65536 --steps "${STEPS:-100}" --T $T --layers 0 3 \
+    --out bench/captured_paper data.path=data/fineweb_local logging.mlflow=false $PAPER_MODEL 2>&1 \
+    | tee "$OUT/capture_paper.log" | grep -vE "Warning|warn" | tail -8
+  timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured_paper --T $T \
+    --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
+    | grep -vE "^T=|Warning|warn" | tail -12
 }
 
 run_capture_bench() {
@@ -236,6 +252,7 @@ case "$cmd" in
   capture) gpu_info; run_capture_model "$@"; run_capture_bench "$@" ;;
   capture-model) gpu_info; run_capture_model "$@" ;;
   capture-bench) gpu_info; run_capture_bench "$@" ;;
+  capture-paper) gpu_info; run_capture_paper "$@" ;;
   ncu) gpu_info; run_ncu "$@" ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
