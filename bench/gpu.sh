@@ -113,13 +113,17 @@ run_vs_dense() {
 
 CAPTURE_T="8192 16384 32768 65536"
 
+local_data() {  # the offline text both capture commands train on, made once per machine
+  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+}
+
 run_capture_model() {  # trained model + captures in bench/captured (git-ignored, kept while the machine is warm)
   local T=${*:-$CAPTURE_T} src=()
   if [ -n "${CAPTURE_LOAD:-}" ]; then src=(--load "$CAPTURE_LOAD")
   elif [ -f bench/captured/model/model.pt ] && [ -z "${RETRAIN:-}" ]; then src=(--load bench/captured/model)
   else src=(--seq "${SEQ:-65536}" --steps "${STEPS:-250}")
   fi
-  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+  local_data
   timeout "$T_BENCH" python3 bench/capture_inputs.py "${src[@]}" --T $T --out bench/captured \
     data.path=data/fineweb_local logging.mlflow=false 2>&1 | tee "$OUT/capture.log" | grep -vE "Warning|warn" | tail -24
 }
@@ -128,7 +132,7 @@ PAPER_MODEL="model.n_layers=4 model.n_heads=64 model.n_kv_groups=4 model.d_k=128
 
 run_capture_paper() {  # bench/captured_paper is git-ignored (bench/captured*), so it stays while the machine is warm
   local T=${*:-65536}
-  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+  local_data
   timeout "$T_BENCH" python3 bench/capture_inputs.py --seq 65536 --steps "${STEPS:-100}" --T $T --layers 0 3 \
     --out bench/captured_paper data.path=data/fineweb_local logging.mlflow=false $PAPER_MODEL 2>&1 \
     | tee "$OUT/capture_paper.log" | grep -vE "Warning|warn" | tail -8

@@ -227,11 +227,14 @@ def test_op_token_forward_with_dq_from_pairs(monkeypatch):
     from the dK/dV walk's pair partials; same block_idx, o and gradients as the per-token op, and the
     block-order forward never runs while pair_dq does."""
     from nsa.ops.triton import function as fn
+    xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()   # before recording: it may run the op here
     calls = []
+
+    def recorded(real, name, *args, **kw):
+        calls.append(name)
+        return real(*args, **kw)
     for name in ("slc_fwd_pairs", "pair_dq", "slc_fwd"):
-        real = getattr(fn, name)
-        monkeypatch.setattr(fn, name, functools.partial(lambda r, n, *a, **k: calls.append(n) or r(*a, **k), real, name))
-    xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()
+        monkeypatch.setattr(fn, name, functools.partial(recorded, getattr(fn, name), name))
     sel = SelectTuning(loop="auto", block_max_g=2, dq_block_max_g=3, block_dkdv_rows=16)   # G = 3
     o1, bi1, g1 = run_op(xs, do, dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1)))
     assert calls == ["slc_fwd", "pair_dq"]

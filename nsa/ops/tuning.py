@@ -407,9 +407,10 @@ class KernelTuning:
 # per-call choice (threshold 0.2) was 0.3-2.4% slower than no tiles at 8k-64k and training tokens/s was
 # the same (table 8), so the preset runs without them (m=1); TileTuning(m=8, auto_union=...) opts in.
 # Forward and dq block by block for G <= 8: at the production shape (HQ=12, H=2, d=64) the op's fwd+bwd
-# device time fell 13.5% at 16k (H100, table 7); for G=16 (paper shape) see below. The forward's o partials are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials
-# failed the per-token op's 0.5% on a trained model's inputs (dk_slc 0.9%), fp32 o partials cost 7% at 16k,
-# and the scaled fp16 ones match fp32's errors against the fp32 op at bf16's speed (table 9).
+# device time fell 13.5% at 16k (H100, table 7); for G=16 (paper shape) see below. The forward's o partials
+# are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials failed the per-token op's 0.5% on a
+# trained model's inputs (dk_slc 0.9%), fp32 o partials cost 7% at 16k, and the scaled fp16 ones match fp32's
+# errors against the fp32 op at bf16's speed (table 9).
 # For G <= 8: score tiles of 128 rows (16 tokens at G=6, on the same fp16-split map as 256 rows' 32
 # tokens), the block-order forward on pieces of 128 list entries, and the dK/dV walk 64 rows (10 packed
 # tokens) per step with token ids prefetched: since the walk holds its rows on the MMA's M side it spills
