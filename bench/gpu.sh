@@ -33,6 +33,8 @@
 #                                                after compiling): details in $OUT/ncu_details.txt, the hottest source
 #                                                lines per kernel in $OUT/ncu_source.txt
 #   bash bench/gpu.sh all                        tests, attention, decode
+#   eval "$(bash bench/gpu.sh env)"              for ad-hoc python in the same call: installs FA4 (carried halves)
+#                                                and fla-core (.whl) as the subcommands do, prints the PYTHONPATH
 #   bash bench/gpu.sh bundle-fa4                 (here, not on the GPU) FlashAttention-4 for a machine without
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
 #                                                (the other half), each under one call's 64 MiB carry limit
@@ -84,7 +86,7 @@ fa4() {  # FlashAttention-4 into $HOME/fa4site from the carried halves (bundle-f
   fi
   if [ -d "$site/nvidia_cutlass_dsl/cu13" ]; then
     export PYTHONPATH="$site/nvidia_cutlass_dsl/dsl_packages:$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    echo "flash-attn-4: $site"
+    echo "flash-attn-4: $site" >&2
   fi
 }
 
@@ -259,6 +261,7 @@ case "$cmd" in
   capture-paper) gpu_info; run_capture_paper "$@" ;;
   ncu) gpu_info; run_ncu "$@" ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
+  env) peers >&2; echo "export PYTHONPATH=\"$PYTHONPATH\"" ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
   *) echo "bench/gpu.sh: unknown command '$cmd' (bash bench/gpu.sh --help lists them)" >&2; exit 2 ;;
 esac
