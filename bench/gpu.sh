@@ -25,6 +25,7 @@
 #   bash bench/gpu.sh capture-paper [T ...]      the paper shape (HQ=64, H=4, d=128): a 4-layer TinyLM at that attention
 #                                                shape trained STEPS=100 at 64k (~3 min), layers 0 3 captured to
 #                                                bench/captured_paper (default T=65536), then the op on them against FA4
+#                                                (selection tiles TILE_M, default 1; e.g. TILE_M="1 8")
 #   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
 #                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
 #                                                on bench/captured when capture-model made it on this machine
@@ -139,7 +140,7 @@ run_capture_paper() {  # bench/captured_paper is git-ignored (bench/captured*), 
     --out bench/captured_paper data.path=data/fineweb_local logging.mlflow=false $PAPER_MODEL 2>&1 \
     | tee "$OUT/capture_paper.log" | grep -vE "Warning|warn" | tail -8
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured_paper --T $T \
-    --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
+    --tile-m ${TILE_M:-1} --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
     | grep -vE "^T=|Warning|warn" | tail -12
 }
 
