@@ -54,6 +54,20 @@ def test_gpu_driver_help():
     assert bad.returncode == 2 and "unknown command" in bad.stderr
 
 
+def test_gpu_driver_env_prints_one_export_line(tmp_path):
+    """`eval "$(bash bench/gpu.sh env)"`: stdout is exactly one export of PYTHONPATH that keeps the caller's
+    entries and adds the working directory (the repository root on a GPU machine; here an empty folder: no
+    carried wheels, no GPU), so eval leaves nothing else behind."""
+    env = dict(os.environ, PYTHONPATH="/some/where")
+    out = subprocess.run(["bash", str(BENCH / "gpu.sh"), "env"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('export PYTHONPATH="'), out.stdout
+    parts = lines[0].split('"')[1].split(":")
+    assert str(tmp_path) in parts and "/some/where" in parts
+
+
 def test_write_result_saves_and_copies(tmp_path, monkeypatch):
     """bench/out by default, --save into bench/results/<name>.json, --copy-to as <name>.json; metadata."""
     common = load_bench("common")
