@@ -155,6 +155,10 @@ def main() -> int:
                      ck.metadata.shared])
     print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
     common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
+    # register caps are launch options the launchers pass for CUDA tensors only: these rows are uncapped
+    caps = {"_pair_fwd_kernel": tn.pair_max_regs, "_select_kernel": tuning.scores.tile_for(dk > 128, HQ // H).max_regs}
+    print("register caps on the GPU (not applied above): "
+          + (", ".join(f"{k} {v}" for k, v in caps.items() if v is not None) or "none"))
     return 0
 
 
