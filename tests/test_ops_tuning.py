@@ -122,6 +122,8 @@ def test_register_caps_are_checked():
         with pytest.raises(ValueError, match="select.pair_max_regs"):
             SelectTuning(pair_max_regs=bad)
     assert SelectTuning(pair_max_regs=128).pair_max_regs == 128
+    from nsa.ops.triton._utils import reg_cap   # what the launchers pass: the cap on CUDA only
+    assert reg_cap(80, True) == {"maxnreg": 80} and reg_cap(80, False) == reg_cap(None, True) == {}
 
 
 def test_decode_regimes_and_overrides():

@@ -18,3 +18,9 @@ def dot_precision(dtype, is_cuda: bool) -> str:
     if not is_cuda:
         return "ieee"
     return "tf32x3" if str(dtype) == "torch.float32" else "tf32"
+
+
+def reg_cap(max_regs: int | None, is_cuda: bool) -> dict:
+    """Launch options capping a kernel's registers per thread (ptxas .maxnreg): {} for no cap and off
+    CUDA (the interpreter has no registers to cap)."""
+    return {"maxnreg": max_regs} if max_regs is not None and is_cuda else {}

@@ -227,10 +227,9 @@ class NSATritonFunction(torch.autograd.Function):
         # dK/dV kernel walks, kept for it
         pairs = m == 1 or tuning.tile.auto_union > 0
         fwd_pairs = pairs and tuning.select.by_block(G)
-        ctx.inv = (invert_selection(block_idx, l_sel, chunk, ranks=True)
-                   if pairs and (fwd_pairs or tuning.select.dq_by_block(G)) else None)
+        ctx.dq_pairs = pairs and tuning.select.dq_by_block(G)
+        ctx.inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if fwd_pairs or ctx.dq_pairs else None
         inv_fwd = ctx.inv if fwd_pairs else None
-        ctx.dq_pairs = ctx.inv is not None and tuning.select.dq_by_block(G)
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)

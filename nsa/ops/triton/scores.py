@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..common import LOG2E, SCORE_BITS
 from ..tuning import ScoreTuning, tuning_for
-from ._utils import dot_precision, next_pow2, row_block
+from ._utils import dot_precision, next_pow2, reg_cap, row_block
 
 GRID_BITS = SCORE_BITS + 1   # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**GRID_BITS
 SCORE_GRID = tl.constexpr(float(2 ** SCORE_BITS))   # the score grid of nsa/ops/common.py, for the kernels
@@ -307,5 +307,5 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
         SKIP=tuning.skip_merge, num_warps=warps, num_stages=stages,
-        **(dict(maxnreg=tile.max_regs) if tile.max_regs is not None and q.is_cuda else {}))
+        **reg_cap(tile.max_regs, q.is_cuda))
     return bi

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
-from ._utils import dot_precision, next_pow2
+from ._utils import dot_precision, next_pow2, reg_cap
 from .guard import Guard, skip_program
 from .inversion import work_items
 from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
@@ -228,7 +228,7 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode,
         IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
         num_warps=tn.pair_warps, num_stages=tn.pair_stages,
-        **(dict(maxnreg=tn.pair_max_regs) if tn.pair_max_regs is not None and q.is_cuda else {}))
+        **reg_cap(tn.pair_max_regs, q.is_cuda))
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
         rank, op, lp, vs, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
