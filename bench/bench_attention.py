@@ -15,7 +15,8 @@ medians of CUDA-event-timed calls after warm-up.
   dense". fla-core's parallel_nsa as a peer when importable (--no-peers skips it). --breakdown T: per-
   kernel-stage times; --sweep T: the op under each kernel-tuning variant of sweep_space() (passed as
   tuning=, nothing patched; --sweep-only PREFIX picks some). --tile-m M [M ...]: the op with the selection
-  on query tiles of M tokens (KernelTuning.tile.m; default 1 = the per-token kernels), one row per M.
+  on query tiles of M tokens (KernelTuning.tile.m; 1 = the per-token kernels, default 0 = the preset's
+  policy), one row per M.
   --inputs captured:DIR: instead of random tensors, the captures of bench/capture_inputs.py (a trained
   model's op inputs per (T, layer), shapes and hyperparameters from the capture; dense bar at the same
   shapes). Both inputs print the locality table: the union of m consecutive tokens' selections as a
@@ -99,6 +100,7 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
 
 def sweep_space() -> dict[str, list[dict]]:
     """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries."""
+    from nsa.ops.tuning import TileLaunch as TL
     Tile, ScoreTile = common.attn_tile, common.score_tile
 
     def sel(kind: str, vals: tuple, keys=("fwd", "dq", "dkdv")) -> dict:
@@ -152,6 +154,12 @@ def sweep_space() -> dict[str, list[dict]]:
                         {"select.block_dkdv_rows": 256}, {"select.block_dkdv_rows": 128, "select.dkdv_warps": 8}],
         # the per-call choice between query tiles (m=8) and the per-token / block-order kernels
         "tile.auto": [{"tile.auto_union": u} for u in (0.3, 0.36, 0.5)] + [{"tile.m": 1}],
+        # query tiles at G=16 (the paper shape; the Hopper preset: m=4, chosen per call): the choice's
+        # threshold, the tile size, and the 64-row tile's forward and dq launches (keys, warps, stages)
+        "tile.g16": [{"tile.m": 1}, {"tile.auto_union": 0.0}, {"tile.auto_union": 0.5}, {"tile.auto_union": 0.7},
+                     {"tile.m": 2}, {"tile.m": 8}]
+        + [{"tile.fwd": (TL(*f), TL(32, 8, 3))} for f in [(32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4)]]
+        + [{"tile.dq": (TL(*f), TL(32, 8, 2))} for f in [(64, 4, 3), (32, 4, 2), (64, 8, 2)]],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
         "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
         "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
@@ -160,11 +168,13 @@ def sweep_space() -> dict[str, list[dict]]:
     }
 
 
-def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
+def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = "", x=None, hp=None):
     """The whole op (fwd and fwd+bwd ms) under each sweep_space() variant whose group starts with one of
-    the comma-separated prefixes `only`, each built from the device's default tuning and passed as tuning=."""
+    the comma-separated prefixes `only`, each built from the device's default tuning and passed as tuning=;
+    on x (a capture's inputs, hyperparameters hp) when given, else on random inputs."""
     base = common.base_tuning()
-    out = {"defaults": bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, base, mem=False)}
+    x = common.nsa_inputs(B, T, HQ, H, dk, dv) if x is None else x
+    out = {"defaults": bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, base, mem=False, x=x, hp=hp)}
     print(f"sweep T={T} defaults: {out['defaults']}", flush=True)
     for group, variants in sweep_space().items():
         if not group.startswith(tuple(only.split(","))):
@@ -173,7 +183,7 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
             key = ",".join(f"{k}={v}" for k, v in changes.items())
             try:
                 out[key] = bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, common.tuning_variant(base, changes),
-                                     mem=False)
+                                     mem=False, x=x, hp=hp)
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
                 out[key] = {"error": common.error_text(exc, 100)}
             print(f"sweep T={T} {key}: {out[key]}", flush=True)
@@ -182,7 +192,8 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = ""):
 
 
 def tile_tunings(ms: list[int], auto: float = 0.0) -> dict[int, object]:
-    """{m: KernelTuning} for --tile-m (m=1: the per-token kernels; auto: --tile-auto for m > 1)."""
+    """{m: KernelTuning} for --tile-m (m=0: the preset; m=1: the per-token kernels; auto: --tile-auto for
+    m > 1)."""
     return {m: common.tile_m_variant(common.base_tuning(), m, auto) for m in ms}
 
 
@@ -254,7 +265,7 @@ def run_op(a, dims) -> dict:
 
 
 def print_op_table(rows: list[list], what: str) -> None:
-    print(f"\nms ({common.TIMER['mode']} calls); x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels)")
+    print(f"\nms ({common.TIMER['mode']} calls); x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels, 0 = the preset's policy)")
     common.print_table(["T", "inputs", "m", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB",
                         "dense GiB", "best dense fwd / f+b"], rows)
 
@@ -285,6 +296,9 @@ def run_captured(a, result: dict) -> dict:
             same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
         result["locality"][f"T={T} layer {layer}"] = common.locality(bi)
         per_m = {m: bench_nsa(B, T, HQ, H, dk, dv, a.warmup, a.iters, tn, x=x, hp=hp) for m, tn in tunings.items()}
+        if T in a.sweep:   # the launch-parameter sweep on this capture
+            result.setdefault("sweep", {})[f"T={T} layer {layer}"] = sweep(B, T, HQ, H, dk, dv, 1, 3, a.sweep_only,
+                                                                          x=x, hp=hp)
         del x, bi
         torch.cuda.empty_cache()
         if T not in result["dense"]:
@@ -534,7 +548,8 @@ def main() -> None:
     ap.add_argument("--timer", choices=["eager", "graph"], default="eager",
                     help="eager calls (host time included) or CUDA-graph replays (what a graphed training "
                          "step sees; every op and dense baseline is captured once per shape)")
-    ap.add_argument("--sweep", type=int, nargs="*", default=[], help="T values for the kernel-tuning sweep")
+    ap.add_argument("--sweep", type=int, nargs="*", default=[],
+                    help="T values for the kernel-tuning sweep (with --inputs captured:DIR on each capture at T)")
     ap.add_argument("--sweep-only", default="", help="sweep only the groups with these prefixes (comma-separated, e.g. select.block,scores.)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
@@ -542,9 +557,10 @@ def main() -> None:
     ap.add_argument("--tile-auto", type=float, default=0.0, metavar="U",
                     help="--tile-m M > 1: tiles or per-token kernels chosen per call on the device, tiles when "
                          "the union fraction <= U (TileTuning.auto_union; 0 = always tiles)")
-    ap.add_argument("--tile-m", type=int, nargs="+", default=[1],
-                    help="--branch op: selection on query tiles of M tokens (KernelTuning.tile.m; 1 = per token); "
-                         "several values: the op timed under each (e.g. --tile-m 1 2 4 8)")
+    ap.add_argument("--tile-m", type=int, nargs="+", default=[0],
+                    help="--branch op: selection on query tiles of M tokens at every G (KernelTuning.tile.m; "
+                         "1 = per token; 0 = the preset's own tile policy, the default); several values: the "
+                         "op timed under each (e.g. --tile-m 0 1 4 8)")
     ap.add_argument("--inputs", default="random",
                     help="--branch op: random (default) or captured:DIR (bench/capture_inputs.py's captures at "
                          "the --T lengths; shapes and hyperparameters from the capture)")

@@ -3,6 +3,7 @@
 
     python bench/bench_profile.py kernels --T 8192 65536 [--iters 5] [--ops]
     python bench/bench_profile.py kernels --T 16384 --HQ 12 --H 2 --dk 64 --dv 64 --compare "" select.prefetch=true
+    python bench/bench_profile.py kernels --T 65536 --inputs captured:bench/captured_paper --layer 3 --compare "" tile.m=1
     python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
     ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
         python bench/bench_profile.py ncu-attention --T 65536 --calls 1
@@ -103,12 +104,29 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
-def fwd_bwd(x: list[torch.Tensor], do: torch.Tensor, tuning):
-    """One NSA forward+backward of the op's inputs x under tuning, as a callable."""
+def fwd_bwd(x: list[torch.Tensor], do: torch.Tensor, tuning, hp: dict | None = None):
+    """One NSA forward+backward of the op's inputs x (hyperparameters hp, default HP) under tuning, as a
+    callable."""
     def step():
-        o, _ = common.nsa_op(x, tuning)
+        o, _ = common.nsa_op(x, tuning, hp)
         return torch.autograd.grad(o, x, do)
     return step
+
+
+def op_inputs(a, T: int) -> tuple[list[torch.Tensor], dict, tuple[int, ...]]:
+    """(the op's eight inputs, hp, (B, HQ, H, dk, dv)) at T: random ones of --HQ/--H/--dk/--dv, or with
+    --inputs captured:DIR that folder's capture of --layer at T (its shapes and hyperparameters)."""
+    if a.inputs == "random":
+        return common.nsa_inputs(1, T, a.HQ, a.H, a.dk, a.dv), dict(HP), (1, a.HQ, a.H, a.dk, a.dv)
+    folder = a.inputs.split(":", 1)[1]
+    caps = common.read_captures(folder)["captures"]
+    entry = next((e for e in caps if e["T"] == T and e["layer"] == a.layer), None)
+    if entry is None:
+        raise SystemExit(f"--inputs {a.inputs}: no capture of layer {a.layer} at T={T} (captured: "
+                         f"{sorted((e['T'], e['layer']) for e in caps)}); pick --T / --layer from these")
+    x, _ = common.load_capture(folder, entry, device="cuda" if common.has_cuda() else "cpu")
+    B, _, HQ, dk = x[0].shape
+    return x, {k: entry["op"][k] for k in HP}, (B, HQ, x[4].shape[2], dk, x[4].shape[3])
 
 
 def compiled_kernels() -> dict:
@@ -137,18 +155,18 @@ def compiled_kernels() -> dict:
 def run_compare(a) -> None:
     """--compare: per-kernel device ms of each tuning variant side by side, and the registers / spills of
     the kernels each variant compiled."""
-    B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
     variants = [v.strip() for v in a.compare]
-    result = {"hp": HP, "shape": dict(HQ=HQ, H=H, dk=dk, dv=dv), "variants": variants, "runs": {}, "compiled": {}}
+    result = {"hp": HP, "inputs": a.inputs, "variants": variants, "runs": {}, "compiled": {}}
     for T in a.T:
-        x = common.nsa_inputs(B, T, HQ, H, dk, dv)
+        x, hp, (B, HQ, H, dk, dv) = op_inputs(a, T)
+        result.update(hp=hp, shape=dict(HQ=HQ, H=H, dk=dk, dv=dv))
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
         per, totals = {}, {}
         for v in variants:
             # commas inside parentheses belong to a value, e.g. scores.tile=ScoreTile(128,64,8,2,2,2)
             tuning = common.changed_tuning([c for c in re.split(r",(?![^()]*\))", v) if c] + a.tuning)
             before = compiled_kernels()
-            nsa_step = fwd_bwd(x, do, tuning)
+            nsa_step = fwd_bwd(x, do, tuning, hp)
             rows, ms = kernel_table(nsa_step, a.iters)
             new = [k for i, k in compiled_kernels().items() if i not in before]
             if new:
@@ -158,7 +176,8 @@ def run_compare(a) -> None:
             totals[v] = ms
         names = sorted({k for p in per.values() for k in p}, key=lambda k: -per[variants[0]].get(k, 0.0))[:a.top]
         result["runs"][str(T)] = {"device_ms": totals, "kernels_ms": per}
-        print(f"\nT={T}, device ms per fwd+bwd (HQ={HQ}, H={H}, dk={dk}, dv={dv}):")
+        print(f"\nT={T}, device ms per fwd+bwd (HQ={HQ}, H={H}, dk={dk}, dv={dv}, inputs {a.inputs}"
+              f"{'' if a.inputs == 'random' else f' layer {a.layer}'}):")
         common.print_table(["kernel"] + [v or "base" for v in variants],
                            [["TOTAL"] + [totals[v] for v in variants]]
                            + [[n[:44]] + [per[v].get(n, 0.0) for v in variants] for n in names], ".3f")
@@ -175,13 +194,13 @@ def run_compare(a) -> None:
 def run_kernels(a) -> None:
     if a.compare:
         return run_compare(a)
-    B, HQ, H, dk, dv = 1, a.HQ, a.H, a.dk, a.dv
-    result = {"hp": HP, "runs": {}, "tuning": a.tuning}
+    result = {"hp": HP, "runs": {}, "tuning": a.tuning, "inputs": a.inputs}
     tuning = common.changed_tuning(a.tuning)
     for T in a.T:
-        x = common.nsa_inputs(B, T, HQ, H, dk, dv)
+        x, hp, (B, HQ, H, dk, dv) = op_inputs(a, T)
+        result["hp"] = hp
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
-        nsa_step = fwd_bwd(x, do, tuning)
+        nsa_step = fwd_bwd(x, do, tuning, hp)
         dense_step = _dense_fwd_bwd(B, T, HQ, H, dk, dv)
         rows, ms = kernel_table(nsa_step, a.iters)
         drows, dms = kernel_table(dense_step, a.iters)
@@ -444,6 +463,10 @@ def main() -> int:
     k.add_argument("--top", type=int, default=12, help="kernels listed with --compare")
     for name in ("HQ", "H", "dk", "dv"):
         k.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
+    k.add_argument("--inputs", default="random",
+                   help="random (default; --HQ/--H/--dk/--dv) or captured:DIR (bench/capture_inputs.py's capture "
+                        "of --layer at each --T, its shapes and hyperparameters)")
+    k.add_argument("--layer", type=int, default=0, help="--inputs captured:DIR: the captured layer")
     common.result_args(k)
     s = sub.add_parser("step", help="host vs GPU time and launches of a training step, per step mode")
     s.add_argument("--variants", default="ckpt,nockpt", help=f"comma list of {sorted(STEP_VARIANTS)}")
@@ -469,6 +492,8 @@ def main() -> int:
     nd.add_argument("--S", type=int, default=65536)
     nd.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
+    if getattr(a, "inputs", "random") != "random" and not (a.inputs.startswith("captured:") and len(a.inputs) > 9):
+        raise SystemExit(f"--inputs {a.inputs!r}: use random or captured:DIR (a bench/capture_inputs.py folder)")
     if a.mode not in ("step", "ncu-source") and not common.has_cuda():
         raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
     {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,

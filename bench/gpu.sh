@@ -20,12 +20,14 @@
 #                                                CAPTURE_LOAD=DIR loads that one), capture layers 0 5 11 at T
 #   bash bench/gpu.sh capture-bench [T ...]      the op on bench/captured against the best dense kernel (FA4,
 #                                                FA2, cuDNN, flash SDPA), selection tiles TILE_M (default
-#                                                "1 2 4 8"), locality table; training 250 steps at 64k takes
-#                                                ~4 min, so capture-model and capture-bench fit one call each
+#                                                "0 1 2 4 8"; 0 = the preset's policy), locality table;
+#                                                training 250 steps at 64k takes ~4 min, so capture-model
+#                                                and capture-bench fit one call each
 #   bash bench/gpu.sh capture-paper [T ...]      the paper shape (HQ=64, H=4, d=128): a 4-layer TinyLM at that attention
-#                                                shape trained STEPS=100 at 64k (~3 min), layers 0 3 captured to
+#                                                shape trained STEPS=150 at 64k (~3.5 min), layers 0 3 captured to
 #                                                bench/captured_paper (default T=65536), then the op on them against FA4
-#                                                (selection tiles TILE_M, default 1; e.g. TILE_M="1 8")
+#                                                (selection tiles TILE_M, default "0 1": the preset's policy
+#                                                and per token; e.g. TILE_M="0 1 8")
 #   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
 #                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
 #                                                on bench/captured when capture-model made it on this machine
@@ -136,18 +138,18 @@ PAPER_MODEL="model.n_layers=4 model.n_heads=64 model.n_kv_groups=4 model.d_k=128
 run_capture_paper() {  # bench/captured_paper is git-ignored (bench/captured*), so it stays while the machine is warm
   local T=${*:-65536}
   local_data
-  timeout "$T_BENCH" python3 bench/capture_inputs.py --seq 65536 --steps "${STEPS:-100}" --T $T --layers 0 3 \
+  timeout "$T_BENCH" python3 bench/capture_inputs.py --seq 65536 --steps "${STEPS:-150}" --T $T --layers 0 3 \
     --out bench/captured_paper data.path=data/fineweb_local logging.mlflow=false $PAPER_MODEL 2>&1 \
     | tee "$OUT/capture_paper.log" | grep -vE "Warning|warn" | tail -8
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured_paper --T $T \
-    --tile-m ${TILE_M:-1} --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
+    --tile-m ${TILE_M:-0 1} --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
     | grep -vE "^T=|Warning|warn" | tail -12
 }
 
 run_capture_bench() {
   local T=${*:-$CAPTURE_T}
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured --T $T \
-    --tile-m ${TILE_M:-1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
+    --tile-m ${TILE_M:-0 1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
 run_prod() {  # table 8: graph-timed op at the production shape, random and (when present) captured inputs

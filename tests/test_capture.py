@@ -145,6 +145,28 @@ def test_bench_attention_runs_on_captures(captured, monkeypatch):
     assert set(r["locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
     with pytest.raises(SystemExit, match="no capture at"):
         ba.run_op(__import__("argparse").Namespace(**{**vars(a), "T": [4096]}), (1, 64, 4, 128, 128))
+    # --sweep T on captures: the sweep's variants on each capture's own inputs (op fwd and fwd+bwd each)
+    monkeypatch.setattr(ba, "sweep_space", lambda: {"tile.g16": [{"tile.m": 2}], "other": [{"tile.m": 3}]})
+    calls.clear()
+    r = ba.run_op(__import__("argparse").Namespace(**{**vars(a), "tile_m": [0], "sweep": [128],
+                                                      "sweep_only": "tile."}), (1, 64, 4, 128, 128))
+    assert set(r["sweep"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 2 * (2 + 2 * 2)   # per layer: the op, the defaults, one variant
+    assert set(r["sweep"]["T=128 layer 1"]) == {"defaults", "tile.m=2"}
+    assert [x["m"] for x in r["rows"]] == [0, 0]
+
+
+def test_bench_profile_takes_a_captured_layer(captured):
+    """bench_profile kernels --inputs captured:DIR --layer L: that capture's inputs, shapes and
+    hyperparameters at each T; a layer or T not captured is one clear error naming what was."""
+    common, cap, model, recipe, res, out, ys, ids = captured
+    bp = load_bench("bench_profile")
+    a = __import__("argparse").Namespace(inputs=f"captured:{out}", layer=1)
+    x, hp, shape = bp.op_inputs(a, 128)
+    saved = torch.load(out / "T128_L1.pt", weights_only=True)
+    assert torch.equal(x[0].detach(), saved["q"]) and len(x) == 8 and x[0].requires_grad
+    assert shape == (1, 4, 2, 32, 32) and hp["l_sel"] == 16
+    with pytest.raises(SystemExit, match=r"no capture of layer 5 at T=128 \(captured: \[\(96, 0\), \(96, 1\), \(128, 0\)"):
+        bp.op_inputs(__import__("argparse").Namespace(inputs=f"captured:{out}", layer=5), 128)
 
 
 def test_bench_attention_random_inputs_rows_per_tile_m(monkeypatch):

@@ -26,9 +26,13 @@ def test_presets_are_frozen_and_named():
     # the CPU preset differs only where the interpreter / the CPU torch path want it to
     assert CPU.scores.tile.map_small == CPU.scores.tile.map_big == 0 and CPU.torch.dense_factor == 8.0
     assert HOPPER.torch.dense_factor == 4.0 and CPU.attn == HOPPER.attn and CPU.decode == HOPPER.decode
-    # query tiles: no preset runs them (m=1; on Hopper they stopped paying against the block-order
-    # kernels, measured); the launches are shared
-    assert HOPPER.tile == CPU.tile == AMPERE.tile == TileTuning() and HOPPER.tile.m == 1
+    # query tiles: only Hopper, only for G >= 16 (the paper shape, per-token programs of 16 rows) and
+    # chosen per call; at G <= 8 they stopped paying against the block-order kernels (both measured);
+    # the launches are shared
+    assert CPU.tile == AMPERE.tile == TileTuning() and CPU.tile.m_for(16) == 1
+    assert HOPPER.tile.fwd == CPU.tile.fwd and HOPPER.tile.dq == CPU.tile.dq
+    assert HOPPER.tile.m_for(16) == 4 and HOPPER.tile.m_for(6) == HOPPER.tile.m_for(8) == 1
+    assert 0 < HOPPER.tile.auto_union < 0.78   # random 64k selections (union 0.78 at m=4) stay per token
     # selection forward and dq block by block on Hopper for the production model's G=6, dq alone for the
     # paper's G=16 (both measured), per token on the other presets (not measured block by block)
     assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp16"
@@ -79,6 +83,9 @@ def test_tile_tuning_is_checked():
             TileTuning(m=bad)
     with pytest.raises(ValueError, match="TileTuning.dkdv_by"):
         TileTuning(dkdv_by="blocks")
+    with pytest.raises(ValueError, match="TileTuning.min_g must be >= 1"):
+        TileTuning(min_g=0)
+    assert TileTuning(m=8, min_g=16).m_for(32) == 8 and TileTuning(m=8).m_for(1) == 8
     on = HOPPER.replace(tile=dataclasses.replace(HOPPER.tile, m=8))
     assert on.tile.m == 8 and on.tile.fwd == HOPPER.tile.fwd and on.select == HOPPER.select
     tn = TileTuning()

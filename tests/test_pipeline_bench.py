@@ -103,11 +103,20 @@ def test_tuning_variant_replaces_nested_fields():
 
 
 def test_tile_m_variant_sets_only_the_tile_size():
-    """bench_attention --tile-m M runs the op with KernelTuning.tile.m = M (the adapter's variant)."""
+    """bench_attention --tile-m M runs the op with KernelTuning.tile.m = M at every G (min_g 1, whatever
+    the preset's), M=0 the preset itself; nothing else changes."""
+    import dataclasses
+    from nsa.ops.tuning import HOPPER
     common = load_bench("common")
     base = common.base_tuning("cpu")
     v = common.tile_m_variant(base, 4)
     assert v.tile.m == 4 and base.tile.m == 1 and v.replace(tile=base.tile) == base
+    h = common.tile_m_variant(HOPPER, 8, 0.3)
+    assert h.tile.m_for(6) == 8 and h.tile.auto_union == 0.3
+    assert h.replace(tile=dataclasses.replace(h.tile, m=HOPPER.tile.m, min_g=HOPPER.tile.min_g,
+                                              auto_union=HOPPER.tile.auto_union)) == HOPPER
+    assert common.tile_m_variant(HOPPER, 1).tile.m_for(16) == 1
+    assert common.tile_m_variant(HOPPER, 0) is HOPPER
 
 
 def test_vs_dense_nsa_tuning_run_changes_only_its_models_preset(monkeypatch):

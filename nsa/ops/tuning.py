@@ -183,9 +183,9 @@ class TileTuning:
     """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
     of a KV head per program, loading each block of the tile's union of selections once.
 
-    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (every preset: on an
-    H100 the tiles beat the per-token kernels on local layers, union fraction <= ~0.4, but not the
-    block-order ones that G <= 8 now runs, bench/RESULTS.md table 8).
+    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (on an H100 the tiles
+    beat the per-token kernels on local layers, but not the block-order ones that G <= 8 runs,
+    bench/RESULTS.md table 8: the Hopper preset tiles only G >= 16, min_g).
     Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch for rows <= 64, launch
     for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
     accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16,
@@ -209,6 +209,10 @@ class TileTuning:
     # device from the block indices: no host sync) is <= auto_union, else the per-token kernels (both
     # launched, the other one's programs return at once: nsa/ops/triton/guard.py); 0 = always tiles
     auto_union: float = 0.0
+    # tiles only for calls whose KV heads serve at least min_g query heads (G = HQ / H), the per-token /
+    # block-order kernels below: at G <= 8 the block-order kernels already fill their MMA rows with
+    # several tokens' heads, at G = 16 the per-token programs have 16 rows (bench/RESULTS.md table 12)
+    min_g: int = 1
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -221,6 +225,12 @@ class TileTuning:
                              f"got {self.auto_union}")
         if self.dkdv_by not in ("token", "tile"):
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
+        if self.min_g < 1:
+            raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
+
+    def m_for(self, G: int) -> int:
+        """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
+        return self.m if G >= self.min_g else 1
 
     def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
         return pair[0] if rows <= 64 else pair[1]
@@ -428,11 +438,16 @@ class KernelTuning:
 # forward 1.024 -> 0.991 ms at 16k, 6.18 -> 6.08 at 64k (96 was slower). G=16 runs the forward per token
 # but dq from the dK/dV walk's pair partials (64-row walk): paper-shape fwd+bwd 21.39 -> 20.65 ms at 16k,
 # 111.3 -> 109.2 at 64k, where the block-order forward was 4-9% slower (both table 11).
+# G=16 only: the selection on query tiles of 4 tokens (64 rows) when a strided sample of the call's tiles
+# has a union fraction <= 0.6. On a paper-shape TinyLM trained 150 steps at 64k (H100, FA4 dense bar,
+# table 12) fwd+bwd at 64k 106.5 -> 97.3 ms (union 0.42) and 107.2 -> 104.3 (0.54), at 16k 20.4 -> 17.2
+# (0.37) and 20.6 -> 18.8 (0.52); random 64k selections (0.78) stay per token.
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512),
-                      scores=ScoreTuning(tile=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)))
+                      scores=ScoreTuning(tile=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)),
+                      tile=TileTuning(m=4, auto_union=0.6, min_g=16))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

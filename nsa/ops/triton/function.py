@@ -221,8 +221,8 @@ class NSATritonFunction(torch.autograd.Function):
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tuning.scores)
-        m = tuning.tile.m
         G = q.shape[2] // k_slc.shape[2]
+        ctx.m = m = tuning.tile.m_for(G)
         # block-order forward and / or dq from pair partials: the pair inversion they need is the one the
         # dK/dV kernel walks, kept for it
         pairs = m == 1 or tuning.tile.auto_union > 0
@@ -290,11 +290,11 @@ class NSATritonFunction(torch.autograd.Function):
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
                 _, dks, dvs = _slc_bwd_pairs(ctx.inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                              dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token)
-            dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=tuning.tile.m, **kw, tuning=tuning.tile, dq_out=buf,
+            dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=ctx.m, **kw, tuning=tuning.tile, dq_out=buf,
                          guard=on_tile)
         elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                        gates[..., 1], m=tuning.tile.m, union=TileUnion(*union),
+                                        gates[..., 1], m=ctx.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)
         elif ctx.dq_pairs:
             dq, dks, dvs = _slc_bwd_pairs(ctx.inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
