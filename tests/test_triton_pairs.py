@@ -224,8 +224,9 @@ def test_op_by_block_with_wide_dkdv_steps_and_tuned_chunk(monkeypatch):
 
 def test_op_token_forward_with_dq_from_pairs(monkeypatch):
     """select.dq_block_max_g above block_max_g (the Hopper preset at G=16): the forward per token, dq
-    from the dK/dV walk's pair partials; same block_idx, o and gradients as the per-token op, and the
-    block-order forward never runs while pair_dq does."""
+    from the dK/dV walk's pair partials; same block_idx, o and gradients as the per-token op, the
+    block-order forward never runs while pair_dq does, and the pair inversion dq needs is made in the
+    backward (the forward holds none)."""
     from nsa.ops.triton import function as fn
     xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()   # before recording: it may run the op here
     calls = []
@@ -233,11 +234,16 @@ def test_op_token_forward_with_dq_from_pairs(monkeypatch):
     def recorded(real, name, *args, **kw):
         calls.append(name)
         return real(*args, **kw)
-    for name in ("slc_fwd_pairs", "pair_dq", "slc_fwd"):
+    for name in ("slc_fwd_pairs", "pair_dq", "slc_fwd", "invert_selection"):
         monkeypatch.setattr(fn, name, functools.partial(recorded, getattr(fn, name), name))
     sel = SelectTuning(loop="auto", block_max_g=2, dq_block_max_g=3, block_dkdv_rows=16)   # G = 3
-    o1, bi1, g1 = run_op(xs, do, dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1)))
-    assert calls == ["slc_fwd", "pair_dq"]
+    tn = dataclasses.replace(tuning_for(DEV), select=sel, tile=TileTuning(m=1))
+    with torch.no_grad():
+        nsa_triton_apply(*xs, **OP_HP, scale=xs[0].shape[-1] ** -0.5, dkdv_chunk=5, tuning=tn)
+    assert calls == ["slc_fwd"]
+    calls.clear()
+    o1, bi1, g1 = run_op(xs, do, tn)
+    assert calls == ["slc_fwd", "invert_selection", "pair_dq"]
     assert torch.equal(bi0, bi1) and rel_err(o1, o0) <= tol(torch.float32)
     for i, (a, b) in enumerate(zip(g1, g0)):
         assert rel_err(a, b) <= 2 * tol(torch.float32), f"grad {i}: {rel_err(a, b):.2e}"

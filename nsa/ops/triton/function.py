@@ -223,13 +223,12 @@ class NSATritonFunction(torch.autograd.Function):
                                   tuning=tuning.scores)
         G = q.shape[2] // k_slc.shape[2]
         ctx.m = m = tuning.tile.m_for(G)
-        # block-order forward and / or dq from pair partials: the pair inversion they need is the one the
-        # dK/dV kernel walks, kept for it
+        # block-order forward: the pair inversion it walks is the one the dK/dV kernel walks, kept for it;
+        # dq from pair partials after a per-token forward makes it in the backward (nothing held between)
         pairs = m == 1 or tuning.tile.auto_union > 0
         fwd_pairs = pairs and tuning.select.by_block(G)
         ctx.dq_pairs = pairs and tuning.select.dq_by_block(G)
-        ctx.inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if fwd_pairs or ctx.dq_pairs else None
-        inv_fwd = ctx.inv if fwd_pairs else None
+        ctx.inv = inv_fwd = invert_selection(block_idx, l_sel, chunk, ranks=True) if fwd_pairs else None
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
@@ -277,6 +276,9 @@ class NSATritonFunction(torch.autograd.Function):
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype
         slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
                       dq_dtype=q.dtype if ctx.ext_win else torch.float32)
+        inv = ctx.inv
+        if inv is None and ctx.dq_pairs:   # pair_dq sums each token's partials by their ranks
+            inv = invert_selection(block_idx, l_sel, chunk, ranks=True)
         if len(union) == 4:   # the device's per-call choice (forward): the same one for dq
             on_tile, on_token = pair(union[3])
             bw = (q, k_slc, v_slc)
@@ -286,9 +288,9 @@ class NSATritonFunction(torch.autograd.Function):
             if not ctx.dq_pairs:
                 slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
                 dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                    tuning=tuning.select, inv=ctx.inv)
+                                    tuning=tuning.select, inv=inv)
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
-                _, dks, dvs = _slc_bwd_pairs(ctx.inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
+                _, dks, dvs = _slc_bwd_pairs(inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                              dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token)
             dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=ctx.m, **kw, tuning=tuning.tile, dq_out=buf,
                          guard=on_tile)
@@ -297,11 +299,11 @@ class NSATritonFunction(torch.autograd.Function):
                                         gates[..., 1], m=ctx.m, union=TileUnion(*union),
                                         tuning=tuning.tile, select=tuning.select, **slc_kw)
         elif ctx.dq_pairs:
-            dq, dks, dvs = _slc_bwd_pairs(ctx.inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
+            dq, dks, dvs = _slc_bwd_pairs(inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                           gates[..., 1], tuning=tuning.select, **slc_kw)
         else:
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                   gates[..., 1], tuning=tuning.select, inv=ctx.inv, **slc_kw)
+                                   gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
         if ctx.ext_win:
             dkw = dvw = None
         else:
