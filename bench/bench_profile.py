@@ -152,6 +152,16 @@ def compiled_kernels() -> dict:
     return out
 
 
+def kernel_ms(rows: list[dict], width: int = 60) -> dict[str, float]:
+    """{kernel name cut to width: ms per iteration} of kernel_table rows; names that agree in their
+    first width characters (FA4's window and compressed launches) add up instead of overwriting."""
+    out: dict[str, float] = {}
+    for r in rows:
+        name = r["kernel"][:width]
+        out[name] = round(out.get(name, 0.0) + r["ms_per_iter"], 3)
+    return out
+
+
 def run_compare(a) -> None:
     """--compare: per-kernel device ms of each tuning variant side by side, and the registers / spills of
     the kernels each variant compiled."""
@@ -172,7 +182,7 @@ def run_compare(a) -> None:
             if new:
                 result["compiled"][v or "base"] = [dict(zip(("kernel", "warps", "stages", "regs", "spills", "shared"), k))
                                                    for k in new]
-            per[v] = {r["kernel"][:60]: r["ms_per_iter"] for r in rows}
+            per[v] = kernel_ms(rows)
             totals[v] = ms
         names = sorted({k for p in per.values() for k in p}, key=lambda k: -per[variants[0]].get(k, 0.0))[:a.top]
         result["runs"][str(T)] = {"device_ms": totals, "kernels_ms": per}

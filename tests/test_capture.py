@@ -194,3 +194,13 @@ def test_bench_attention_random_inputs_rows_per_tile_m(monkeypatch):
     loc = r["locality"]["T=256 random"]
     assert loc[1] == pytest.approx((3 + 4) / 2 / 16)   # tokens 128..255 see 3 or 4 blocks of 64, n_sel=16
     assert all(0 < v <= loc[1] for v in loc.values())
+
+
+def test_bench_profile_compare_adds_kernels_of_one_cut_name():
+    """--compare's per-kernel column: two kernels whose names agree in the first 60 characters (FA4's
+    window and compressed launches) are summed, not the later one kept."""
+    bp = load_bench("bench_profile")
+    fa4 = "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at_"
+    rows = [{"kernel": fa4 + "a", "ms_per_iter": 1.5}, {"kernel": "_slc_fwd_kernel", "ms_per_iter": 0.25},
+            {"kernel": fa4 + "b", "ms_per_iter": 2.0}]
+    assert bp.kernel_ms(rows) == {fa4[:60]: 3.5, "_slc_fwd_kernel": 0.25}

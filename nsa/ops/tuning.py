@@ -439,9 +439,10 @@ class KernelTuning:
 # but dq from the dK/dV walk's pair partials (64-row walk): paper-shape fwd+bwd 21.39 -> 20.65 ms at 16k,
 # 111.3 -> 109.2 at 64k, where the block-order forward was 4-9% slower (both table 11).
 # G=16 only: the selection on query tiles of 4 tokens (64 rows) when a strided sample of the call's tiles
-# has a union fraction <= 0.6. On a paper-shape TinyLM trained 150 steps at 64k (H100, FA4 dense bar,
-# table 12) fwd+bwd at 64k 106.5 -> 97.3 ms (union 0.42) and 107.2 -> 104.3 (0.54), at 16k 20.4 -> 17.2
-# (0.37) and 20.6 -> 18.8 (0.52); random 64k selections (0.78) stay per token.
+# has a union fraction <= 0.6. On a paper-shape TinyLM trained 150 steps at 64k (H100, table 12) op
+# fwd+bwd at 64k 108.0 -> 98.3 ms (union 0.42 at m=4) and 109.2 -> 105.5 (0.54), at 16k 20.4 -> 17.3 and
+# 20.7 -> 19.1, at 8k 9.9 -> 8.2 and 10.0 -> 8.7; random selections: 8k 9.85 -> 9.48, 16k and 64k (union
+# 0.78) stay per token at the same time. m=2 and m=8 were slower; tiles on random 64k selections too (table 5).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
