@@ -66,7 +66,7 @@ def bench_nsa(B, T, HQ, H, dk, dv, warmup, iters, tuning=None, mem=True, x=None,
 
 def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     """Per-stage times (ms) of the Triton NSA forward and backward, each launcher called alone."""
-    from nsa.ops.triton import attn, function, scores, select
+    from nsa.ops.triton import attn, function, scores, scores_unfused, select
     q, kc, vc, ks, vs, kw, vw, g = [t.detach() for t in common.nsa_inputs(B, T, HQ, H, dk, dv)]
     sc = dk ** -0.5
     l, d, l_sel, n_sel, w = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"], HP["w"]
@@ -77,9 +77,9 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
     # "select": the fused scores + top-n the forward uses; the unfused pair for comparison
     bi = scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc)
     t("select", lambda: scores.select_blocks(q, kc, lc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=sc))
-    sc_old = select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc)
-    t("scores_unfused", lambda: select.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc))
-    t("topn_unfused", lambda: select.select_topn(sc_old, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel))
+    sc_old = scores_unfused.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc)
+    t("scores_unfused", lambda: scores_unfused.block_scores(q, kc, lc, l=l, d=d, l_sel=l_sel, scale=sc))
+    t("topn_unfused", lambda: scores_unfused.select_topn(sc_old, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel))
     os_, ls = select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc)
     t("slc_fwd", lambda: select.slc_fwd(q, ks, vs, bi, l_sel=l_sel, scale=sc))
     ow, lw = attn.attn_fwd(q, kw, vw, stride=1, offset=0, window=w, scale=sc)
@@ -491,7 +491,7 @@ def run_cmp(a, dims) -> dict:
 
 def run_select(a, dims) -> dict:
     from nsa.ops.common import num_cmp_tokens
-    from nsa.ops.triton import attn, select
+    from nsa.ops.triton import attn, scores_unfused
     _, HQ, H, dk, _ = dims
     l, d, l_sel, n_sel = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"]
     sc = dk ** -0.5
@@ -505,8 +505,8 @@ def run_select(a, dims) -> dict:
         _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=sc)
 
         def unfused():
-            s = select.block_scores(q, kc, lse, l=l, d=d, l_sel=l_sel, scale=sc)
-            return select.select_topn(s, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+            s = scores_unfused.block_scores(q, kc, lse, l=l, d=d, l_sel=l_sel, scale=sc)
+            return scores_unfused.select_topn(s, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
 
         ref = unfused()
         r = res["T"][T] = {"unfused_ms": common.gpu_time(unfused, a.warmup, a.iters), "fused": {}}
@@ -529,10 +529,15 @@ def select_variants() -> dict[str, object]:
     tokens, map > 16 tokens) and the merge skip on the default tile."""
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
-    for t in [(128, 64, 8, 2, 2, 2), (256, 64, 8, 2, 2, 2), (256, 64, 8, 2, 0, 2), (128, 64, 8, 3, 2, 2),
-              (128, 64, 4, 2, 2, 2), (128, 32, 8, 2, 2, 2), (128, 64, 4, 2, 0, 2), (256, 64, 8, 3, 0, 2)]:
-        tile = common.score_tile(*t)   # for every G: the small-group tile too
-        out[str(t)] = common.tuning_variant(base, {"scores.tile": tile, "scores.small_group": tile})
+    for t, regs in [((128, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 0, 2), None),
+                    ((128, 64, 8, 3, 2, 2), None), ((128, 64, 4, 2, 2, 2), None), ((128, 32, 8, 2, 2, 2), None),
+                    ((128, 64, 4, 2, 0, 2), None), ((256, 64, 8, 3, 0, 2), None),
+                    # register caps (the preset's tile runs at 80): more programs per SM, or bigger tiles
+                    ((128, 64, 8, 2, 2, 2), 72), ((128, 64, 8, 3, 2, 2), 80), ((128, 128, 8, 2, 2, 2), 128),
+                    ((256, 64, 8, 2, 2, 2), 128), ((128, 64, 4, 2, 2, 2), 128), ((128, 32, 8, 2, 2, 2), 80)]:
+        tile = common.score_tile(*t, max_regs=regs)   # for every G: the small-group tile too
+        out[str(t) + (f" regs {regs}" if regs else "")] = common.tuning_variant(
+            base, {"scores.tile": tile, "scores.small_group": tile})
     return out
 
 

@@ -22,7 +22,7 @@ from nsa.ops import common  # noqa: E402
 from nsa.ops.reference import (nsa_reference, reference_block_scores,  # noqa: E402
                                reference_select_one)
 from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
-from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
 from nsa.ops.testing import INPUT_NAMES, make_inputs as _make_inputs, rel_rms as rel_err  # noqa: E402
 from nsa.ops.tuning import CmpDenseTuning, FlashBranchTuning, tuning_for  # noqa: E402
@@ -315,7 +315,7 @@ def test_block_scores_kernel_matches_reference():
     vis = (torch.arange(kc.shape[1]) * d + l - 1)[None, :] <= torch.arange(T)[:, None]   # [T, N]
     logits = logits.masked_fill(~vis[None, :, None, :], float("-inf"))
     lse = torch.logsumexp(logits, -1)
-    sc = tsel.block_scores(q, kc, lse.float().to(DEV), l=l, d=d, l_sel=l_sel, scale=scale)
+    sc = tsu.block_scores(q, kc, lse.float().to(DEV), l=l, d=d, l_sel=l_sel, scale=scale)
     assert sc.shape == (B, H, T, triton.cdiv(T, l_sel))
     probs = torch.nan_to_num(torch.exp(logits - lse[..., None]))                          # [B,T,HQ,N]
     for t in (0, l - 1, l, 37, 64, 99, T - 1):
@@ -337,7 +337,7 @@ def test_topn_kernel_ties_forced_and_padding():
     sc[0, 2] = 0.0                                                              # everything tied
     for n_sel in (1, 2, 4, 12):
         p = common.NSAParams(l, d, l_sel, n_sel, 16)
-        bi = tsel.select_topn(sc.to(DEV), G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel).cpu()
+        bi = tsu.select_topn(sc.to(DEV), G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel).cpu()
         for h in range(H):
             for t in range(T):
                 want = reference_select_one(sc[0, h, t].double().tolist(), t, p, G)

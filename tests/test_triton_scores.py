@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 from nsa.ops import common  # noqa: E402
 from nsa.ops.reference import nsa_reference, reference_select_one  # noqa: E402
 from nsa.ops.triton import scores as tsc  # noqa: E402
-from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
 from nsa.ops.tuning import ScoreTile, ScoreTuning  # noqa: E402
 
@@ -139,8 +139,8 @@ def test_matches_unfused_kernels():
     kc = torch.randn(B, common.num_cmp_tokens(T, l, d), H, dk, generator=g).to(DEV)
     _, lse = cmp_lse(q, kc, l, d, dk ** -0.5)
     lse = lse.float().to(DEV)
-    sc = tsel.block_scores(q, kc, lse, l=l, d=d, l_sel=l_sel, scale=dk ** -0.5)
-    old = tsel.select_topn(sc, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+    sc = tsu.block_scores(q, kc, lse, l=l, d=d, l_sel=l_sel, scale=dk ** -0.5)
+    old = tsu.select_topn(sc, G=HQ // H, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
     new = tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5)
     assert torch.equal(old, new)
 
@@ -150,8 +150,8 @@ def test_forward_uses_fused_selection(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the forward must not call the unfused score / top-n kernels")
 
-    monkeypatch.setattr(tsel, "block_scores", boom)
-    monkeypatch.setattr(tsel, "select_topn", boom)
+    monkeypatch.setattr(tsu, "block_scores", boom)
+    monkeypatch.setattr(tsu, "select_topn", boom)
     import nsa.ops.triton.function as fn
     for name in ("block_scores", "select_topn"):
         if hasattr(fn, name):

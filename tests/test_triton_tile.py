@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from nsa.ops.reference import nsa_reference  # noqa: E402
+from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton import select_tile as tt  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
@@ -66,7 +67,7 @@ def tied_block_idx(B, T, H, n_sel, l_sel, gen, G=2, l=8, d=4):
     """block_idx from the real top-n kernel on scores with many exact ties (ties go to the lower index)."""
     nsb = triton.cdiv(T, l_sel)
     sc = torch.randint(0, 3, (B, H, T, nsb), generator=gen).float() / 7.0
-    return tsel.select_topn(sc.to(DEV), G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
+    return tsu.select_topn(sc.to(DEV), G=G, l=l, d=d, l_sel=l_sel, n_sel=n_sel)
 
 
 def oracle(q, k, v, bi, gate, do, l_sel, scale):

@@ -17,7 +17,7 @@ k~ < 0 / >= N guards) is only applied on chunks that need it: chunks fully visib
 first token run an unmasked loop. Tiles are launched heaviest (latest tokens) first.
 
 Top-n.  Scores go on the integer grid of nsa.ops.common (round-half-even(s * 2**20 * d / (G*l)) in
-fp64), exactly as select._topn_kernel does. Forced blocks (block of t, block 0, the one before) are
+fp64), exactly as scores_unfused._topn_kernel does. Forced blocks (block of t, block 0, the one before) are
 kept out of the running set; every other eligible block j (1 <= j <= t//l_sel - 2) becomes the key
 grid * 2**IB + (2**IB - 1 - j), so a larger key is a better block and equal grids prefer the lower
 index (IB = index bits; keys are int32 when 21 + IB <= 31, else int64). Each token keeps its best KR
@@ -25,7 +25,7 @@ index (IB = index bits; keys are int32 when 21 + IB <= 31, else int64). Each tok
 their best KR, and merged with max(run, new) (the top KR of the union, a bitonic sequence) plus one
 bitonic merge. At the end forced blocks are placed by priority, the best n_sel - #forced others fill
 the rest, and the row is sorted ascending and -1 padded: the same block_idx as
-select.block_scores + select.select_topn and nsa.ops.reference (on the GPU up to rounding-level near
+scores_unfused.block_scores + select_topn and nsa.ops.reference (on the GPU up to rounding-level near
 ties of fp32 scores: at T=64k, HQ=64, H=4, 1 row in 262144 differs from the unfused kernels).
 """
 from __future__ import annotations
