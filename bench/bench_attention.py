@@ -265,7 +265,8 @@ def run_op(a, dims) -> dict:
 
 
 def print_op_table(rows: list[list], what: str) -> None:
-    print(f"\nms ({common.TIMER['mode']} calls); x = best dense / NSA; {what}; m = selection tile (tokens per program, 1 = per-token kernels, 0 = the preset's policy)")
+    print(f"\nms ({common.TIMER['mode']} calls); x = best dense / NSA; {what}; m = selection tile (tokens per "
+          "program, 1 = per-token kernels, 0 = the preset's policy)")
     common.print_table(["T", "inputs", "m", "nsa fwd", "dense fwd", "x", "nsa f+b", "dense f+b", "x", "nsa GiB",
                         "dense GiB", "best dense fwd / f+b"], rows)
 
