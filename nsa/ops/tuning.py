@@ -415,7 +415,8 @@ class KernelTuning:
 # kernels the local layers' op ran 9-14% faster). Against the block-order kernels the tiles no longer pay
 # at the production shape: graph-timed on an H100, on random inputs and on a model trained at 64k, the
 # per-call choice (threshold 0.2) was 0.3-2.4% slower than no tiles at 8k-64k and training tokens/s was
-# the same (table 8), so the preset runs without them (m=1); TileTuning(m=8, auto_union=...) opts in.
+# the same (table 8), so the preset runs them only at G >= 16 (below); at G <= 8 TileTuning(m=8,
+# auto_union=..., min_g=1) opts in (e.g. bench_train --nsa-tuning tile.m=8 tile.min_g=1 tile.auto_union=0.2).
 # Forward and dq block by block for G <= 8: at the production shape (HQ=12, H=2, d=64) the op's fwd+bwd
 # device time fell 13.5% at 16k (H100, table 7); for G=16 (paper shape) see below. The forward's o partials
 # are fp16 scaled by 1/max|v| and the dq partials bf16: all-bf16 partials failed the per-token op's 0.5% on a
