@@ -8,9 +8,7 @@ the production shape in bf16 at 8k and 64k, whole op forward and backward agains
 """
 import dataclasses
 import functools
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from test_triton_tile import CASES, DEV, case_inputs, oracle, rel_err, tol  # noqa: E402
+from test_triton_tile import CASES, DEV, captured_dir, captures_at, case_inputs, oracle, rel_err, tol  # noqa: E402
 
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.inversion import work_items  # noqa: E402
@@ -276,7 +274,7 @@ def test_auto_picks_block_order_by_group_size():
 def _by_block_vs_per_token(xs, do, hp: dict, **changes):
     """(block_idx of the per-token op, of the block-order op (the device preset's select with changes),
     [(name, rel. RMS of the block-order op's tensor against the per-token op's)] for o and every gradient)."""
-    base = tuning_for("cuda")
+    base = tuning_for("cuda").replace(tile=TileTuning())   # no query tiles on either side (the preset's G=16)
     res = []
     for sel in (dataclasses.replace(base.select, loop="token"),
                 dataclasses.replace(base.select, **{"loop": "block", **changes})):
@@ -322,14 +320,7 @@ def test_gpu_paper_shape_dq_from_pairs(T):
         assert e <= 5e-3, f"{name}: {e:.2e}"
 
 
-CAPTURED = Path(os.environ.get("NSA_CAPTURED", Path(__file__).resolve().parents[1] / "bench" / "captured"))
-
-
-def _captures(T: int) -> list[dict]:
-    meta = CAPTURED / "meta.json"
-    if not meta.is_file():
-        return []
-    return [e for e in json.loads(meta.read_text())["captures"] if e["T"] == T]
+CAPTURED = captured_dir("NSA_CAPTURED", "captured")
 
 
 @pytest.mark.gpu
@@ -340,7 +331,7 @@ def test_gpu_op_by_block_on_captured_inputs(T):
     capture-model` on a GPU machine; NSA_CAPTURED points elsewhere): every captured layer at T, with the
     preset's pair dtypes (bf16 o partials failed here: dk_slc 0.4-0.9% off). Also block_idx against the one the model's forward recorded: the same kernels
     under autocast, so equal but for near ties of fp32 scores (>= 99.9% of rows)."""
-    entries = _captures(T)
+    entries = captures_at(CAPTURED, T)
     if not entries:
         pytest.skip(f"no captured inputs at T={T} under {CAPTURED} (bash bench/gpu.sh capture-model)")
     for e in entries:

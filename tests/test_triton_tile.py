@@ -5,8 +5,10 @@ On the CPU through Triton's interpreter (tiny odd shapes); outputs are NaN-poiso
 element a kernel leaves unwritten fails. The `gpu` tests compare tile and per-token kernels in bf16 at
 8k and 64k. `python tests/test_triton_tile.py [T HQ H d [run]]` prints bench_tile's timings on a GPU.
 """
+import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -465,6 +467,58 @@ def test_gpu_auto_tile_choice_is_bitwise_the_chosen_path(T, HQ, H, d):
         got, want = run(TileTuning(m=4, auto_union=auto)), run(TileTuning(m=m))
         for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, want):
             assert torch.equal(a, b), f"T={T} auto_union={auto}: {name} differs from m={m}"
+
+
+def captured_dir(env: str, name: str) -> Path:
+    """A capture folder of bench/capture_inputs.py: $env, else bench/<name> of this checkout."""
+    return Path(os.environ.get(env, Path(__file__).resolve().parents[1] / "bench" / name))
+
+
+def captures_at(folder: Path, T: int) -> list[dict]:
+    """meta.json's capture entries at T in folder ([] when there is none)."""
+    meta = folder / "meta.json"
+    if not meta.is_file():
+        return []
+    return [e for e in json.loads(meta.read_text())["captures"] if e["T"] == T]
+
+
+CAPTURED_PAPER = captured_dir("NSA_CAPTURED_PAPER", "captured_paper")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_preset_tiles_on_captured_paper_inputs(T):
+    """The paper shape's captures (`bash bench/gpu.sh capture-paper 8192 65536`; NSA_CAPTURED_PAPER
+    points elsewhere): the device preset, whose per-call choice runs query tiles on these local
+    selections, against the per-token op (m=1): block_idx identical, o and every gradient within 0.5%
+    relative RMS; and the choice did pick the tiles there."""
+    entries = captures_at(CAPTURED_PAPER, T)
+    if not entries:
+        pytest.skip(f"no captured inputs at T={T} under {CAPTURED_PAPER} (bash bench/gpu.sh capture-paper)")
+    base = tuning_for("cuda")
+    names = ("o", "dq", "dk_cmp", "dv_cmp", "dk_slc", "dv_slc", "dk_win", "dv_win", "dgates")
+    for e in entries:
+        saved = torch.load(CAPTURED_PAPER / e["file"], map_location="cuda", weights_only=True)
+        xs = [saved[n].contiguous() for n in INPUT_NAMES]
+        G = xs[0].shape[2] // xs[3].shape[2]
+        if base.tile.m_for(G) == 1:
+            pytest.skip(f"this device's preset runs no query tiles at G={G}")
+        hp = {k: e["op"][k] for k in ("l", "d", "l_sel", "n_sel", "w")} | dict(scale=xs[0].shape[-1] ** -0.5)
+        do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
+                         generator=torch.Generator("cuda").manual_seed(T + e["layer"]))
+        res = []
+        for tile in (TileTuning(), base.tile):
+            x = [a.detach().clone().requires_grad_() for a in xs]
+            o, bi = nsa_triton_apply(*x, **hp, tuning=base.replace(tile=tile))
+            res.append((bi, o, *torch.autograd.grad(o, x, do)))
+        where = f"T={T} layer {e['layer']}"
+        assert torch.equal(res[0][0], res[1][0]), f"{where}: block_idx differs"
+        m = base.tile.m_for(G)
+        assert int(tt.tile_choice(res[0][0], m, base.tile.auto_union)) == 1, f"{where}: the preset ran per token"
+        for name, a, b in zip(names, res[1][1:], res[0][1:]):
+            assert torch.isfinite(a).all(), f"{where}: non-finite {name}"
+            assert rel_rms(a, b) <= 5e-3, f"{where} {name}: {rel_rms(a, b):.2e}"
 
 
 if __name__ == "__main__":   # T HQ H d [run]: run > 0 takes local selections (see bench_tile)
