@@ -23,7 +23,7 @@ from nsa.ops.reference import nsa_reference  # noqa: E402
 from nsa.ops.testing import decode_views, make_inputs  # noqa: E402
 from nsa.ops.triton import decode as tdec  # noqa: E402
 from nsa.ops.triton import scores as tsc  # noqa: E402
-from nsa.ops.triton import select as tsel  # noqa: E402
+from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.tuning import tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,7 +63,7 @@ def case(request):
 
 def test_score_constants_match_common():
     """The kernels rank with nsa.ops.common's grid: one definition, imported (not copied)."""
-    assert tdec.FORCED_STEP == tsel.FORCED_STEP == common.FORCED_STEP == 2 ** (common.SCORE_BITS + 1)
+    assert tdec.FORCED_STEP == tsu.FORCED_STEP == common.FORCED_STEP == 2 ** (common.SCORE_BITS + 1)
     assert tsc.GRID_BITS == common.SCORE_BITS + 1
 
 
