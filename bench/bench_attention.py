@@ -289,10 +289,7 @@ def run_captured(a, result: dict) -> dict:
     rows = []
     for e in entries:
         T, layer = e["T"], e["layer"]
-        x, bi = common.load_capture(folder, e, device="cuda" if common.has_cuda() else "cpu")
-        B, _, HQ, dk = x[0].shape
-        H, dv = x[4].shape[2], x[4].shape[3]
-        hp = {k: e["op"][k] for k in HP}
+        x, bi, hp, (B, HQ, H, dk, dv) = common.capture_case(folder, e)
         with torch.no_grad():
             same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
         result["locality"][f"T={T} layer {layer}"] = common.locality(bi)

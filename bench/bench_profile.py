@@ -124,9 +124,8 @@ def op_inputs(a, T: int) -> tuple[list[torch.Tensor], dict, tuple[int, ...]]:
     if entry is None:
         raise SystemExit(f"--inputs {a.inputs}: no capture of layer {a.layer} at T={T} (captured: "
                          f"{sorted((e['T'], e['layer']) for e in caps)}); pick --T / --layer from these")
-    x, _ = common.load_capture(folder, entry, device="cuda" if common.has_cuda() else "cpu")
-    B, _, HQ, dk = x[0].shape
-    return x, {k: entry["op"][k] for k in HP}, (B, HQ, x[4].shape[2], dk, x[4].shape[3])
+    x, _, hp, shape = common.capture_case(folder, entry)
+    return x, hp, shape
 
 
 def compiled_kernels() -> dict:

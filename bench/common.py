@@ -323,6 +323,14 @@ def load_capture(directory: str | os.PathLike, entry: dict[str, Any], device: st
     return x, saved["block_idx"]
 
 
+def capture_case(directory: str | os.PathLike, entry: dict[str, Any]):
+    """(inputs, block_idx, hp, (B, HQ, H, dk, dv)) of one capture entry, on CUDA when present: what the
+    benchmarks run the op on (load_capture's tensors, the capture's hyperparameters and shapes)."""
+    x, bi = load_capture(directory, entry, device="cuda" if has_cuda() else "cpu")
+    B, _, HQ, dk = x[0].shape
+    return x, bi, {k: entry["op"][k] for k in HP}, (B, HQ, x[4].shape[2], dk, x[4].shape[3])
+
+
 def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -> dict[int, float]:
     """{m: union of the selections of m consecutive tokens / (m * n_sel)} for block_idx [B, T, H, n_sel]
     (the op's layout, -1 = unused slot), over tokens start.. (default T // 2, the second half) cut to
