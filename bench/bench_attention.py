@@ -572,8 +572,7 @@ def main() -> None:
     w0, i0 = BRANCH_DEFAULTS[a.branch]
     a.warmup = w0 if a.warmup is None else a.warmup
     a.iters = i0 if a.iters is None else a.iters
-    if a.inputs != "random" and not (a.inputs.startswith("captured:") and len(a.inputs) > 9):
-        raise SystemExit(f"--inputs {a.inputs!r}: use random or captured:DIR (a bench/capture_inputs.py folder)")
+    common.check_inputs(a.inputs)
     if a.inputs != "random" and a.branch != "op":
         raise SystemExit(f"--inputs {a.inputs}: captured inputs are for --branch op only")
     if not common.has_cuda():

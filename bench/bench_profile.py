@@ -501,8 +501,7 @@ def main() -> int:
     nd.add_argument("--S", type=int, default=65536)
     nd.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
-    if getattr(a, "inputs", "random") != "random" and not (a.inputs.startswith("captured:") and len(a.inputs) > 9):
-        raise SystemExit(f"--inputs {a.inputs!r}: use random or captured:DIR (a bench/capture_inputs.py folder)")
+    common.check_inputs(getattr(a, "inputs", "random"))
     if a.mode not in ("step", "ncu-source") and not common.has_cuda():
         raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
     {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,

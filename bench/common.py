@@ -323,6 +323,12 @@ def load_capture(directory: str | os.PathLike, entry: dict[str, Any], device: st
     return x, saved["block_idx"]
 
 
+def check_inputs(inputs: str) -> None:
+    """--inputs: random, or captured:DIR (a bench/capture_inputs.py folder); else one clear exit."""
+    if inputs != "random" and not (inputs.startswith("captured:") and len(inputs) > 9):
+        raise SystemExit(f"--inputs {inputs!r}: use random or captured:DIR (a bench/capture_inputs.py folder)")
+
+
 def capture_case(directory: str | os.PathLike, entry: dict[str, Any]):
     """(inputs, block_idx, hp, (B, HQ, H, dk, dv)) of one capture entry, on CUDA when present: what the
     benchmarks run the op on (load_capture's tensors, the capture's hyperparameters and shapes)."""

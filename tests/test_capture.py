@@ -204,3 +204,13 @@ def test_bench_profile_compare_adds_kernels_of_one_cut_name():
     rows = [{"kernel": fa4 + "a", "ms_per_iter": 1.5}, {"kernel": "_slc_fwd_kernel", "ms_per_iter": 0.25},
             {"kernel": fa4 + "b", "ms_per_iter": 2.0}]
     assert bp.kernel_ms(rows) == {fa4[:60]: 3.5, "_slc_fwd_kernel": 0.25}
+
+
+def test_inputs_flag_is_checked_once_for_both_benchmarks():
+    """bench_attention's and bench_profile's --inputs: random or captured:DIR, else one clear exit."""
+    common = load_bench("common")
+    common.check_inputs("random")
+    common.check_inputs("captured:bench/captured_paper")
+    for bad in ("captured:", "captured", "trained:x"):
+        with pytest.raises(SystemExit, match="use random or captured:DIR"):
+            common.check_inputs(bad)
