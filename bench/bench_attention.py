@@ -20,7 +20,9 @@ medians of CUDA-event-timed calls after warm-up.
   --inputs captured:DIR: instead of random tensors, the captures of bench/capture_inputs.py (a trained
   model's op inputs per (T, layer), shapes and hyperparameters from the capture; dense bar at the same
   shapes). Both inputs print the locality table: the union of m consecutive tokens' selections as a
-  fraction of m x n_sel blocks, second half of the sequence (bench/common.py: locality).
+  fraction of m x n_sel blocks, second half of the sequence (bench/common.py: locality), and its key-side
+  twin: the q / dO rows a dK/dV walk over tiles of kb consecutive blocks would gather per (token, block)
+  pair (key_locality).
 --branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
   block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
   delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
@@ -160,6 +162,15 @@ def sweep_space() -> dict[str, list[dict]]:
                      {"tile.m": 2}, {"tile.m": 8}]
         + [{"tile.fwd": (TL(*f), TL(32, 8, 3))} for f in [(32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4)]]
         + [{"tile.dq": (TL(*f), TL(32, 8, 2))} for f in [(64, 4, 3), (32, 4, 2), (64, 8, 2)]],
+        # the score walk's chunk order and merge skipping (the same blocks either way), and 128-key chunks
+        # (31 blocks per merge instead of 15)
+        "scores.order": [{"scores.latest_first": True}, {"scores.skip_merge": True},
+                         {"scores.latest_first": True, "scores.skip_merge": True}],
+        "scores.keys": [{"scores.tile": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r),
+                         "scores.small_group": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r)} for r in (128, None)],
+        # the dK/dV walk at G=16 when query tiles compute dq (no dq partials): 8 warps stop its spills
+        "walk.g16": [{"select.dkdv_warps": 8}, {"select.dkdv_warps": 8, "select.dkdv_stages": 3},
+                     {"select.dkdv_warps": 8, "select.block_dkdv_rows": 128}],
         "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
         "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
         "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
@@ -215,7 +226,7 @@ def dense_bar(a, B, T, HQ, H, dk, dv) -> dict:
 def run_op(a, dims) -> dict:
     result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
               "dense_available": common.print_dense_available(), "inputs": a.inputs, "tile_m": a.tile_m, "tile_auto": a.tile_auto,
-              "rows": [], "locality": {}}
+              "rows": [], "locality": {}, "key_locality": {}}
     if a.inputs.startswith("captured:"):
         return run_captured(a, result)
     rows, peer_rows = [], []
@@ -223,7 +234,10 @@ def run_op(a, dims) -> dict:
     for T in a.T:
         x = common.nsa_inputs(*dims[:1], T, *dims[1:])
         with torch.no_grad():
-            result["locality"][f"T={T} random"] = common.locality(common.nsa_op(x)[1])
+            bi = common.nsa_op(x)[1]
+            result["locality"][f"T={T} random"] = common.locality(bi)
+            result["key_locality"][f"T={T} random"] = common.key_locality(bi)
+            del bi
         per_m = {m: bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tn, x=x) for m, tn in tunings.items()}
         nsa = per_m[a.tile_m[0]]
         del x
@@ -254,6 +268,7 @@ def run_op(a, dims) -> dict:
         result.setdefault("sweep", {})[T] = sweep(dims[0], T, *dims[1:], 1, 3, a.sweep_only)
     print_op_table(rows, f"B,HQ,H,dk,dv={dims}, random inputs")
     common.print_locality(result["locality"], "random inputs (the op's own selection)")
+    common.print_locality(result["key_locality"], "random inputs (the op's own selection)", keys=True)
     if peer_rows:
         print("\nfla-core parallel_nsa (compression + selection, mean-pooled compression); x dense = dense / fla, "
               "ours x = fla / ours")
@@ -293,6 +308,7 @@ def run_captured(a, result: dict) -> dict:
         with torch.no_grad():
             same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
         result["locality"][f"T={T} layer {layer}"] = common.locality(bi)
+        result["key_locality"][f"T={T} layer {layer}"] = common.key_locality(bi)
         per_m = {m: bench_nsa(B, T, HQ, H, dk, dv, a.warmup, a.iters, tn, x=x, hp=hp) for m, tn in tunings.items()}
         if T in a.sweep:   # the launch-parameter sweep on this capture
             result.setdefault("sweep", {})[f"T={T} layer {layer}"] = sweep(B, T, HQ, H, dk, dv, 1, 3, a.sweep_only,
@@ -318,6 +334,7 @@ def run_captured(a, result: dict) -> dict:
         if int(T) in a.T:
             loc[f"T={T} mean of {len(t['layers'])} layers"] = {int(m): v for m, v in t["mean"].items()}
     common.print_locality(loc, "captured inputs")
+    common.print_locality(result["key_locality"], "captured inputs", keys=True)
     return result
 
 

@@ -163,6 +163,8 @@ def run_captures(model: torch.nn.Module, cfg, ids: torch.Tensor, Ts: list[int], 
                 a.op_capture = None
         tables = {i: common.locality(block_idx[i]) for i in range(n)}
         res["locality"][T] = {"layers": tables, "mean": common.mean_locality(list(tables.values()))}
+        keys = {i: common.key_locality(block_idx[i]) for i in range(n)}
+        res.setdefault("key_locality", {})[T] = {"layers": keys, "mean": common.mean_locality(list(keys.values()))}
         block_idx.clear()
         print(f"T={T}: captured layers {layers}; locality (mean of {n} layers) "
               + " ".join(f"m={m}:{v:.3f}" for m, v in res["locality"][T]["mean"].items()), flush=True)
@@ -176,16 +178,17 @@ def write_meta(out: Path, recipe: dict[str, Any], cfg, Ts: list[int], layers: li
     meta = {**common.metadata(), "recipe": {k: v for k, v in recipe.items() if k != "config"},
             "model_config": recipe.get("config"), "text": {"source": "val split", "data_path": str(cfg.data.path),
                                                            "tokenizer": cfg.data.tokenizer, "tokens": max(Ts)},
-            "T": Ts, "layers": layers, "captures": res["captures"], "locality": res["locality"]}
+            "T": Ts, "layers": layers, "captures": res["captures"], "locality": res["locality"],
+            "key_locality": res.get("key_locality", {})}
     (out / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
 
-def print_tables(loc: dict[int, Any], layers: list[int]) -> None:
+def print_tables(loc: dict[int, Any], layers: list[int], keys: bool = False) -> None:
     rows = {}
     for T, t in loc.items():
         rows[f"T={T} mean of layers"] = t["mean"]
         rows.update({f"T={T} layer {l}": t["layers"][l] for l in layers})
-    common.print_locality(rows, "captured inputs")
+    common.print_locality(rows, "captured inputs", keys=keys)
 
 
 def main() -> int:
@@ -228,6 +231,7 @@ def main() -> int:
     res = run_captures(model, cfg, ids, Ts, layers, out)
     write_meta(out, recipe, cfg, Ts, layers, res)
     print_tables(res["locality"], layers)
+    print_tables(res["key_locality"], layers, keys=True)
     print(f"wrote {len(res['captures'])} captures and meta.json to {out}", flush=True)
     if a.copy_to:
         Path(a.copy_to).mkdir(parents=True, exist_ok=True)

@@ -355,16 +355,46 @@ def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -
     return out
 
 
+KEY_LOCALITY_KB = (1, 2, 4, 8)
+
+
+def key_locality(block_idx: torch.Tensor, kbs=KEY_LOCALITY_KB, start: int | None = None) -> dict[int, float]:
+    """{kb: distinct (token, tile of kb consecutive blocks) pairs / (token, block) pairs} for block_idx
+    [B, T, H, n_sel] (ascending, -1 = unused), over tokens start.. (default T // 2): the q / dO rows a
+    dK/dV walk over key tiles of kb blocks would gather relative to the walk per block (1.0 at kb = 1).
+    Such a walk computes kb * 64 keys per gathered row, so its masked work is kb times this fraction of
+    the per-block walk's. Tensor ops only; one host read per kb."""
+    T = block_idx.shape[1]
+    start = T // 2 if start is None else start
+    bi = block_idx[:, start:]
+    ok = bi >= 0
+    pairs = int(ok.sum())   # sync-ok: report
+    if pairs == 0:
+        raise ValueError(f"key_locality: no selected block among tokens {start}..{T - 1}")
+    out = {}
+    for kb in kbs:
+        tile = torch.where(ok, bi // kb, -1)
+        # ascending within a token's row: a tile is new where it differs from the slot before
+        new = ok.clone()
+        new[..., 1:] &= tile[..., 1:] != tile[..., :-1]
+        out[kb] = int(new.sum()) / pairs   # sync-ok: report
+    return out
+
+
 def mean_locality(tables: list[dict[int, float]]) -> dict[int, float]:
     """Mean over layers (or inputs) of locality() tables."""
     return {m: statistics.fmean(t[m] for t in tables) for m in tables[0]}
 
 
-def print_locality(rows: dict[str, dict[int, float]], title: str) -> None:
-    """rows {label: locality table}: the issue's table (fraction of m x n_sel blocks per m)."""
+def print_locality(rows: dict[str, dict[int, float]], title: str, keys: bool = False) -> None:
+    """rows {label: locality table}: the issue's table (fraction of m x n_sel blocks per m), or with keys
+    key_locality's (q / dO rows of key tiles of kb blocks per (token, block) pair)."""
     ms = sorted({m for r in rows.values() for m in r})
-    print(f"\n{title}: union of m consecutive tokens' selections / (m x n_sel), second half of the sequence")
-    print_table(["inputs"] + [f"m={m}" for m in ms], [[k] + [r.get(m, "-") for m in ms] for k, r in rows.items()])
+    what = ("distinct (token, tile of kb consecutive blocks) / (token, block) pairs" if keys
+            else "union of m consecutive tokens' selections / (m x n_sel)")
+    print(f"\n{title}: {what}, second half of the sequence")
+    name = "kb" if keys else "m"
+    print_table(["inputs"] + [f"{name}={m}" for m in ms], [[k] + [r.get(m, "-") for m in ms] for k, r in rows.items()])
 
 
 # ----------------------------------------------------------------------------------------- kernel tuning

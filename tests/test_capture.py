@@ -45,6 +45,25 @@ def test_locality_identical_disjoint_partial():
         common.locality(same[:, :20])
 
 
+def test_key_locality_counts_tiles_of_consecutive_blocks():
+    """key_locality: distinct (token, tile of kb blocks) per (token, block) pair, second half only."""
+    common = load_bench("common")
+    T = 64
+    # each token picks blocks 4..7: one tile of 4 (or 8), two tiles of 2
+    run = selections(T, lambda t: [4, 5, 6, 7])
+    assert common.key_locality(run) == {1: 1.0, 2: 0.5, 4: 0.25, 8: 0.25}
+    # blocks 8 apart never share a tile below kb=16; unused slots count nowhere
+    far = selections(T, lambda t: [0, 8, 16, -1])
+    assert common.key_locality(far) == {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+    assert common.key_locality(far, kbs=(16, 32)) == {16: pytest.approx(2 / 3), 32: pytest.approx(1 / 3)}
+    # only tokens from start count: scattered first half, one tile of 2 in the second
+    half = selections(T, lambda t: [t * 4, t * 4 + 2] if t < T // 2 else [2, 3])
+    assert common.key_locality(half, kbs=(2,)) == {2: 0.5}
+    assert common.key_locality(half, kbs=(2,), start=0) == {2: 0.75}
+    with pytest.raises(ValueError, match="no selected block"):
+        common.key_locality(selections(T, lambda t: [-1, -1]))
+
+
 @pytest.fixture(scope="module")
 def captured(tiny_data, tmp_path_factory):
     """A 2-layer tiny model trained 2 steps at seq 128, captured at T=128 and 96 (layers 0 and 1); the
@@ -84,9 +103,10 @@ def test_capture_has_the_op_shapes_and_recipe(captured):
         assert all(t.dtype == torch.float32 for t in x) and bi.dtype == torch.int64 and bi.shape == (1, T, H, S)
         assert e["shapes"]["q"] == list(want[0]) and e["dtypes"]["block_idx"] == "int64"
     for T in (128, 96):
-        loc = res["locality"][T]
-        assert set(loc["layers"]) == {0, 1} and loc["mean"][1] == pytest.approx(1.0)
-        assert all(0 < v <= 1 for v in loc["mean"].values())
+        for table in ("locality", "key_locality"):
+            loc = res[table][T]
+            assert set(loc["layers"]) == {0, 1} and loc["mean"][1] == pytest.approx(1.0)
+            assert all(0 < v <= 1 for v in loc["mean"].values())
 
 
 def test_rerunning_the_op_on_captures_gives_the_layer_output(captured):
@@ -142,7 +162,7 @@ def test_bench_attention_runs_on_captures(captured, monkeypatch):
     assert [(x["layer"], x["m"]) for x in r["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert all(x["block_idx_rows_equal_capture"] == 1.0 and x["speedup_fwd_bwd"] == 1.5 for x in r["rows"])
     assert r["shape"] == {"B": 1, "HQ": 4, "H": 2, "dk": 32, "dv": 32} and r["hparams"]["l_sel"] == 16
-    assert set(r["locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
+    assert set(r["locality"]) == set(r["key_locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
     with pytest.raises(SystemExit, match="no capture at"):
         ba.run_op(__import__("argparse").Namespace(**{**vars(a), "T": [4096]}), (1, 64, 4, 128, 128))
     # --sweep T on captures: the sweep's variants on each capture's own inputs (op fwd and fwd+bwd each)
@@ -192,6 +212,7 @@ def test_bench_attention_random_inputs_rows_per_tile_m(monkeypatch):
     assert [x["m"] for x in r["rows"]] == [2, 1] and set(r["T"][256]["nsa_tile_m"]) == {2, 1}
     assert r["T"][256]["nsa"] is r["T"][256]["nsa_tile_m"][2] and r["T"][256]["speedup_fwd_bwd"] == 1.5
     loc = r["locality"]["T=256 random"]
+    assert r["key_locality"]["T=256 random"][1] == pytest.approx(1.0)
     assert loc[1] == pytest.approx((3 + 4) / 2 / 16)   # tokens 128..255 see 3 or 4 blocks of 64, n_sel=16
     assert all(0 < v <= loc[1] for v in loc.values())
 
