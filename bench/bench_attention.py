@@ -168,6 +168,8 @@ def sweep_space() -> dict[str, list[dict]]:
                          {"scores.latest_first": True, "scores.skip_merge": True}],
         "scores.keys": [{"scores.tile": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r),
                          "scores.small_group": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r)} for r in (128, None)],
+        # the score tile and ranking layout before table 13 (the Hopper preset then), against today's
+        "scores.relayout": [{"scores.tile": ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80), "scores.relayout": False}],
         # the dK/dV walk at G=16 when query tiles compute dq (no dq partials): 8 warps stop its spills
         "walk.g16": [{"select.dkdv_warps": 8}, {"select.dkdv_warps": 8, "select.dkdv_stages": 3},
                      {"select.dkdv_warps": 8, "select.block_dkdv_rows": 128}],
@@ -510,7 +512,8 @@ def run_select(a, dims) -> dict:
     _, HQ, H, dk, _ = dims
     l, d, l_sel, n_sel = HP["l"], HP["d"], HP["l_sel"], HP["n_sel"]
     sc = dk ** -0.5
-    variants = select_variants()
+    variants = {k: v for k, v in select_variants().items()
+                if not a.sweep_only or k.startswith(tuple(a.sweep_only.split("|")))}
     res = {"T": {}}
     for T in a.T:
         torch.manual_seed(0)
@@ -541,9 +544,11 @@ def run_select(a, dims) -> dict:
 
 def select_variants() -> dict[str, object]:
     """{name: KernelTuning} for --branch select: score tiles (rows, min keys, warps, stages, map <= 16
-    tokens, map > 16 tokens) and the merge skip on the default tile."""
+    tokens, map > 16 tokens), each also with its block scores relaid out before ranking (ScoreTuning.relayout),
+    and the merge skip on the default tile."""
     base = common.base_tuning()
-    out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True})}
+    out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True}),
+           "defaults relayout": common.tuning_variant(base, {"scores.relayout": True})}
     for t, regs in [((128, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 0, 2), None),
                     ((128, 64, 8, 3, 2, 2), None), ((128, 64, 4, 2, 2, 2), None), ((128, 32, 8, 2, 2, 2), None),
                     ((128, 64, 4, 2, 0, 2), None), ((256, 64, 8, 3, 0, 2), None),
@@ -551,8 +556,9 @@ def select_variants() -> dict[str, object]:
                     ((128, 64, 8, 2, 2, 2), 72), ((128, 64, 8, 3, 2, 2), 80), ((128, 128, 8, 2, 2, 2), 128),
                     ((256, 64, 8, 2, 2, 2), 128), ((128, 64, 4, 2, 2, 2), 128), ((128, 32, 8, 2, 2, 2), 80)]:
         tile = common.score_tile(*t, max_regs=regs)   # for every G: the small-group tile too
-        out[str(t) + (f" regs {regs}" if regs else "")] = common.tuning_variant(
-            base, {"scores.tile": tile, "scores.small_group": tile})
+        name = str(t) + (f" regs {regs}" if regs else "")
+        out[name] = common.tuning_variant(base, {"scores.tile": tile, "scores.small_group": tile})
+        out[name + " relayout"] = common.tuning_variant(out[name], {"scores.relayout": True})
     return out
 
 
@@ -570,7 +576,9 @@ def main() -> None:
                          "step sees; every op and dense baseline is captured once per shape)")
     ap.add_argument("--sweep", type=int, nargs="*", default=[],
                     help="T values for the kernel-tuning sweep (with --inputs captured:DIR on each capture at T)")
-    ap.add_argument("--sweep-only", default="", help="sweep only the groups with these prefixes (comma-separated, e.g. select.block,scores.)")
+    ap.add_argument("--sweep-only", default="", help="sweep only the groups with these prefixes (comma-separated, e.g. "
+                    "select.block,scores.); with --branch select: only the score variants whose names start with one "
+                    "of these, '|'-separated (the names hold commas)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")

@@ -51,7 +51,8 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
     assert HOPPER.scores.tile_for(False, 6) is HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
-    assert HOPPER.scores.tile.rows == 128 and HOPPER.scores.small_group is None
+    assert HOPPER.scores.tile.rows == 256 and HOPPER.scores.small_group is None
+    assert HOPPER.scores.relayout and not AMPERE.scores.relayout and not CPU.scores.relayout
     assert HOPPER.scores.tile_for(True, 6) is HOPPER.scores.big
     assert AMPERE.scores.tile_for(False, 6) is AMPERE.scores.tile and CPU.scores.small_group is None
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -117,7 +118,7 @@ def test_register_caps_are_checked():
     for bad in (True, 23, 256, 80.0):
         with pytest.raises(ValueError, match="ScoreTile.max_regs"):
             ScoreTile(128, 64, 8, 2, 2, 2, max_regs=bad)
-    assert HOPPER.scores.tile.max_regs == 80 and HOPPER.scores.big.max_regs is None
+    assert HOPPER.scores.tile.max_regs == 128 and HOPPER.scores.big.max_regs is None
     g = torch.Generator().manual_seed(0)
     q, kc = torch.randn(1, 200, 4, 16, generator=g), torch.randn(1, 12, 2, 16, generator=g)
     lse = torch.randn(1, 200, 4, generator=g).abs() + 2.0

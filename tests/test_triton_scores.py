@@ -59,12 +59,13 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, skip_merge=False) -> ScoreTuning:
+def score_tuning(tile, skip_merge=False, relayout=False) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
-    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge)
+    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout)
 
 
-def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, **kw):
+def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, relayout=False,
+             **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -77,7 +78,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, sk
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, scale=scale,
-                            tuning=None if tile is None else score_tuning(tile, skip_merge), **kw).cpu()
+                            tuning=None if tile is None and not relayout
+                            else score_tuning(tile or F16, skip_merge, relayout), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -131,6 +133,21 @@ def test_wide_keys_and_skip_merge_agree():
                           l=8, d=4, l_sel=4, n_sel=2, scale=1.0, wide_keys=False)
 
 
+@pytest.mark.parametrize("case", ["g1_dot_many_chunks", "g16_paper_geometry", "g6_lc4_r1", "g2_f16_map",
+                                  "nsel_above_blocks", "t_below_l"])
+def test_relayout_picks_the_same_blocks(case):
+    """Block scores passed through the per-program scratch before ranking (ScoreTuning.relayout): the
+    reference's blocks, at one and several chunks per tile, with and without skipped merges."""
+    B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
+    for skip in (False, True):
+        run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 3, tile=tile, relayout=True, skip_merge=skip)
+
+
+def test_relayout_ties_go_to_lower_index():
+    got = run_case(1, 150, 4, 2, 16, 8, 4, 8, 5, seed=2, tile=SMALL, zero="k", relayout=True)
+    assert (got[0, 100:, :, 1] == 1).all()
+
+
 def test_matches_unfused_kernels():
     """The old two-kernel path (score tensor + top-n) gives the same block_idx."""
     B, T, HQ, H, dk, l, d, l_sel, n_sel = 1, 140, 6, 2, 16, 12, 4, 8, 5
@@ -167,3 +184,26 @@ def test_forward_uses_fused_selection(monkeypatch):
         _, bi = nsa_triton_apply(*[a.to(DEV) for a in args], **kw, scale=dk ** -0.5)
     _, rbi = nsa_reference(*[a.double() for a in args], **kw)
     assert torch.equal(bi.cpu(), rbi)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("HQ, H, dk", [(64, 4, 128), (12, 2, 64)])
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
+    """On the device's own tile (the paper and production shapes, bf16): block scores relaid out before
+    ranking move fp32 values and change no arithmetic, so block_idx is bitwise the same as without."""
+    import dataclasses
+
+    from nsa.ops.triton import attn
+    from nsa.ops.tuning import tuning_for
+    l, d, l_sel, n_sel = 32, 16, 64, 16
+    g = torch.Generator("cuda").manual_seed(T + HQ)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, T, HQ, dk, generator=g, **bf)
+    kc = torch.randn(1, common.num_cmp_tokens(T, l, d), H, dk, generator=g, **bf)
+    _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=dk ** -0.5)
+    base = tuning_for("cuda").scores
+    out = [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
+                             tuning=dataclasses.replace(base, relayout=r)) for r in (False, True)]
+    assert torch.equal(out[0], out[1])

@@ -264,6 +264,9 @@ class ScoreTuning:
     tile: ScoreTile = ScoreTile(256, 64, 8, 3, 0, 2)   # 16 tokens per tile on the exact fp32 map: best at 64k
     big: ScoreTile = ScoreTile(128, 64, 8, 2, 2, 2)    # head dims in (128, 256]
     skip_merge: bool = False   # skip a chunk's merge when no token of the tile gains (no gain on random data)
+    # pass each chunk's block scores through a per-program scratch before ranking them, so the ranking
+    # runs on one copy of each score instead of the head sum's replicated layout (scores._merge_chunk)
+    relayout: bool = False
     # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
     # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows
     small_group: ScoreTile | None = None
@@ -444,11 +447,14 @@ class KernelTuning:
 # fwd+bwd at 64k 108.0 -> 98.3 ms (union 0.42 at m=4) and 109.2 -> 105.5 (0.54), at 16k 20.4 -> 17.3 and
 # 20.7 -> 19.1, at 8k 9.9 -> 8.2 and 10.0 -> 8.7; random selections: 8k 9.85 -> 9.48, 16k and 64k (union
 # 0.78) stay per token at the same time. m=2 and m=8 were slower; tiles on random 64k selections too (table 5).
+# Scores + top-n: block scores relaid out before ranking, on 256-row tiles capped at 128 registers (H100,
+# --branch select, table 13): G=16, d=128 at 8k / 16k / 64k 0.32 / 0.79 / 9.02 -> 0.31 / 0.66 / 7.75 ms;
+# G=6, d=64 0.17 / 0.28 / 2.60 -> 0.10 / 0.25 / 1.79 ms.
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512),
-                      scores=ScoreTuning(tile=ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80)),
+                      scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
