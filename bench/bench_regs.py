@@ -8,8 +8,11 @@ here (default sm_90), without running them.
 The launchers run on CPU tensors of the production shape (HQ=12, H=2, d=64 unless told) with a stand-in
 driver that reports the target GPU: every launch compiles and returns instead of running (JITFunction.run's
 warm-up path), and ptxas -v reports each kernel. --tuning changes the Hopper preset; --dump writes each
-kernel's TTGIR and PTX. Nsight Compute showed the 128-row dK/dV walk spilling at 255 registers; this
-answers such questions in seconds instead of device time (bench/RESULTS.md table 9).
+kernel's TTGIR and PTX; --sass also disassembles each kernel (nvdisasm, shipped with Triton) and prints the
+instruction mix of its loop bodies per thread and iteration. The launchers see CUDA tensors (Tensor.is_cuda
+answers True while they compile), so precision choices and register caps are the GPU's. Nsight Compute showed
+the 128-row dK/dV walk spilling at 255 registers; this answers such questions in seconds instead of device time
+(bench/RESULTS.md table 9). The loop mix found the scores kernel ranking 8 copies of each block score (table 13).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--T", type=int, default=16384)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dump", default=None, metavar="DIR", help="also write each kernel's TTGIR and PTX there")
+    ap.add_argument("--sass", action="store_true", help="also print each kernel's loop bodies' instruction mix")
+    ap.add_argument("--top", type=int, default=14, help="opcodes listed per loop with --sass")
     ap.add_argument("--tuning", nargs="*", default=[], metavar="FIELD=VALUE", help="changes to the Hopper preset")
     for name, dflt in (("HQ", 12), ("H", 2), ("dk", 64), ("dv", 64)):
         ap.add_argument(f"--{name}", type=int, default=dflt)
@@ -76,8 +81,9 @@ def compile_only(arch: int) -> list:
     return seen
 
 
-def ptxas_report(ptx: str, arch: int) -> dict:
-    """ptxas -v of one kernel's PTX: registers, spill stores / loads (bytes), shared memory."""
+def ptxas_report(ptx: str, arch: int, sass: bool = False) -> dict:
+    """ptxas -v of one kernel's PTX: registers, spill stores / loads (bytes), shared memory; with sass also
+    the cubin's disassembly (nvdisasm -c) under "sass"."""
     from triton.backends.nvidia.compiler import get_ptxas
     try:
         ptxas = get_ptxas(arch).path
@@ -89,12 +95,51 @@ def ptxas_report(ptx: str, arch: int) -> dict:
             f.write(ptx)
         r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.o")],
                            capture_output=True, text=True)
+        dis = ""
+        if sass and r.returncode == 0:
+            nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
+            dis = subprocess.run([nvdisasm, "-c", os.path.join(d, "k.o")], capture_output=True, text=True).stdout
     text = r.stderr + r.stdout
     def num(pat):
         m = re.search(pat, text)
         return int(m.group(1)) if m else None
     return dict(regs=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"))
+                spill_loads=num(r"(\d+) bytes spill loads"), stack=num(r"(\d+) bytes stack frame"), sass=dis)
+
+
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+_SASS_LABEL = re.compile(r"^\s*\.L_x_(\d+):")
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """Loop bodies of an nvdisasm -c listing: every backward branch (BRA to a label above it) closes one;
+    [{"start", "end" (addresses), "instructions", "ops": {opcode without modifiers: count}}], largest first.
+    Counts are per thread and iteration: what one warp issues each time round the loop."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lab = _SASS_LABEL.match(line)
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = _SASS_LINE.match(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        for name in pending:
+            labels[name] = addr
+        pending = []
+        target = re.search(r"BRA\S*\s+`?\(?\.L_x_(\d+)", line)
+        ins.append((addr, m.group(2), target.group(1) if target else None))
+    loops = []
+    for addr, op, target in ins:
+        if op == "BRA" and target in labels and labels[target] < addr:   # not the exit's self-branch
+            body = [o for a, o, _ in ins if labels[target] <= a <= addr]
+            ops: dict[str, int] = {}
+            for o in body:
+                ops[o] = ops.get(o, 0) + 1
+            loops.append({"start": labels[target], "end": addr, "instructions": len(body),
+                          "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))})
+    return sorted(loops, key=lambda lp: -lp["instructions"])
 
 
 def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
@@ -119,6 +164,8 @@ def main() -> int:
     from nsa.ops.triton.scores import select_blocks
     tuning = common.changed_tuning(a.tuning, HOPPER) or HOPPER
     seen = compile_only(a.arch)
+    # the launchers' CUDA-only choices (dot precision, the score map's, register caps) as on the GPU
+    torch.Tensor.is_cuda = property(lambda self: True)
     hp = common.HP
     l_sel, n_sel = hp["l_sel"], hp["n_sel"]
     B, T, HQ, H, dk, dv = 1, a.T, a.HQ, a.H, a.dk, a.dv
@@ -141,11 +188,16 @@ def main() -> int:
     k_cmp = torch.randn(B, (T - hp["l"]) // hp["d"] + 1, H, dk, **bf)
     select_blocks(q, k_cmp, lse, l=hp["l"], d=hp["d"], l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
                   tuning=tuning.scores)
-    rows = []
+    rows, mixes = [], []
     for name, warps, stages, ck in seen:
         if ck is None or "ptx" not in getattr(ck, "asm", {}):
             continue
-        r = ptxas_report(ck.asm["ptx"], a.arch)
+        r = ptxas_report(ck.asm["ptx"], a.arch, sass=a.sass)
+        for lp in sass_loops(r["sass"])[:2]:
+            top = ", ".join(f"{o} {c}" for o, c in list(lp["ops"].items())[:a.top])
+            line = f"  {name} loop {lp['start']:#x}-{lp['end']:#x}: {lp['instructions']} instructions; {top}"
+            if line not in mixes:   # a kernel compiled twice with the same constants
+                mixes.append(line)
         if a.dump:
             os.makedirs(a.dump, exist_ok=True)
             for ext in ("ttgir", "ptx"):
@@ -155,10 +207,12 @@ def main() -> int:
                      ck.metadata.shared])
     print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
     common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
-    # register caps are launch options the launchers pass for CUDA tensors only: these rows are uncapped
     caps = {"_pair_fwd_kernel": tn.pair_max_regs, "_select_kernel": tuning.scores.tile_for(dk > 128, HQ // H).max_regs}
-    print("register caps on the GPU (not applied above): "
+    print("register caps (applied, as on the GPU): "
           + (", ".join(f"{k} {v}" for k, v in caps.items() if v is not None) or "none"))
+    if a.sass:
+        print("\nloop bodies (the two largest per kernel), instructions per thread and iteration:")
+        print("\n".join(mixes))
     return 0
 
 
