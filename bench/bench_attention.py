@@ -162,10 +162,7 @@ def sweep_space() -> dict[str, list[dict]]:
                      {"tile.m": 2}, {"tile.m": 8}]
         + [{"tile.fwd": (TL(*f), TL(32, 8, 3))} for f in [(32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4)]]
         + [{"tile.dq": (TL(*f), TL(32, 8, 2))} for f in [(64, 4, 3), (32, 4, 2), (64, 8, 2)]],
-        # the score walk's chunk order and merge skipping (the same blocks either way), and 128-key chunks
-        # (31 blocks per merge instead of 15)
-        "scores.order": [{"scores.latest_first": True}, {"scores.skip_merge": True},
-                         {"scores.latest_first": True, "scores.skip_merge": True}],
+        # 128-key score chunks (31 blocks per merge instead of 15)
         "scores.keys": [{"scores.tile": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r),
                          "scores.small_group": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r)} for r in (128, None)],
         # the score tile and ranking layout before table 13 (the Hopper preset then), against today's

@@ -235,3 +235,16 @@ def test_inputs_flag_is_checked_once_for_both_benchmarks():
     for bad in ("captured:", "captured", "trained:x"):
         with pytest.raises(SystemExit, match="use random or captured:DIR"):
             common.check_inputs(bad)
+
+
+def test_every_sweep_variant_names_real_tuning_fields():
+    """bench_attention's sweep groups and --branch select variants all build from the device presets
+    (a variant naming a field that was renamed or removed fails here, not on a GPU machine)."""
+    common = load_bench("common")
+    ba = load_bench("bench_attention")
+    from nsa.ops.tuning import PRESETS
+    for base in PRESETS.values():
+        for group, variants in ba.sweep_space().items():
+            for changes in variants:
+                common.tuning_variant(base, changes)
+    assert len(ba.select_variants()) > 2

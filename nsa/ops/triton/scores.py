@@ -132,8 +132,8 @@ def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: 
     RELAY: s goes through this program's scratch SCR [BT * NBJ_PAD] fp32 first. The head sum leaves s
     in the MMA rows' layout, every element held by the lanes that held its heads (8 copies at G=16 on
     8 warps); loaded back it is spread over the threads, so the keys and the sorting network below run
-    once per element instead of once per copy (sm_90: the unmasked loop 566 -> 432 instructions at
-    G=16, d=128; 692 -> 408 at G=6, d=64)."""
+    once per element instead of once per copy (sm_90, 128-row tile: the unmasked loop 566 -> 432
+    instructions per thread at G=16, d=128; 692 -> 408 at G=6, d=64)."""
     if RELAY:
         r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
         tl.store(SCR + r_, s)
