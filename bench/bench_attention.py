@@ -167,6 +167,8 @@ def sweep_space() -> dict[str, list[dict]]:
                          "scores.small_group": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r)} for r in (128, None)],
         # the score tile and ranking layout before table 13 (the Hopper preset then), against today's
         "scores.relayout": [{"scores.tile": ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80), "scores.relayout": False}],
+        # G=16's fp16-split score map on head pairs (compiled and checked on the CPU only so far)
+        "scores.head_pairs": [{"scores.head_pairs": True}],
         # the dK/dV walk at G=16 when query tiles compute dq (no dq partials): 8 warps stop its spills
         "walk.g16": [{"select.dkdv_warps": 8}, {"select.dkdv_warps": 8, "select.dkdv_stages": 3},
                      {"select.dkdv_warps": 8, "select.block_dkdv_rows": 128}],
@@ -545,7 +547,8 @@ def select_variants() -> dict[str, object]:
     and the merge skip on the default tile."""
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True}),
-           "defaults relayout": common.tuning_variant(base, {"scores.relayout": True})}
+           "defaults relayout": common.tuning_variant(base, {"scores.relayout": True}),
+           "defaults head_pairs": common.tuning_variant(base, {"scores.head_pairs": True})}
     for t, regs in [((128, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 0, 2), None),
                     ((128, 64, 8, 3, 2, 2), None), ((128, 64, 4, 2, 2, 2), None), ((128, 32, 8, 2, 2, 2), None),
                     ((128, 64, 4, 2, 0, 2), None), ((256, 64, 8, 3, 0, 2), None),

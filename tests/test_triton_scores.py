@@ -59,13 +59,14 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, skip_merge=False, relayout=False) -> ScoreTuning:
+def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
-    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout)
+    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout,
+                       head_pairs=head_pairs)
 
 
 def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, relayout=False,
-             **kw):
+             head_pairs=False, **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -78,8 +79,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, sk
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, scale=scale,
-                            tuning=None if tile is None and not relayout
-                            else score_tuning(tile or F16, skip_merge, relayout), **kw).cpu()
+                            tuning=None if tile is None and not relayout and not head_pairs
+                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -141,6 +142,15 @@ def test_relayout_picks_the_same_blocks(case):
     B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
     for skip in (False, True):
         run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 3, tile=tile, relayout=True, skip_merge=skip)
+
+
+@pytest.mark.parametrize("relayout", [False, True])
+@pytest.mark.parametrize("shape", [(1, 333, 16, 1, 16, 32, 16, 64, 4), (1, 203, 32, 2, 16, 8, 4, 8, 5),
+                                   (2, 150, 16, 1, 24, 8, 4, 8, 4), (1, 97, 4, 2, 16, 8, 4, 8, 3)])
+def test_head_pairs_pick_the_same_blocks(shape, relayout):
+    """Heads g and g + G/2 added before the fp16-split map (ScoreTuning.head_pairs; G >= 16 only, G = 2
+    ignores it): the reference's blocks, on a tile of 64 rows (4 tokens at G=16, 2 at G=32)."""
+    run_case(*shape, seed=11, tile=(64, 16, 4, 1, 2, 2), relayout=relayout, head_pairs=True)
 
 
 def test_relayout_ties_go_to_lower_index():
@@ -207,3 +217,26 @@ def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
     out = [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
                              tuning=dataclasses.replace(base, relayout=r)) for r in (False, True)]
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_head_pairs_match_the_default(T):
+    """The paper shape (G=16) on the device's tile: heads added in pairs before the fp16 split round each
+    score differently at ~2**-24, so only rows at a grid tie may differ from the default path (the
+    unfused kernels differ from it on ~1 row in 262144 at 64k)."""
+    import dataclasses
+
+    from nsa.ops.triton import attn
+    from nsa.ops.tuning import tuning_for
+    HQ, H, dk, l, d, l_sel, n_sel = 64, 4, 128, 32, 16, 64, 16
+    g = torch.Generator("cuda").manual_seed(T)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, T, HQ, dk, generator=g, **bf)
+    kc = torch.randn(1, common.num_cmp_tokens(T, l, d), H, dk, generator=g, **bf)
+    _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=dk ** -0.5)
+    base = tuning_for("cuda").scores
+    out = [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
+                             tuning=dataclasses.replace(base, head_pairs=h)) for h in (False, True)]
+    assert (out[0] != out[1]).any(-1).float().mean().item() <= 1e-4

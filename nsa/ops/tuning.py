@@ -267,6 +267,10 @@ class ScoreTuning:
     # pass each chunk's block scores through a per-program scratch before ranking them, so the ranking
     # runs on one copy of each score instead of the head sum's replicated layout (scores._merge_chunk)
     relayout: bool = False
+    # G >= 16 with the fp16-split map: add heads g and g + G/2 in fp32 before splitting (half the split and map
+    # work; scores._block_sums). Compiled and checked on the CPU only so far (sm_90 loop 715 -> 594
+    # instructions per thread): not yet timed on a GPU, hence off
+    head_pairs: bool = False
     # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
     # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows
     small_group: ScoreTile | None = None
