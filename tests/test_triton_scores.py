@@ -196,13 +196,9 @@ def test_forward_uses_fused_selection(monkeypatch):
     assert torch.equal(bi.cpu(), rbi)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("HQ, H, dk", [(64, 4, 128), (12, 2, 64)])
-@pytest.mark.parametrize("T", [8192, 65536])
-def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
-    """On the device's own tile (the paper and production shapes, bf16): block scores relaid out before
-    ranking move fp32 values and change no arithmetic, so block_idx is bitwise the same as without."""
+def _device_tile_pair(T, HQ, H, dk, field):
+    """block_idx of the device's score tile without and with the ScoreTuning bool `field`, on random bf16
+    inputs at paper hyperparameters (lse from the Triton compressed attention)."""
     import dataclasses
 
     from nsa.ops.triton import attn
@@ -214,9 +210,19 @@ def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
     kc = torch.randn(1, common.num_cmp_tokens(T, l, d), H, dk, generator=g, **bf)
     _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=dk ** -0.5)
     base = tuning_for("cuda").scores
-    out = [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
-                             tuning=dataclasses.replace(base, relayout=r)) for r in (False, True)]
-    assert torch.equal(out[0], out[1])
+    return [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
+                              tuning=dataclasses.replace(base, **{field: v})) for v in (False, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("HQ, H, dk", [(64, 4, 128), (12, 2, 64)])
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
+    """On the device's own tile (the paper and production shapes, bf16): block scores relaid out before
+    ranking move fp32 values and change no arithmetic, so block_idx is bitwise the same as without."""
+    a, b = _device_tile_pair(T, HQ, H, dk, "relayout")
+    assert torch.equal(a, b)
 
 
 @pytest.mark.gpu
@@ -226,17 +232,5 @@ def test_gpu_head_pairs_match_the_default(T):
     """The paper shape (G=16) on the device's tile: heads added in pairs before the fp16 split round each
     score differently at ~2**-24, so only rows at a grid tie may differ from the default path (the
     unfused kernels differ from it on ~1 row in 262144 at 64k)."""
-    import dataclasses
-
-    from nsa.ops.triton import attn
-    from nsa.ops.tuning import tuning_for
-    HQ, H, dk, l, d, l_sel, n_sel = 64, 4, 128, 32, 16, 64, 16
-    g = torch.Generator("cuda").manual_seed(T)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(1, T, HQ, dk, generator=g, **bf)
-    kc = torch.randn(1, common.num_cmp_tokens(T, l, d), H, dk, generator=g, **bf)
-    _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=dk ** -0.5)
-    base = tuning_for("cuda").scores
-    out = [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
-                             tuning=dataclasses.replace(base, head_pairs=h)) for h in (False, True)]
-    assert (out[0] != out[1]).any(-1).float().mean().item() <= 1e-4
+    a, b = _device_tile_pair(T, 64, 4, 128, "head_pairs")
+    assert (a != b).any(-1).float().mean().item() <= 1e-4
