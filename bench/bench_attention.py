@@ -13,7 +13,7 @@ medians of CUDA-event-timed calls after warm-up.
   forward+backward, with peak memory, against every dense implementation present (SDPA cuDNN / flash /
   efficient / math, FlashAttention-4 and -2 when importable; --dense narrows it); the fastest is "best
   dense". fla-core's parallel_nsa as a peer when importable (--no-peers skips it). --breakdown T: per-
-  kernel-stage times; --sweep T: the op under each kernel-tuning variant of sweep_space() (passed as
+  kernel-stage times; --sweep T: the op under each kernel-tuning variant of bench/sweeps.yaml (passed as
   tuning=, nothing patched; --sweep-only PREFIX picks some). --tile-m M [M ...]: the op with the selection
   on query tiles of M tokens (KernelTuning.tile.m; 1 = the per-token kernels, default 0 = the preset's
   policy), one row per M.
@@ -34,6 +34,8 @@ medians of CUDA-event-timed calls after warm-up.
 JSON: bench/out/attention[_<branch>|_captured]_<stamp>.json; --save copies it to bench/results/.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -101,83 +103,12 @@ def breakdown(B, T, HQ, H, dk, dv, warmup, iters):
 
 
 def sweep_space() -> dict[str, list[dict]]:
-    """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries."""
-    from nsa.ops.tuning import TileLaunch as TL
-    Tile, ScoreTile = common.attn_tile, common.score_tile
-
-    def sel(kind: str, vals: tuple, keys=("fwd", "dq", "dkdv")) -> dict:
-        return {f"select.{k}_{kind}": v for k, v in zip(keys, vals)}
-    return {
-        "attn.fwd": [{"attn.fwd": Tile(*t)} for t in [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2)]],
-        "attn.dq": [{"attn.dq": Tile(*t)} for t in [(128, 32, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
-                                                    (64, 32, 4, 3)]],
-        "attn.dkdv": [{"attn.dkdv": Tile(*t)} for t in [(32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 3),
-                                                        (32, 64, 4, 3), (16, 128, 4, 3)]],
-        "select.warps": [sel("warps", w) for w in [(4, 4, 4), (2, 4, 4), (1, 4, 4), (2, 2, 4), (2, 2, 2),
-                                                   (4, 4, 2), (4, 2, 4)]],
-        "select.dkdv_rows": [{"select.dkdv_rows": r} for r in (16, 32, 64)],
-        "select.loop": [{"select.loop": "block", **{f"select.{k}": v for k, v in ch.items()}} for ch in [
-            {}, dict(pair_dtype="input"), dict(pair_rows=32), dict(pair_rows=128), dict(pair_warps=8),
-            dict(pair_rows=128, pair_warps=8, pair_dtype="input"), dict(pair_stages=3), dict(merge_warps=4)]],
-        # the block-order path (G <= 8 on Hopper): pair forward tile, merge, and the dK/dV walk that
-        # also writes the dq partials
-        "select.block": [{f"select.{k}": v for k, v in ch.items()} for ch in [
-            dict(pair_rows=128, pair_warps=8), dict(pair_rows=128, pair_warps=4), dict(pair_stages=3),
-            dict(pair_stages=1), dict(pair_warps=8), dict(merge_warps=4), dict(dkdv_rows=64),
-            dict(dkdv_rows=64, dkdv_warps=8), dict(dkdv_stages=3), dict(dkdv_rows=16)]],
-        # the walks' precision and step: fp32 pair partials, no token-id prefetch, the 128-row step
-        "select.walk": [{"select.pair_dtype": "fp32"}, {"select.pair_dtype": "fp16"}, {"select.pair_dtype": "input"},
-                        {"select.pair_dtype": "fp32", "select.dq_pair_dtype": "fp32"}, {"select.prefetch": False},
-                        {"select.block_dkdv_rows": 128},
-                        {"select.block_dkdv_rows": 128, "select.prefetch": False}],
-        # the block-order path's launch knobs again, after the walks stopped spilling (table 9)
-        "select.retune": [{f"select.{k}": v for k, v in ch.items()} for ch in [
-            dict(pair_rows=128, pair_warps=8), dict(pair_stages=3), dict(pair_stages=1), dict(merge_warps=4),
-            dict(dkdv_warps=8), dict(dkdv_stages=1), dict(dkdv_stages=3), dict(block_dkdv_rows=32), dict(chunk=512),
-            dict(chunk=2048), dict(pair_chunk=64), dict(pair_chunk=256)]],
-        # register caps of the block-order forward (it waits on gathers: resident programs hide them)
-        "select.regs": [{"select.pair_max_regs": r} for r in (128, 96)],
-        # the paper shape (G=16): forward per token (faster there than block by block), dq from the dK/dV
-        # walk's pair partials (64-row walks spill 248 B on 4 warps, sm_90 ptxas; none on 8 warps)
-        "select.g16": [{"select.loop": "auto", "select.dq_block_max_g": 16, **{f"select.{k}": v for k, v in ch.items()}}
-                       for ch in [dict(), dict(dkdv_warps=8, block_dkdv_rows=128), dict(prefetch=False),
-                                  dict(chunk=512), dict(block_dkdv_rows=32), dict(dq_block_max_g=8)]],
-        # the paper shape's score tile (G=16, d=128: 224 registers, 1 program of 8 warps per SM) capped
-        "scores.paper": [{"scores.tile": ScoreTile(*t, max_regs=r)} for t, r in [
-            ((128, 64, 8, 2, 0, 2), 80), ((128, 64, 8, 2, 0, 2), None), ((256, 64, 8, 2, 0, 2), 128),
-            ((128, 64, 8, 2, 2, 2), 80), ((256, 64, 8, 3, 0, 2), 128)]],
-        # G=16's per-token forward and its dK/dV walk (with dq partials) re-swept after the change above
-        "select.g16b": [{f"select.{k}": v for k, v in ch.items()} for ch in [
-            dict(dkdv_stages=1), dict(dkdv_stages=3), dict(chunk=2048), dict(fwd_warps=4), dict(fwd_stages=3),
-            dict(fwd_stages=1), dict(fwd_keys=32), dict(fwd_warps=4, fwd_stages=3)]],
-        "select.chunk": [{"select.chunk": c} for c in (256, 512, 2048)],
-        "select.pair_chunk": [{"select.pair_chunk": c} for c in (64, 128, 256)],
-        "select.pack": [{"select.pack_heads": False}, {"select.pair_rows": 128}, {"select.block_dkdv_rows": 64},
-                        {"select.block_dkdv_rows": 256}, {"select.block_dkdv_rows": 128, "select.dkdv_warps": 8}],
-        # the per-call choice between query tiles (m=8) and the per-token / block-order kernels
-        "tile.auto": [{"tile.auto_union": u} for u in (0.3, 0.36, 0.5)] + [{"tile.m": 1}],
-        # query tiles at G=16 (the paper shape; the Hopper preset: m=4, chosen per call): the choice's
-        # threshold, the tile size, and the 64-row tile's forward and dq launches (keys, warps, stages)
-        "tile.g16": [{"tile.m": 1}, {"tile.auto_union": 0.0}, {"tile.auto_union": 0.5}, {"tile.auto_union": 0.7},
-                     {"tile.m": 2}, {"tile.m": 8}]
-        + [{"tile.fwd": (TL(*f), TL(32, 8, 3))} for f in [(32, 4, 3), (64, 4, 2), (64, 8, 3), (64, 4, 4)]]
-        + [{"tile.dq": (TL(*f), TL(32, 8, 2))} for f in [(64, 4, 3), (32, 4, 2), (64, 8, 2)]],
-        # 128-key score chunks (31 blocks per merge instead of 15)
-        "scores.keys": [{"scores.tile": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r),
-                         "scores.small_group": ScoreTile(128, 128, 8, 2, 2, 2, max_regs=r)} for r in (128, None)],
-        # the score tile and ranking layout before table 13 (the Hopper preset then), against today's
-        "scores.relayout": [{"scores.tile": ScoreTile(128, 64, 8, 2, 2, 2, max_regs=80), "scores.relayout": False}],
-        # G=16's fp16-split score map on head pairs (compiled and checked on the CPU only so far)
-        "scores.head_pairs": [{"scores.head_pairs": True}],
-        # the dK/dV walk at G=16 when query tiles compute dq (no dq partials): 8 warps stop its spills
-        "walk.g16": [{"select.dkdv_warps": 8}, {"select.dkdv_warps": 8, "select.dkdv_stages": 3},
-                     {"select.dkdv_warps": 8, "select.block_dkdv_rows": 128}],
-        "select.stages": [sel("stages", s) for s in [(2, 2, 2), (3, 3, 2), (4, 4, 2), (1, 1, 2)]],
-        "select.keys": [sel("keys", k, ("fwd", "dq")) for k in [(64, 64), (32, 32), (32, 64), (64, 32), (16, 16)]],
-        "scores.tile": [{"scores.tile": ScoreTile(*t)} for t in [
-            (256, 64, 8, 3, 0, 2), (128, 64, 8, 2, 2, 2), (256, 128, 8, 3, 0, 2), (128, 128, 8, 3, 2, 2),
-            (256, 128, 8, 2, 0, 2), (512, 64, 8, 3, 0, 2)]],
-    }
+    """{group: [changes to the default KernelTuning]}: the launch-parameter candidates --sweep tries,
+    from bench/sweeps.yaml (each variant a list of --tuning's FIELD=VALUE items, common.parse_changes)."""
+    import yaml
+    with open(Path(__file__).with_name("sweeps.yaml")) as f:
+        groups = yaml.safe_load(f)
+    return {g: [common.parse_changes(items) for items in variants] for g, variants in groups.items()}
 
 
 def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = "", x=None, hp=None):
