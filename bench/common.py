@@ -26,6 +26,9 @@ from typing import Any, Callable
 
 import torch
 
+# the selection locality tables, for the bench scripts (common.locality, ...)
+from nsa.ops.locality import KEY_LOCALITY_KB, LOCALITY_M, key_locality, locality, mean_locality  # noqa: F401
+
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 OUT_DIR = BENCH / "out"
@@ -298,7 +301,6 @@ def nsa_inputs(B: int, T: int, HQ: int, H: int, dk: int, dv: int, dtype=torch.bf
 # bench/capture_inputs.py writes <dir>/meta.json and one <dir>/T<T>_L<layer>.pt per capture: a dict of the
 # op's inputs (CAPTURE_NAMES, as the layer passed them) plus its block_idx [B, T, H, n_sel] and output o.
 CAPTURE_NAMES = ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")
-LOCALITY_M = (1, 2, 4, 8, 16)
 
 
 def capture_file(T: int, layer: int) -> str:
@@ -335,55 +337,6 @@ def capture_case(directory: str | os.PathLike, entry: dict[str, Any]):
     x, bi = load_capture(directory, entry, device="cuda" if has_cuda() else "cpu")
     B, _, HQ, dk = x[0].shape
     return x, bi, {k: entry["op"][k] for k in HP}, (B, HQ, x[4].shape[2], dk, x[4].shape[3])
-
-
-def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -> dict[int, float]:
-    """{m: union of the selections of m consecutive tokens / (m * n_sel)} for block_idx [B, T, H, n_sel]
-    (the op's layout, -1 = unused slot), over tokens start.. (default T // 2, the second half) cut to
-    whole tiles, mean over batch and KV heads: the K/V blocks a tile kernel loads relative to the
-    per-token kernel (1.0 at m = 1 when every slot is used). Tensor ops only (select_tile's
-    tile_union_fraction); one host read per m."""
-    from nsa.ops.triton.select_tile import tile_union_fraction
-    T = block_idx.shape[1]
-    start = T // 2 if start is None else start
-    out = {}
-    for m in ms:
-        n = (T - start) // m * m
-        if n == 0:
-            raise ValueError(f"locality: {T - start} tokens from {start} hold no tile of m={m}; use a longer T")
-        out[m] = float(tile_union_fraction(block_idx[:, start:start + n], m))   # sync-ok: report
-    return out
-
-
-KEY_LOCALITY_KB = (1, 2, 4, 8)
-
-
-def key_locality(block_idx: torch.Tensor, kbs=KEY_LOCALITY_KB, start: int | None = None) -> dict[int, float]:
-    """{kb: distinct (token, tile of kb consecutive blocks) pairs / (token, block) pairs} for block_idx
-    [B, T, H, n_sel] (ascending, -1 = unused), over tokens start.. (default T // 2): the q / dO rows a
-    dK/dV walk over key tiles of kb blocks would gather relative to the walk per block (1.0 at kb = 1).
-    Such a walk computes kb * 64 keys per gathered row, so its masked work is kb times this fraction of
-    the per-block walk's. Tensor ops only; one host read per kb."""
-    T = block_idx.shape[1]
-    start = T // 2 if start is None else start
-    bi = block_idx[:, start:]
-    ok = bi >= 0
-    pairs = int(ok.sum())   # sync-ok: report
-    if pairs == 0:
-        raise ValueError(f"key_locality: no selected block among tokens {start}..{T - 1}")
-    out = {}
-    for kb in kbs:
-        tile = torch.where(ok, bi // kb, -1)
-        # ascending within a token's row: a tile is new where it differs from the slot before
-        new = ok.clone()
-        new[..., 1:] &= tile[..., 1:] != tile[..., :-1]
-        out[kb] = int(new.sum()) / pairs   # sync-ok: report
-    return out
-
-
-def mean_locality(tables: list[dict[int, float]]) -> dict[int, float]:
-    """Mean over layers (or inputs) of locality() tables."""
-    return {m: statistics.fmean(t[m] for t in tables) for m in tables[0]}
 
 
 def print_locality(rows: dict[str, dict[int, float]], title: str, keys: bool = False) -> None:
