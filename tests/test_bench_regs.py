@@ -1,10 +1,6 @@
 """bench/bench_regs.py's SASS loop parser (nvdisasm -c listings), on a hand-written listing: no GPU,
 no ptxas needed."""
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from test_pipeline_bench import load_bench
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -25,16 +21,8 @@ LISTING = """
 """
 
 
-def load():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_regs", BENCH / "bench_regs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_sass_loops_finds_nested_loops_largest_first():
-    loops = load().sass_loops(LISTING)
+    loops = load_bench("bench_regs").sass_loops(LISTING)
     assert [(lp["start"], lp["end"], lp["instructions"]) for lp in loops] == [(0x20, 0x90, 8), (0x60, 0x70, 2)]
     # predicated instructions count under their opcode, modifiers dropped; the exit's self-branch is no loop
     assert loops[0]["ops"] == {"MUFU": 2, "BRA": 2, "HGMMA": 1, "SHFL": 1, "FADD": 1, "ISETP": 1}
@@ -42,4 +30,4 @@ def test_sass_loops_finds_nested_loops_largest_first():
 
 
 def test_sass_loops_of_a_straight_listing_is_empty():
-    assert load().sass_loops("        /*0000*/                   EXIT ;\n") == []
+    assert load_bench("bench_regs").sass_loops("        /*0000*/                   EXIT ;\n") == []
