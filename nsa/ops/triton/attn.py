@@ -62,6 +62,27 @@ def _visible(pos, tok, STRIDE: tl.constexpr, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def token_rows(pid_m, pid_bh, T, H, G: tl.constexpr, GP: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The rows of a (tile pid_m of BLOCK_R // GP tokens, b * H + h) program: row r is query head h*G + r % GP
+    of token pid_m * BT + r // GP. Returns (b int64, h, tok [R], row_ok [R], hq [R] int64, tok64 [R])."""
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    rows = tl.arange(0, BLOCK_R)
+    tok = pid_m * (BLOCK_R // GP) + rows // GP
+    g = rows % GP
+    row_ok = (tok < T) & (g < G)
+    hq = (h * G + g).to(tl.int64)
+    return b, h, tok, row_ok, hq, tok.to(tl.int64)
+
+
+@triton.jit
+def load_group(X, b, t64, hq, row_ok, offs, sxb, sxt, sxh, D: tl.constexpr):
+    """X rows [R, len(offs)] of batch b at token(s) t64 (a scalar, or [R, 1]) and query heads hq [R]."""
+    return tl.load(X + b * sxb + t64 * sxt + hq[:, None] * sxh + offs[None, :],
+                   mask=row_ok[:, None] & (offs[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
                      T, N, H, scale_log2,
@@ -71,19 +92,10 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
                      DOT_PREC: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP  # tokens per program
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    rows = tl.arange(0, BLOCK_R)
-    tok = pid_m * BT + rows // GP                       # [R]
-    g = rows % GP
-    row_ok = (tok < T) & (g < G)
-    hq = (h * G + g).to(tl.int64)
-    tok64 = tok.to(tl.int64)
+    b, h, tok, row_ok, hq, tok64 = token_rows(pid_m, tl.program_id(1), T, H, G, GP, BLOCK_R)   # [R]
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [R, BDK]
+    q = load_group(Q, b, tok64[:, None], hq, row_ok, offs_dk, sqb, sqt, sqh, DK)  # [R, BDK]
     t_first = pid_m * BT
     t_last = tl.minimum(t_first + BT - 1, T - 1)
     lo, hi = _key_range(t_first, t_last, N, STRIDE, OFFSET, WINDOW)
@@ -120,10 +132,8 @@ def _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk, offs_
     """q [R, BDK], do [R, BDV], lse in log2 units, delta, and the rows' gates (1 without): the branch's
     dO is gate * do, applied to p by the callers (dS = g p (dP - delta), dV += (g p)^T do), so no
     converted dO tile is held."""
-    q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    do = tl.load(DO + b * sdb + tok64[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = load_group(Q, b, tok64[:, None], hq, row_ok, offs_dk, sqb, sqt, sqh, DK)
+    do = load_group(DO, b, tok64[:, None], hq, row_ok, offs_dv, sdb, sdt, sdh, DV)
     ridx = (b * T + tok64) * HQ + hq
     lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
@@ -144,15 +154,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
                         HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr, DOT_PREC: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    rows = tl.arange(0, BLOCK_R)
-    tok = pid_m * BT + rows // GP
-    g = rows % GP
-    row_ok = (tok < T) & (g < G)
-    hq = (h * G + g).to(tl.int64)
-    tok64 = tok.to(tl.int64)
+    b, h, tok, row_ok, hq, tok64 = token_rows(pid_m, tl.program_id(1), T, H, G, GP, BLOCK_R)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
     q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,

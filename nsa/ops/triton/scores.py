@@ -37,6 +37,7 @@ import triton.language as tl
 from ..common import LOG2E, SCORE_BITS
 from ..tuning import ScoreTuning, tuning_for
 from ._utils import dot_precision, next_pow2, reg_cap, row_block
+from .attn import load_group, token_rows
 
 GRID_BITS = SCORE_BITS + 1   # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**GRID_BITS
 SCORE_GRID = tl.constexpr(float(2 ** SCORE_BITS))   # the score grid of nsa/ops/common.py, for the kernels
@@ -223,17 +224,8 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
     LC: tl.constexpr = L_CMP // STRIDE     # stride chunks per compression block
     pid_m = n_tiles - 1 - tl.program_id(0)          # latest (most blocks) tiles first
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    rows = tl.arange(0, BLOCK_R)
-    tok = pid_m * BT + rows // GP                                            # [BLOCK_R]
-    g = rows % GP
-    row_ok = (tok < T) & (g < G)
-    hq = (h * G + g).to(tl.int64)
-    tok64 = tok.to(tl.int64)
-    offs_dk = tl.arange(0, BDK)
-    q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)   # [BLOCK_R, BDK]
+    b, h, tok, row_ok, hq, tok64 = token_rows(pid_m, pid_bh, T, H, G, GP, BLOCK_R)   # [BLOCK_R]
+    q = load_group(Q, b, tok64[:, None], hq, row_ok, tl.arange(0, BDK), sqb, sqt, sqh, DK)   # [BLOCK_R, BDK]
     lse = tl.load(LSE + (b * T + tok64) * (H * G) + hq, mask=row_ok, other=0.0)
     # +inf for padding rows and rows that see no compressed token: their p is exactly 0
     lse2 = tl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634, float("inf"))

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ..common import FORCED_STEP, LOG2E
 from ._utils import dot_precision, next_pow2, row_block
+from .attn import load_group, token_rows
 from .scores import SCORE_GRID
 
 
@@ -38,18 +39,9 @@ def _scores_kernel(Q, KC, LSE, SC, sqb, sqt, sqh, skb, skt, skh,
     R: tl.constexpr = LSEL // STRIDE      # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE    # stride chunks per compression block
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    rows = tl.arange(0, BLOCK_R)
-    tok = pid_m * BT + rows // GP
-    g = rows % GP
-    row_ok = (tok < T) & (g < G)
-    hq = (h * G + g).to(tl.int64)
-    tok64 = tok.to(tl.int64)
+    b, h, tok, row_ok, hq, tok64 = token_rows(pid_m, tl.program_id(1), T, H, G, GP, BLOCK_R)
     offs_dk = tl.arange(0, BDK)
-    q = tl.load(Q + b * sqb + tok64[:, None] * sqt + hq[:, None] * sqh + offs_dk[None, :],
-                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    q = load_group(Q, b, tok64[:, None], hq, row_ok, offs_dk, sqb, sqt, sqh, DK)
     lse = tl.load(LSE + (b * T + tok64) * (H * G) + hq, mask=row_ok, other=0.0) * 1.4426950408889634
     ttok = pid_m * BT + tl.arange(0, BT)                 # [BT] tokens of the tile
     t_last = tl.minimum(pid_m * BT + BT - 1, T - 1)

@@ -18,19 +18,13 @@ import triton.language as tl
 from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, row_block
-from .attn import _load_rows_bwd, online_softmax_step
+from .attn import _load_rows_bwd, load_group, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
 
 
 # ----------------------------------------------------------------------------------------------
 # selected-block attention
-
-
-@triton.jit
-def _load_group(X, b, t64, hq, row_ok, offs, sxb, sxt, sxh, D: tl.constexpr):
-    return tl.load(X + b * sxb + t64 * sxt + hq[:, None] * sxh + offs[None, :],
-                   mask=row_ok[:, None] & (offs[None, :] < D), other=0.0)
 
 
 @triton.jit
@@ -52,7 +46,7 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb
     hq = (h * G + rows).to(tl.int64)
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    q = _load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)      # [GR, BDK]
+    q = load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)      # [GR, BDK]
     m_i = tl.full([GR], float("-inf"), tl.float32)
     l_i = tl.zeros([GR], tl.float32)
     acc = tl.zeros([GR, BDV], tl.float32)
@@ -84,8 +78,8 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb
 def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, HQ,
                   DK: tl.constexpr, DV: tl.constexpr, HAS_GATE: tl.constexpr):
-    q = _load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)
-    do = _load_group(DO, b, t64, hq, row_ok, offs_dv, sdb, sdt, sdh, DV)
+    q = load_group(Q, b, t64, hq, row_ok, offs_dk, sqb, sqt, sqh, DK)
+    do = load_group(DO, b, t64, hq, row_ok, offs_dv, sdb, sdt, sdh, DV)
     ridx = (b * T + t64) * HQ + hq
     lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
