@@ -164,6 +164,83 @@ def test_rank_inverts_the_sorted_pairs():
     assert len(set(rank[~empty].tolist())) == int((~empty).sum())   # one position per slot
 
 
+@pytest.mark.parametrize("span", [8, 16, 24])
+@pytest.mark.parametrize("case", ["g2_m1_chunked", "g3_m8_lsel24_chunked", "g1_m16_long_local", "g16_m2_identical"])
+def test_walk_over_token_ranges_matches_the_plain_walk(case, span):
+    """invert_selection(span=): each block's token list cut by token range and walked range-major (the
+    dK/dV walk's L2 order). dK, dV and the pair partials' dq equal the plain walk's up to fp32 addition
+    order (the same pairs in other chunks), and the oracle's; spans shorter than, equal to and off a block."""
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 4)
+    o, lse = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
+    delta = (do * o).sum(-1)
+    kw = dict(l_sel=l_sel, scale=scale, chunk=chunk)
+    outs = []
+    for sp in (0, span):
+        inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True, span=sp)
+        assert inv["span"] == (sp if sp < T else 0)
+        dqp = sb.pair_buffer(q, n_sel, H, dk, by_block(), dq=True)
+        dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, inv=inv, dq_pairs=dqp,
+                                 tuning=by_block(block_dkdv_rows=16), **kw)
+        outs.append((sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(q), dq_in=None), dk_, dv_))
+    ref = oracle(q, k, v, bi, gate, do, l_sel, scale)[2:5]
+    for name, a, b, r in zip(("dq", "dk", "dv"), outs[1], outs[0], ref):
+        assert rel_err(a, b) <= 1e-6, f"{name} vs plain walk: {rel_err(a, b):.2e}"
+        assert rel_err(a, r) <= 2 * tol(dtype), f"{name} vs oracle: {rel_err(a, r):.2e}"
+
+
+@pytest.mark.parametrize("span,chunk", [(8, 4), (16, 3), (5, 1024)])
+def test_span_items_walk_each_pair_once(span, chunk):
+    """The items of a range-cut inversion: their [start, end) pieces cover every listed pair exactly
+    once, each lies in one segment and one token range, a segment's chunks are numbered 0..nch-1 (an
+    empty segment's one empty item included), items run range-major, and spare items walk nothing."""
+    from nsa.ops.triton.inversion import segment_lists
+    q, k, v, do, gate, bi, scale = case_inputs("g2_m1_chunked", seed=9)
+    l_sel = 8
+    B, T, H, S = bi.shape
+    nsb = triton.cdiv(T, l_sel)
+    inv = segment_lists(bi.permute(0, 2, 1, 3), nsb, chunk, span=span, l_sel=l_sel)
+    nseg, order, skey = inv["nseg"], inv["order"].cpu(), inv["skey"].cpu().long()
+    wseg, wchunk, wse = inv["wseg"].cpu(), inv["wchunk"].cpu(), inv["wse"].cpu().long()
+    listed = int((bi >= 0).sum())
+    live = wseg < nseg
+    assert int(live.sum()) <= inv["w_max"] and (wse[~live] == 0).all()
+    covered = torch.zeros(len(order), dtype=torch.int64)
+    seen = {}
+    last_range = -1
+    for w in live.nonzero().view(-1).tolist():
+        a, e, s = int(wse[w, 0]), int(wse[w, 1]), int(wseg[w])
+        assert 0 <= e - a <= chunk
+        covered[a:e] += 1
+        t = (order[a:e] // S) % T
+        keys = skey[a:e]
+        assert (keys % nseg == s).all() and len(set((t // span).tolist())) <= 1
+        if e > a:
+            assert int(t[0]) // span >= last_range
+            last_range = int(t[0]) // span
+        seen.setdefault(s, []).append(int(wchunk[w]))
+    assert (covered[:listed] == 1).all() and (covered[listed:] == 0).all()
+    assert sorted(seen) == list(range(nseg))
+    for s, chunks in seen.items():
+        assert sorted(chunks) == list(range(int(inv["nch"][s]))), s
+    assert int(inv["nch"].sum()) - nseg <= inv["n_slots"]
+
+
+def test_walk_span_from_the_l2_budget():
+    tn = SelectTuning(walk_l2=24 << 20)
+    assert SelectTuning().walk_span(16, 128, 128, 2) == 0
+    assert tn.walk_span(16, 128, 128, 2) == 2048      # 24 MiB / 8 KiB per token = 3072 -> 2048
+    assert tn.walk_span(6, 64, 64, 2) == 16384        # 1.5 KiB per token
+    assert SelectTuning(walk_l2=1).walk_span(16, 128, 128, 2) == 64
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match="select.walk_l2"):
+            SelectTuning(walk_l2=bad)
+    q, k, v, do, gate, bi, scale = case_inputs("g2_m1_chunked", seed=9)
+    with pytest.raises(ValueError, match="span"):
+        sb.slc_fwd_pairs(q, k, v, bi, tsel.invert_selection(bi, 8, 4, ranks=True, span=8), l_sel=8, scale=scale,
+                         chunk=4)
+
+
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
 
 
@@ -377,3 +454,26 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
     for name in ("nch", "xoff", "wseg", "wchunk"):
         assert got[name].dtype == torch.int64 and torch.equal(got[name], want[name]), name
     assert int((got["wseg"] == nseg).sum()) == got["w_max"] - int(want["nch"].sum()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_walk_over_token_ranges_matches_the_plain_walk(T):
+    """Paper shape (HQ=64, H=4, d=128), bf16, random inputs, the device preset: the op with the dK/dV walk
+    over token ranges (select.walk_l2 = 16 MiB: 2048-token ranges) against the plain walk. Same pairs, other
+    fp32 addition order: o identical, every gradient within 1e-3 relative RMS, block_idx identical."""
+    B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 64, 4, 128, 32, 16, 64, 16, 512
+    xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=3)
+    do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
+    base = tuning_for("cuda")
+    res = []
+    for l2 in (0, 16 << 20):
+        x = [a.detach().clone().requires_grad_() for a in xs]
+        tn = dataclasses.replace(base, select=dataclasses.replace(base.select, walk_l2=l2))
+        o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5, tuning=tn)
+        res.append((o, bi, torch.autograd.grad(o, x, do)))
+    (o0, bi0, g0), (o1, bi1, g1) = res
+    assert torch.equal(bi0, bi1) and torch.equal(o0, o1)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-3, f"grad {i}: {rel_err(a, b):.2e}"
