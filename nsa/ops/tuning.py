@@ -116,18 +116,9 @@ class SelectTuning:
     # registers per thread of the block-order forward (ptxas .maxnreg; None: the compiler's choice). Its
     # programs wait on gathered q rows (long scoreboard), so fewer registers buy resident programs
     pair_max_regs: int | None = None
-    # bytes of gathered q / dO rows the dK/dV walk's concurrent programs should share (0: off). The walk
-    # gathers a token's G rows of q and dO once per block it selected; in block order those 16 gathers of
-    # a token lie far apart, so at 64k they come from DRAM (paper shape, H100: 33 GB read per walk). With
-    # this set, each block's token list is cut into token ranges of walk_l2 / (G * (dk + dv) * bytes)
-    # tokens (a power of two, >= 64) walked range-major, so a range's rows stay in L2 while all of its
-    # blocks use them; the cost is one more fp32 dK/dV partial per (block, range) piece
-    walk_l2: int = 0
 
     def __post_init__(self) -> None:
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
-        if isinstance(self.walk_l2, bool) or not isinstance(self.walk_l2, int) or self.walk_l2 < 0:
-            raise ValueError(f"select.walk_l2 must be an int >= 0 (bytes; 0: off), got {self.walk_l2!r}")
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
         if self.pair_dtype not in ("fp32", "input", "fp16"):
@@ -169,14 +160,6 @@ class SelectTuning:
         above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
         shared memory there)."""
         return self.block_dkdv_rows if self.dq_by_block(G) and not big else self.dkdv_rows
-
-    def walk_span(self, G: int, dk: int, dv: int, elem: int) -> int:
-        """Tokens per range of the dK/dV walk's token lists (0: one range) for G query heads per KV head
-        and head dims dk / dv of elem-byte elements: walk_l2 bytes of their q / dO rows, a power of two."""
-        if not self.walk_l2:
-            return 0
-        tokens = self.walk_l2 // (G * (dk + dv) * elem)
-        return max(64, 1 << max(tokens, 1).bit_length() - 1)
 
     def prefetch_for(self, G: int) -> bool:
         """Whether the dK/dV walk prefetches its token ids for G query heads per KV head."""

@@ -278,9 +278,7 @@ class NSATritonFunction(torch.autograd.Function):
                       dq_dtype=q.dtype if ctx.ext_win else torch.float32)
         inv = ctx.inv
         if inv is None and ctx.dq_pairs:   # pair_dq sums each token's partials by their ranks
-            G, dk, dv = q.shape[2] // k_slc.shape[2], q.shape[3], v_slc.shape[3]
-            inv = invert_selection(block_idx, l_sel, chunk, ranks=True,
-                                   span=tuning.select.walk_span(G, dk, dv, q.element_size()))
+            inv = invert_selection(block_idx, l_sel, chunk, ranks=True)
         if len(union) == 4:   # the device's per-call choice (forward): the same one for dq
             on_tile, on_token = pair(union[3])
             bw = (q, k_slc, v_slc)

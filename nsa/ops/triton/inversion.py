@@ -26,103 +26,52 @@ def _toks_rank_kernel(ORDER, SKEY, TOKS, RANK, P, S, T, NSEG, RANKS: tl.constexp
         tl.store(RANK + o, tl.where(listed, i, -1), mask=ok)
 
 
-def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False, span: int = 0):
+def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
     """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
 
     Device-only (sort + searchsorted, no host sync). Returns segment_lists' dict plus toks [P]
     (tokens, grouped by segment, ascending t within one); with ranks also rank [B,H,T,S] (the position
-    of slot (b, h, t, s) in toks, -1 for an empty slot). span > 0: the lists and their work items are
-    ordered by token range first (segment_lists), which only the dK/dV walk reads (select.work_item).
+    of slot (b, h, t, s) in toks, -1 for an empty slot).
     """
     B, T, H, S = block_idx.shape
-    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk,
-                        span=span if 0 < span < T else 0, l_sel=l_sel)   # [B, H, T, S]
+    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk)   # [B, H, T, S]
     order, skey = inv.pop("order"), inv.pop("skey")
     P = order.numel()
     inv["toks"] = torch.empty_like(order)
     rank = torch.empty(B, H, T, S, device=order.device, dtype=order.dtype) if ranks else order
     if P:
-        _toks_rank_kernel[(triton.cdiv(P, 1024),)](order, skey, inv["toks"], rank, P, S, T, inv["nkey"],
+        _toks_rank_kernel[(triton.cdiv(P, 1024),)](order, skey, inv["toks"], rank, P, S, T, inv["nseg"],
                                                    RANKS=ranks, BLOCK=1024)
     if ranks:
         inv["rank"] = rank
     return inv
 
 
-def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int, span: int = 0, l_sel: int = 0) -> dict:
+def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     """blocks [B, H, N, S] (block ids of N entries of S slots each, -1 for none) -> for each segment
     (b, h, block j) the flat positions of the slots holding j, in (n, s) order, split in work items
     of <= chunk of them (the token walks of invert_selection, the tile walks of select_tile).
 
-    span > 0 (entries are tokens, and token n holds only blocks j with j * l_sel <= n): each segment's
-    list is cut where n crosses a multiple of span, and the pieces are ordered range-major (key = range
-    * nseg + segment), so the programs running at one time gather the q / dO rows of one token range of
-    one kv head (L2-sized) instead of the whole sequence; span_items numbers their chunks per segment.
-
-    Device-only. Returns order [P] (flat slot positions grouped by key; slots holding no block last),
-    skey [P] (their sorted keys; nkey for no block), segoff [nkey+1], work_items' (or span_items')
-    nch / xoff / wseg / wchunk / w_max / chunk (and wse), and the host ints n_slots, nseg, nkey, nsb,
-    n_pairs, span."""
-    B, H, N = blocks.shape[:3]
+    Device-only. Returns order [P] (flat slot positions grouped by segment; slots holding no block
+    last), skey [P] (their sorted keys: bh*nsb + block, NSEG for no block), segoff [NSEG+1], work_items'
+    nch / xoff / wseg / wchunk / w_max / chunk, and the host ints n_slots, nseg, nsb, n_pairs."""
+    B, H = blocks.shape[:2]
     dev = blocks.device
     nseg = B * H * nsb
-    nr = triton.cdiv(N, span) if span else 1
-    nkey = nseg * nr
     bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
     # the narrowest keys that fit: the radix sort makes 2 passes for int16, 4 for int32, 8 for int64 (its 8
     # passes were 0.24 ms of the op's 15.9 at 64k, production shape, H100)
-    kdt = torch.int16 if nkey < 2 ** 15 - 1 else torch.int32 if nkey < 2 ** 31 - 1 else torch.int64
-    key = bh * nsb + blocks
-    if span:
-        key = key + (torch.arange(N, device=dev).view(1, 1, N, 1) // span) * nseg
-    key = torch.where(blocks >= 0, key, nkey).reshape(-1).to(kdt)   # order (b, h, n, s)
+    kdt = torch.int16 if nseg < 2 ** 15 - 1 else torch.int32 if nseg < 2 ** 31 - 1 else torch.int64
+    key = torch.where(blocks >= 0, bh * nsb + blocks, nseg).reshape(-1).to(kdt)   # order (b, h, n, s)
     skey, order = torch.sort(key, stable=True)
-    segoff = torch.searchsorted(skey, torch.arange(nkey + 1, device=dev, dtype=kdt))
+    segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=kdt))
     n_pairs = key.numel()
     if n_pairs + chunk >= 2 ** 31:
         raise ValueError(f"the selection has {n_pairs} (entry, slot) pairs: list positions are int32 in the "
                          "walks, so split the batch (B) into calls of fewer than 2**31 pairs")
-    if span:
-        # causality bounds the non-empty pieces: range r holds blocks j <= ((r + 1) * span - 1) // l_sel
-        pieces = B * H * sum(min(nsb, ((r + 1) * span - 1) // l_sel + 1) for r in range(nr))
-        items = span_items(segoff, nseg, nr, chunk, w_max=pieces + nseg + (n_pairs + chunk - 1) // chunk)
-    else:
-        items = work_items(segoff, n_pairs, chunk)
-        items["n_slots"] = max(1, (n_pairs + chunk - 1) // chunk)
-    return dict(order=order, skey=skey, segoff=segoff, nseg=nseg, nkey=nkey, nsb=nsb, n_pairs=n_pairs,
-                span=span, **items)
-
-
-def span_items(segoff: torch.Tensor, nseg: int, nr: int, chunk: int, w_max: int) -> dict:
-    """work_items for range-cut lists (segment_lists with span): segoff [nr*nseg+1] bounds the piece of
-    segment s in range r at key u = r*nseg + s. Each piece is walked in chunks of <= chunk (none when
-    empty; an empty segment gets one empty item, which writes its zero dK/dV), items in key order, i.e.
-    range-major. A segment's chunks are numbered over its pieces in range order, so chunk 0 and the
-    scratch slots xoff[s] + c - 1 of chunks c >= 1 mean what they mean without ranges (the reduction is
-    the same). Returns nch / xoff [nseg], wseg / wchunk [w_max] and wse [w_max, 2] (int32 list start /
-    end of each item; segment nseg marks a spare item), w_max (host bound on the items), n_slots, chunk.
-    A dozen small device ops, no host sync."""
-    dev = segoff.device
-    nkey = nr * nseg
-    cnt = (segoff[1:] - segoff[:-1]).view(nr, nseg).to(torch.int64)
-    nch_u = (cnt + chunk - 1) // chunk
-    nch_u[0] += (nch_u.sum(0) == 0).to(torch.int64)
-    nch = nch_u.sum(0)
-    cbase = (nch_u.cumsum(0) - nch_u).view(-1)
-    extra = nch - 1
-    flat = nch_u.view(-1)
-    cum = flat.cumsum(0)
-    w = torch.arange(w_max, device=dev, dtype=torch.int64)
-    u = torch.searchsorted(cum, w, right=True)
-    ok = u < nkey
-    uc = u.clamp(max=nkey - 1)
-    local = w - (cum[uc] - flat[uc])
-    start = segoff[uc].to(torch.int64) + local * chunk
-    end = torch.minimum(start + chunk, segoff[uc + 1].to(torch.int64))
-    wse = torch.stack([torch.where(ok, start, 0), torch.where(ok, end, 0)], 1).to(torch.int32)
-    return dict(nch=nch, xoff=extra.cumsum(0) - extra, wseg=torch.where(ok, uc % nseg, nseg),
-                wchunk=torch.where(ok, cbase[uc] + local, 0), wse=wse, w_max=w_max,
-                n_slots=max(1, w_max - nseg), chunk=chunk)
+    items = work_items(segoff, n_pairs, chunk)
+    return dict(order=order, skey=skey, segoff=segoff,
+                n_slots=max(1, (n_pairs + chunk - 1) // chunk), nseg=nseg, nsb=nsb, n_pairs=n_pairs, **items)
 
 
 @triton.jit

@@ -141,12 +141,11 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
 
 
 @triton.jit
-def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr, WSE, SPANS: tl.constexpr):
+def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
     """This program's work item of an inverted selection (invert_selection): segment seg = (b, h, block
     j) and chunk c of its list, whose entries start..end-1 it walks (none when ok is false: a spare
     item past the last one). Returns (seg, chunk, ok, j, b, h, start, end); start / end are int32 (the
-    walks' per-row list positions are then int32 too: segment_lists checks the pair count fits).
-    SPANS: the lists are cut by token range (inversion.span_items), each item's start / end in WSE."""
+    walks' per-row list positions are then int32 too: segment_lists checks the pair count fits)."""
     w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
@@ -154,12 +153,8 @@ def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr, WSE, SPANS: 
     seg = tl.where(ok, seg, 0)
     j = seg % NSB
     bh = seg // NSB
-    if SPANS:
-        start = tl.load(WSE + 2 * w)
-        end = tl.load(WSE + 2 * w + 1)
-    else:
-        start = tl.load(SEGOFF + seg) + chunk * CH
-        end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
+    start = tl.load(SEGOFF + seg) + chunk * CH
+    end = tl.where(ok, tl.minimum(tl.load(SEGOFF + seg + 1), start + CH), start)
     return seg, chunk, ok, j, bh // H, bh % H, start.to(tl.int32), end.to(tl.int32)
 
 
@@ -265,15 +260,14 @@ def _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok,
 
 
 @triton.jit
-def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, WSE, XOFF,
+def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                          DKO, DVO, XDK, XDV, DQP, FLAG,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                          T, H, NSB, NSEG, scale_log2, scale,
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
-                         SPANS: tl.constexpr):
+                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
@@ -283,7 +277,7 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH, WSE, SPANS)
+    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # queries per step
@@ -457,7 +451,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     if inv is None or inv["chunk"] != chunk:
-        inv = invert_selection(block_idx, l_sel, chunk, span=tn.walk_span(HQ // H, dk, dv, q.element_size()))
+        inv = invert_selection(block_idx, l_sel, chunk)
     dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
     dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
     xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
@@ -469,12 +463,10 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
     for dqp, gm in walks:
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
-            q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"],
-            inv.get("wse", inv["wseg"]), inv["xoff"],
+            q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch_for(HQ // H),
-            CH=chunk, BS=bs, HAS_GATE=gate is not None, SPANS=bool(inv["span"]), num_stages=tn.dkdv_stages,
-            num_warps=tn.dkdv_warps,
+            CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
             **{k: v for k, v in meta.items() if k != "GR"})

@@ -42,7 +42,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS, FLAG,
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH, WSEG, False)
+    _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # tokens per step
@@ -202,9 +202,6 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd. Programs walk
     tuning.pair_chunk entries of a block's list (0: the inversion's chunk): pairs are independent here,
     so short lists cost nothing but balance the long ones (block 0, each token's own block)."""
-    if inv["span"]:
-        raise ValueError("slc_fwd_pairs: the inversion's lists are cut by token range (span > 0), which only "
-                         "the dK/dV walk reads; invert the selection with span=0 for the block-order forward")
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
