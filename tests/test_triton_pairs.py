@@ -18,8 +18,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from test_triton_tile import (CASES, DEV, captured_dir, captures_at, case_inputs, make_block_idx, oracle,  # noqa: E402
-                              rel_err, tol)
+from test_triton_tile import CASES, DEV, captured_dir, captures_at, case_inputs, oracle, rel_err, tol  # noqa: E402
 
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.inversion import work_items  # noqa: E402
@@ -163,39 +162,6 @@ def test_rank_inverts_the_sorted_pairs():
     t = torch.arange(T).view(1, 1, T, 1).expand(B, H, T, S)
     assert (toks[rank[~empty]] == t[~empty]).all()
     assert len(set(rank[~empty].tolist())) == int((~empty).sum())   # one position per slot
-
-
-@pytest.mark.parametrize("split", [2, 4])
-@pytest.mark.parametrize("shape", [(1, 150, 16, 1, 64, 3, "random"), (2, 97, 4, 2, 32, 4, "random"),
-                                   (1, 130, 2, 2, 64, 2, "local")], ids=["g16_lsel64", "g2_lsel32", "g1_lsel64_local"])
-def test_dkdv_walk_in_key_slices_matches_whole_blocks(shape, split, monkeypatch):
-    """select.dkdv_split: the dK/dV walk without dq in key slices of l_sel / split, one program each over
-    the block's whole token list (chunks of 5): the same dK / dV as whole blocks (each key's sums are the
-    same sums) and the oracle's, blocks cut by T's end included. The launch takes the slices only where
-    they are whole multiples of 16 keys (l_sel 32 / 4 runs whole blocks)."""
-    B, T, HQ, H, l_sel, n_sel, mode = shape
-    gen = torch.Generator().manual_seed(T + split)
-    q, do = (torch.randn(B, T, HQ, 16, generator=gen).to(DEV) for _ in range(2))
-    k, v = (torch.randn(B, T, H, 16, generator=gen).to(DEV) for _ in range(2))
-    gate = torch.rand(B, T, HQ, generator=gen).to(DEV)
-    bi = make_block_idx(B, T, H, n_sel, l_sel, mode, gen)
-    scale = 0.25
-    o, lse = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
-    delta = (do * o).sum(-1)
-    kw = dict(l_sel=l_sel, scale=scale, chunk=5)
-    grids = []
-    real = tsel._slc_bwd_dkdv_kernel
-    monkeypatch.setattr(tsel, "_slc_bwd_dkdv_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: grids.append(grid) or real[grid]})())
-    whole = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, **kw)
-    sliced = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, tuning=SelectTuning(dkdv_split=split), **kw)
-    assert [g[0] // grids[0][0] for g in grids] == [1, split if l_sel % (16 * split) == 0 else 1]
-    ref = oracle(q, k, v, bi, gate, do, l_sel, scale)[3:5]
-    for name, a, b, r in zip(("dk", "dv"), sliced, whole, ref):
-        assert rel_err(a, b) <= 1e-6, f"{name} vs whole blocks: {rel_err(a, b):.2e}"
-        assert rel_err(a, r) <= 2 * tol(torch.float32), f"{name} vs oracle: {rel_err(a, r):.2e}"
-    with pytest.raises(ValueError, match="select.dkdv_split"):
-        SelectTuning(dkdv_split=3)
 
 
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)

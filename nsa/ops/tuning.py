@@ -116,19 +116,8 @@ class SelectTuning:
     # registers per thread of the block-order forward (ptxas .maxnreg; None: the compiler's choice). Its
     # programs wait on gathered q rows (long scoreboard), so fewer registers buy resident programs
     pair_max_regs: int | None = None
-    # key slices per block of the dK/dV walk without dq (1: the whole block): its two [64, dk] fp32
-    # accumulators hold 128 registers per thread on 4 warps, which caps it at two programs per SM while it
-    # waits on its q / dO gathers half the time (H100, bench/RESULTS.md table 14); slices of 64 / s keys
-    # halve them per program, and the s programs of a block gather the same rows (mostly from L2)
-    dkdv_split: int = 1
-    # ptxas register cap of that walk (None: the compiler's choice, 255 at the paper shape): with slices,
-    # a cap fits more programs per SM without spilling whole-block accumulators
-    dkdv_max_regs: int | None = None
 
     def __post_init__(self) -> None:
-        check_max_regs("select.dkdv_max_regs", self.dkdv_max_regs)
-        if self.dkdv_split not in (1, 2, 4):
-            raise ValueError(f"select.dkdv_split must be 1, 2 or 4 (key slices per block), got {self.dkdv_split!r}")
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ..common import LOG2E
 from ..tuning import SelectTuning, tuning_for
-from ._utils import dot_precision, next_pow2, reg_cap, row_block
+from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
@@ -141,11 +141,12 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
 
 
 @triton.jit
-def work_item(w, WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
-    """Work item w of an inverted selection (invert_selection): segment seg = (b, h, block
+def work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH: tl.constexpr):
+    """This program's work item of an inverted selection (invert_selection): segment seg = (b, h, block
     j) and chunk c of its list, whose entries start..end-1 it walks (none when ok is false: a spare
     item past the last one). Returns (seg, chunk, ok, j, b, h, start, end); start / end are int32 (the
     walks' per-row list positions are then int32 too: segment_lists checks the pair count fits)."""
+    w = tl.program_id(0)
     seg = tl.load(WSEG + w)
     chunk = tl.load(WCHUNK + w)
     ok = seg < NSEG
@@ -266,28 +267,19 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
-                         KSPLIT: tl.constexpr):
+                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
     token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py).
     PREFETCH: each step's token ids are loaded two steps before (Triton pipelines the gathers they address
-    one step ahead, and without this each of them first waits for its token-id load). KSPLIT > 1: the
-    block's keys in KSPLIT slices of BS = LSEL / KSPLIT, one program each (program_id(1)), every slice
-    walking the whole list (no DQ_PAIRS)."""
+    one step ahead, and without this each of them first waits for its token-id load)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    # KSPLIT > 1: program (item, slice) = (pid // KSPLIT, pid % KSPLIT), so a block's slices run side by side
-    # and all but the first find their q / dO rows in L2
-    pid = tl.program_id(0)
-    seg, chunk, ok, j, b, h, start, end = work_item(pid // KSPLIT, WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
-    k0 = (pid % KSPLIT) * BS if KSPLIT > 1 else 0                # first key of this program's slice
-    # the slice as a block of its own: keys from j * LSEL + k0, T shifted alike (so kp < T still means t < T)
-    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K + k0 * skt, V + k0 * svt, b, h, j, T - k0, skb, skt, skh,
-                                                svb, svt, svh, LSEL, BS, DK, DV, BDK, BDV)
-    j0 = j * LSEL + k0
+    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+                                                DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # queries per step
     rows = tl.arange(0, ROWS)
     g = rows % GP
@@ -301,7 +293,7 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
             qi_c, t_c, ok_c = walk_rows(TOKS, idx + 2 * QB, end, rows, G, GP, QB)
             q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t_a, hq, ok_a, offs_dk, offs_dv,
                                                      sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
-            dk, dv = _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
             qi_a, t_a, ok_a = qi_b, t_b, ok_b
             qi_b, t_b, ok_b = qi_c, t_c, ok_c
@@ -310,22 +302,22 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
             q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
                                                      sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
-            dk, dv = _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
     # the block's rows from scalars (j, T) rather than block_kv's int64 kp / k_ok vectors; on sm_90 this
     # compiled to the same registers, it only keeps the loop free of them in the source
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
-    first = first & (kk + k0 < tl.minimum(T - j * LSEL, LSEL))
-    o_row = ((b * T + j * LSEL) * H + h) + (kk + k0).to(tl.int64) * H       # rows of [B,T,H,*] fp32
+    first = first & (kk < tl.minimum(T - j * LSEL, LSEL))
+    o_row = ((b * T + j * LSEL) * H + h) + kk.to(tl.int64) * H              # rows of [B,T,H,*] fp32
     tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], dk,
              mask=first[:, None] & (offs_dk[None, :] < DK))
     tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], dv,
              mask=first[:, None] & (offs_dv[None, :] < DV))
     extra = (tl.zeros([BS], tl.int32) + (ok & (chunk > 0)).to(tl.int32)) > 0
     slot = tl.load(XOFF + seg) + chunk - 1
-    x_row = (tl.where(extra, slot, 0) * LSEL + k0 + kk).to(tl.int64)
+    x_row = (tl.where(extra, slot, 0) * LSEL + kk).to(tl.int64)
     x_ok = extra & (kk < LSEL)
     tl.store(XDK + x_row[:, None] * DK + offs_dk[None, :], dk,
              mask=x_ok[:, None] & (offs_dk[None, :] < DK))
@@ -470,17 +462,13 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     if dq_pairs is not None and mode != 0:
         walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
     for dqp, gm in walks:
-        # key slices for the walk without dq (each slice's dq would be a partial sum of the pair's)
-        split = tn.dkdv_split if dqp is None and bs == l_sel and bs % (16 * tn.dkdv_split) == 0 else 1
-        _slc_bwd_dkdv_kernel[(inv["w_max"] * split,)](
+        _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch_for(HQ // H),
-            CH=chunk, BS=bs // split, KSPLIT=split, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages,
-            num_warps=tn.dkdv_warps,
+            CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
-            **reg_cap(tn.dkdv_max_regs if dqp is None else None, q.is_cuda),
             **{k: v for k, v in meta.items() if k != "GR"})
     return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
 

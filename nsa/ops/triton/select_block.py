@@ -42,7 +42,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS, FLAG,
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
-    _, _, _, j, b, h, start, end = work_item(tl.program_id(0), WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
     QB: tl.constexpr = ROWS // GP                                           # tokens per step

@@ -348,7 +348,7 @@ def _tile_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, SRC, UBITS, SEGOFF, WSE
                           HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its tile list). Each step takes
     QB tiles of the list: row r is tile r // (M*G), token (r % (M*G)) // G of it, head r % G."""
-    seg, chunk, ok, j, b, h, start, end = work_item(tl.program_id(0), WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
+    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                     DK, DV, BDK, BDV)
     MG: tl.constexpr = M * G
