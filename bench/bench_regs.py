@@ -182,6 +182,9 @@ def main() -> int:
     dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
                   tuning=tn, inv=inv, dq_pairs=dqp)
+    # the same walk without dq (the query-tile path's, which the captured inputs take): listed second
+    tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
+                  tuning=tn, inv=inv)
     # the per-token forward and dq, and the fused block scores + top-n
     tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=dk ** -0.5, tuning=tn)
     tsel.slc_dq(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, tuning=tn)
