@@ -164,6 +164,34 @@ def test_rank_inverts_the_sorted_pairs():
     assert len(set(rank[~empty].tolist())) == int((~empty).sum())   # one position per slot
 
 
+@pytest.mark.parametrize("dq", [False, True], ids=["walk", "walk_with_dq"])
+@pytest.mark.parametrize("case", ["g16_m2_identical", "g2_m1_chunked", "g3_m8_lsel24_chunked"])
+def test_walk_loop_stages_change_nothing(case, dq):
+    """select.walk_loop_stages: the dK/dV walk without dq runs its step loop as tl.range(num_stages=3) (the
+    walk with dq partials keeps its own loop): scheduling only, so dK, dV and dq are bitwise the plain
+    loop's (here through the interpreter; test_gpu_walk_loop_stages_bitwise checks the compiled one)."""
+    B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
+    q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 8)
+    o, lse = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
+    delta = (do * o).sum(-1)
+    outs = []
+    for stages in (0, 3):
+        tn = by_block(block_dkdv_rows=16, walk_loop_stages=stages)
+        inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
+        dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True) if dq else None
+        dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
+                                 tuning=tn, inv=inv, dq_pairs=dqp)
+        dq_ = sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(q), dq_in=None) if dq else None
+        outs.append((dk_, dv_, dq_))
+    ref = oracle(q, k, v, bi, gate, do, l_sel, scale)[2:5]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert not dq or torch.equal(outs[0][2], outs[1][2])
+    assert rel_err(outs[1][0], ref[1]) <= 2 * tol(dtype) and rel_err(outs[1][1], ref[2]) <= 2 * tol(dtype)
+    for bad in (1, 5, True):
+        with pytest.raises(ValueError, match="select.walk_loop_stages"):
+            SelectTuning(walk_loop_stages=bad)
+
+
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
 
 
@@ -377,3 +405,27 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
     for name in ("nch", "xoff", "wseg", "wchunk"):
         assert got[name].dtype == torch.int64 and torch.equal(got[name], want[name]), name
     assert int((got["wseg"] == nseg).sum()) == got["w_max"] - int(want["nch"].sum()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_walk_loop_stages_bitwise(T):
+    """Paper shape (HQ=64, H=4, d=128), bf16, random inputs, query tiles forced (so the dK/dV walk without dq
+    runs): the op's o and every gradient with the walk's loop as tl.range(num_stages=3) bitwise those of the
+    plain loop (what select.walk_loop_stages=3 needs before the Hopper preset takes it)."""
+    B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 64, 4, 128, 32, 16, 64, 16, 512
+    xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=4)
+    do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
+    base = tuning_for("cuda")
+    res = []
+    for stages in (0, 3):
+        tn = dataclasses.replace(base, select=dataclasses.replace(base.select, walk_loop_stages=stages),
+                                 tile=dataclasses.replace(base.tile, auto_union=0.0))
+        x = [a.detach().clone().requires_grad_() for a in xs]
+        o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5, tuning=tn)
+        res.append((o, bi, torch.autograd.grad(o, x, do)))
+    (o0, bi0, g0), (o1, bi1, g1) = res
+    assert torch.equal(bi0, bi1) and torch.equal(o0, o1)
+    for i, (a, b) in enumerate(zip(g1, g0)):
+        assert torch.equal(a, b), f"grad {i}: {rel_err(a, b):.2e}"

@@ -116,8 +116,18 @@ class SelectTuning:
     # registers per thread of the block-order forward (ptxas .maxnreg; None: the compiler's choice). Its
     # programs wait on gathered q rows (long scoreboard), so fewer registers buy resident programs
     pair_max_regs: int | None = None
+    # the step loop of the dK/dV walk without dq partials (the query-tile path's) as tl.range(num_stages=n);
+    # 0: a plain loop under the kernel's dkdv_stages, which pipelines only the loads feeding its dots. At
+    # the paper shape the plain loop's q / dO gathers compiled to plain loads (sm_90: 27 LDG, no LDGSTS in
+    # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
+    # (H100, walk 2.11 -> 1.75 ms at 8k, 15.8 -> 13.7 at 64k; bench/RESULTS.md table 14). The walk with dq
+    # partials keeps its token-id prefetch: this loop made it slower at 64k (25.7 -> 27.5 ms). Not in the
+    # Hopper preset until tests/test_triton_pairs.py::test_gpu_walk_loop_stages_bitwise has run on a GPU
+    walk_loop_stages: int = 0
 
     def __post_init__(self) -> None:
+        if self.walk_loop_stages not in (0, 2, 3, 4):
+            raise ValueError(f"select.walk_loop_stages must be 0 (off), 2, 3 or 4, got {self.walk_loop_stages!r}")
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")

@@ -267,13 +267,16 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr):
+                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
+                         LOOP_STAGES: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
     token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py).
     PREFETCH: each step's token ids are loaded two steps before (Triton pipelines the gathers they address
-    one step ahead, and without this each of them first waits for its token-id load)."""
+    one step ahead, and without this each of them first waits for its token-id load). LOOP_STAGES > 0:
+    the step loop is tl.range(num_stages=LOOP_STAGES), which pipelines every load of a step (token ids,
+    lse / delta / gate, the gathers), not only the dot operands as the kernel's num_stages does."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
@@ -297,6 +300,13 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
             qi_a, t_a, ok_a = qi_b, t_b, ok_b
             qi_b, t_b, ok_b = qi_c, t_c, ok_c
+    elif LOOP_STAGES > 0:
+        for idx in tl.range(start, end, QB, num_stages=LOOP_STAGES):
+            qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
+            q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
+                                                     sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
+                                DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     else:
         for idx in range(start, end, QB):
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
@@ -465,7 +475,9 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
-            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm, PREFETCH=tn.prefetch_for(HQ // H),
+            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
+            PREFETCH=tn.prefetch_for(HQ // H) and not (dqp is None and tn.walk_loop_stages),
+            LOOP_STAGES=tn.walk_loop_stages if dqp is None else 0,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
             ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
