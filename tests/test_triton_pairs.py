@@ -167,16 +167,15 @@ def test_rank_inverts_the_sorted_pairs():
 @pytest.mark.parametrize("dq", [False, True], ids=["walk", "walk_with_dq"])
 @pytest.mark.parametrize("case", ["g16_m2_identical", "g2_m1_chunked", "g3_m8_lsel24_chunked"])
 def test_walk_loop_stages_change_nothing(case, dq):
-    """select.walk_loop_stages: the dK/dV walk without dq runs its step loop as tl.range(num_stages=3) (the
-    walk with dq partials keeps its own loop): scheduling only, so dK, dV and dq are bitwise the plain
-    loop's (here through the interpreter; test_gpu_walk_loop_stages_bitwise checks the compiled one)."""
+    """select.walk_loop_stages / dq_walk_loop_stages: the dK/dV walk without / with dq partials runs its step
+    loop as tl.range(num_stages=3): scheduling only, so dK, dV and dq are bitwise the plain loop's (here through the interpreter; test_gpu_walk_loop_stages_bitwise checks the compiled one)."""
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 8)
     o, lse = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
     delta = (do * o).sum(-1)
     outs = []
     for stages in (0, 3):
-        tn = by_block(block_dkdv_rows=16, walk_loop_stages=stages)
+        tn = by_block(block_dkdv_rows=16, **{("dq_" if dq else "") + "walk_loop_stages": stages})
         inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
         dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True) if dq else None
         dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
@@ -188,8 +187,11 @@ def test_walk_loop_stages_change_nothing(case, dq):
     assert not dq or torch.equal(outs[0][2], outs[1][2])
     assert rel_err(outs[1][0], ref[1]) <= 2 * tol(dtype) and rel_err(outs[1][1], ref[2]) <= 2 * tol(dtype)
     for bad in (1, 5, True):
-        with pytest.raises(ValueError, match="select.walk_loop_stages"):
-            SelectTuning(walk_loop_stages=bad)
+        for name in ("walk_loop_stages", "dq_walk_loop_stages"):
+            with pytest.raises(ValueError, match=f"select.{name}"):
+                SelectTuning(**{name: bad})
+    assert SelectTuning(walk_loop_stages=3).loop_stages_for(False) == 3
+    assert SelectTuning(walk_loop_stages=3).loop_stages_for(True) == 0
 
 
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)

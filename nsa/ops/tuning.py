@@ -124,10 +124,14 @@ class SelectTuning:
     # partials keeps its token-id prefetch: this loop made it slower at 64k (25.7 -> 27.5 ms). Not in the
     # Hopper preset until tests/test_triton_pairs.py::test_gpu_walk_loop_stages_bitwise has run on a GPU
     walk_loop_stages: int = 0
+    # the same for the walk that writes dq pair partials (the production shape's, G=6; at G=16 it spilled
+    # and slowed): compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG, no LDGSTS)
+    dq_walk_loop_stages: int = 0
 
     def __post_init__(self) -> None:
-        if self.walk_loop_stages not in (0, 2, 3, 4):
-            raise ValueError(f"select.walk_loop_stages must be 0 (off), 2, 3 or 4, got {self.walk_loop_stages!r}")
+        for name in ("walk_loop_stages", "dq_walk_loop_stages"):
+            if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
@@ -170,6 +174,10 @@ class SelectTuning:
         above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
         shared memory there)."""
         return self.block_dkdv_rows if self.dq_by_block(G) and not big else self.dkdv_rows
+
+    def loop_stages_for(self, dq_pairs: bool) -> int:
+        """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials."""
+        return self.dq_walk_loop_stages if dq_pairs else self.walk_loop_stages
 
     def prefetch_for(self, G: int) -> bool:
         """Whether the dK/dV walk prefetches its token ids for G query heads per KV head."""
