@@ -412,17 +412,21 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])
-def test_gpu_walk_loop_stages_bitwise(T):
-    """Paper shape (HQ=64, H=4, d=128), bf16, random inputs, query tiles forced (so the dK/dV walk without dq
-    runs): the op's o and every gradient with the walk's loop as tl.range(num_stages=3) bitwise those of the
-    plain loop (what select.walk_loop_stages=3 needs before the Hopper preset takes it)."""
-    B, HQ, H, dk, l, d, l_sel, n_sel, w = 1, 64, 4, 128, 32, 16, 64, 16, 512
+@pytest.mark.parametrize("shape", ["paper", "production"])
+def test_gpu_walk_loop_stages_bitwise(T, shape):
+    """bf16, random inputs: the op's o and every gradient with the dK/dV walk's step loop as
+    tl.range(num_stages=3) bitwise those of the plain loop -- at the paper shape (HQ=64, H=4, d=128) with
+    query tiles forced, so the walk without dq runs (select.walk_loop_stages), and at the production shape
+    (HQ=12, H=2, d=64), whose walk writes dq pair partials (select.dq_walk_loop_stages). What either knob
+    needs before the Hopper preset takes it."""
+    HQ, H, dk, field = (64, 4, 128, "walk_loop_stages") if shape == "paper" else (12, 2, 64, "dq_walk_loop_stages")
+    B, l, d, l_sel, n_sel, w = 1, 32, 16, 64, 16, 512
     xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=4)
     do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
     base = tuning_for("cuda")
     res = []
     for stages in (0, 3):
-        tn = dataclasses.replace(base, select=dataclasses.replace(base.select, walk_loop_stages=stages),
+        tn = dataclasses.replace(base, select=dataclasses.replace(base.select, **{field: stages}),
                                  tile=dataclasses.replace(base.tile, auto_union=0.0))
         x = [a.detach().clone().requires_grad_() for a in xs]
         o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5, tuning=tn)
