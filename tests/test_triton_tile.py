@@ -3,11 +3,11 @@
 
 On the CPU through Triton's interpreter (tiny odd shapes); outputs are NaN-poisoned (conftest), so an
 element a kernel leaves unwritten fails. The `gpu` tests compare tile and per-token kernels in bf16 at
-8k and 64k. `python tests/test_triton_tile.py [T HQ H d [run]]` prints bench_tile's timings on a GPU.
+8k and 64k (per-kernel timings of tiles against the per-token kernels: `bench/bench_profile.py kernels
+--compare tile.m=1 tile.m=4 ...`).
 """
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -519,8 +519,3 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
         for name, a, b in zip(names, res[1][1:], res[0][1:]):
             assert torch.isfinite(a).all(), f"{where}: non-finite {name}"
             assert rel_rms(a, b) <= 5e-3, f"{where} {name}: {rel_rms(a, b):.2e}"
-
-
-if __name__ == "__main__":   # T HQ H d [run]: run > 0 takes local selections (see bench_tile)
-    args = [int(a) for a in sys.argv[1:]] or [8192, 64, 4, 128]
-    tt.bench_tile(*args[:4], run=args[4] if len(args) > 4 else 0)

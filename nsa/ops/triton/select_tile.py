@@ -19,9 +19,9 @@ per (block, chunk of the tiles whose union holds it), rows of non-selecting toke
 masked work; it stays as nsa.ops.tuning.TileTuning(dkdv_by="tile").
 
 Cost: a tile does union_fraction * m times the per-token MMA work to load union_fraction of its K/V.
-H100, bf16, B=1, l_sel=64, n_sel=16 (bench_tile): HQ=64/H=4/d=128 at 64k, per-token fwd 17.0 ms; with
-unions of 0.25 at m=4 (strongly local selections) the tile fwd takes 6.5-6.9 ms, with the op's
-selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions:
+H100, bf16, B=1, l_sel=64, n_sel=16 (bench/RESULTS.md table 5): HQ=64/H=4/d=128 at 64k, per-token fwd
+17.0 ms; with unions of 0.25 at m=4 (strongly local selections) the tile fwd takes 6.5-6.9 ms, with the
+op's selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions:
 KernelTuning.tile.m (nsa/ops/tuning.py) picks it for the op (function.py), 1 = select.slc_fwd/slc_bwd.
 """
 from __future__ import annotations
@@ -34,12 +34,10 @@ import triton.language as tl
 
 from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning, tuning_for
 from ._utils import dot_precision, next_pow2
-from .attn import attn_fwd, online_softmax_step
-from .scores import select_blocks
+from .attn import online_softmax_step
 from .guard import Guard, skip_program
 from .inversion import segment_lists
-from .select import (_bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_bwd, slc_dkdv, slc_fwd,
-                     work_item)
+from .select import _bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_dkdv, work_item
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -524,85 +522,3 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
         HAS_GATE=gate is not None, num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta)
     return (dq, *reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"],
                              bdv=meta["BDV"]))
-
-
-# ----------------------------------------------------------------------------------------------
-# timing
-
-
-def local_block_idx(B: int, T: int, H: int, *, n_sel: int, l_sel: int, run: int, noise: float = 0.0,
-                    device: str | torch.device = "cuda", seed: int = 0) -> torch.Tensor:
-    """Synthetic block_idx [B,T,H,n_sel] with locality: scores shared by runs of `run` tokens (random
-    per run) plus `noise` times a per-token random score, forced blocks (own > 0 > previous) first,
-    top-n, ascending, -1 padded. Longer runs and less noise give smaller tile unions (a stand-in for
-    a trained model's selections in benchmarks)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    nsb = triton.cdiv(T, l_sel)
-    s = torch.rand(B, triton.cdiv(T, run), H, nsb, generator=gen, device=device).repeat_interleave(run, 1)[:, :T]
-    if noise > 0:
-        s = s + noise * torch.rand(B, T, H, nsb, generator=gen, device=device)
-    t = torch.arange(T, device=device).view(1, T, 1, 1)
-    j = torch.arange(nsb, device=device)
-    cur = t // l_sel
-    s = s + 40.0 * (j == cur) + 20.0 * (j == 0) + 10.0 * (j == cur - 1)
-    s = torch.where(j <= cur, s, -1.0)
-    val, idx = s.topk(min(n_sel, nsb), -1)
-    idx = torch.where(val >= 0, idx, nsb).sort(-1).values
-    idx = torch.where(idx < nsb, idx, -1)
-    if n_sel > nsb:
-        idx = torch.cat([idx, idx.new_full((B, T, H, n_sel - nsb), -1)], -1)
-    return idx
-
-
-def bench_tile(T: int, HQ: int, H: int, d: int, ms=(1, 2, 4, 8, 16), *, l: int = 32, stride: int = 16,
-               l_sel: int = 64, n_sel: int = 16, run: int = 0, noise: float = 1.5,
-               block_idx: torch.Tensor | None = None,
-               tuning: TileTuning | None = None) -> list[dict]:
-    """Prints (and returns) per-token vs tile selection fwd / bwd ms on one GPU, bf16, B=1, with the
-    union fraction of each m. block_idx: given (e.g. captured from a trained model), else
-    local_block_idx(run=run, noise=noise) when run > 0 (run=32, noise=1.5 gives about the issue's
-    trained-model unions: 8k 0.69/0.47/0.29/0.17, 32k 0.80/0.63/0.46/0.30 at m=2/4/8/16), else the
-    op's own selection on random inputs (as the op benchmark). fwd and bwd each include tile_unions
-    (shown apart: kernel = fwd given the union)."""
-    from triton.testing import do_bench
-
-    dev = "cuda"
-    given = block_idx is not None
-    gen = torch.Generator(device=dev).manual_seed(0)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device=dev).bfloat16()
-
-    q, k, v, do = r(1, T, HQ, d), r(1, T, H, d), r(1, T, H, d), r(1, T, HQ, d)
-    gate = torch.rand(1, T, HQ, 3, generator=gen, device=dev).bfloat16()[..., 1]
-    if block_idx is None and run > 0:
-        block_idx = local_block_idx(1, T, H, n_sel=n_sel, l_sel=l_sel, run=run, noise=noise, device=dev)
-    if block_idx is None:
-        n = max(0, (T - l) // stride + 1)
-        with torch.no_grad():
-            kc = r(1, n, H, d)   # the op's selection: its compressed lse, then the fused scores + top-n
-            lse_cmp = attn_fwd(q, kc, r(1, n, H, d), stride=stride, offset=l - 1, window=0, scale=d ** -0.5)[1]
-            block_idx = select_blocks(q, kc, lse_cmp, l=l, d=stride, l_sel=l_sel, n_sel=n_sel, scale=d ** -0.5)
-    scale = d ** -0.5
-    o, lse = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale)
-    delta = (do.float() * o.float()).sum(-1)
-    rows = []
-    base_f = do_bench(lambda: slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale))
-    base_b = do_bench(lambda: slc_bwd(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale))
-    src = "given" if given else f"local (runs of {run}, noise {noise})" if run > 0 else "op selection on random inputs"
-    print(f"T={T} HQ={HQ} H={H} d={d} l_sel={l_sel} n_sel={n_sel} block_idx: {src}  per-token: fwd {base_f:.2f} ms, "
-          f"bwd {base_b:.2f} ms  ({torch.cuda.get_device_name()})")
-    for m in ms:
-        frac = tile_union_fraction(block_idx, m).item()   # sync-ok: benchmark report
-        un = tile_unions(block_idx, m)
-        f = do_bench(lambda: slc_fwd_tile(q, k, v, block_idx, l_sel=l_sel, scale=scale, m=m, tuning=tuning))
-        b = do_bench(lambda: slc_bwd_tile(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale,
-                                          m=m, tuning=tuning))
-        u = do_bench(lambda: tile_unions(block_idx, m))
-        fk = do_bench(lambda: slc_fwd_tile(q, k, v, block_idx, l_sel=l_sel, scale=scale, m=m, union=un,
-                                           tuning=tuning))
-        rows.append(dict(T=T, HQ=HQ, H=H, d=d, m=m, union_fraction=frac, fwd_ms=f, bwd_ms=b, union_ms=u,
-                         fwd_kernel_ms=fk, per_token_fwd_ms=base_f, per_token_bwd_ms=base_b))
-        print(f"  m={m:2d} rows={max(16, next_pow2(m * HQ // H)):3d} union {frac:.3f}: fwd {f:.2f} ms "
-              f"({base_f / f:.2f}x; kernel {fk:.2f}, tile_unions {u:.2f}), bwd {b:.2f} ms ({base_b / b:.2f}x)")
-    return rows
