@@ -8,8 +8,8 @@ here (default sm_90), without running them.
 The launchers run on CPU tensors of the production shape (HQ=12, H=2, d=64 unless told) with a stand-in
 driver that reports the target GPU: every launch compiles and returns instead of running (JITFunction.run's
 warm-up path), and ptxas -v reports each kernel. --tuning changes the Hopper preset; --dump writes each
-kernel's TTGIR and PTX; --sass also disassembles each kernel (nvdisasm, shipped with Triton) and prints the
-instruction mix of its loop bodies per thread and iteration. The launchers see CUDA tensors (Tensor.is_cuda
+kernel's TTGIR and PTX (a name compiled twice: <name>.2.*); --sass also disassembles each kernel (nvdisasm,
+shipped with Triton) and prints the instruction mix of its loop bodies per thread and iteration. The launchers see CUDA tensors (Tensor.is_cuda
 answers True while they compile), so precision choices and register caps are the GPU's. Nsight Compute showed
 the 128-row dK/dV walk spilling at 255 registers; this answers such questions in seconds instead of device time
 (bench/RESULTS.md table 9). The loop mix found the scores kernel ranking 8 copies of each block score (table 13).
@@ -201,10 +201,12 @@ def main() -> int:
             line = f"  {name} loop {lp['start']:#x}-{lp['end']:#x}: {lp['instructions']} instructions; {top}"
             if line not in mixes:   # a kernel compiled twice with the same constants
                 mixes.append(line)
-        if a.dump:
+        if a.dump:   # a kernel compiled again with other constants (the two dK/dV walks) gets .2, .3, ...
             os.makedirs(a.dump, exist_ok=True)
+            nth = sum(r[0] == name for r in rows)
+            stem = name + (f".{nth + 1}" if nth else "")
             for ext in ("ttgir", "ptx"):
-                with open(os.path.join(a.dump, f"{name}.{ext}"), "w") as f:
+                with open(os.path.join(a.dump, f"{stem}.{ext}"), "w") as f:
                     f.write(ck.asm[ext])
         rows.append([name, warps, stages, r["regs"], r["spill_stores"], r["spill_loads"],
                      ck.metadata.shared])

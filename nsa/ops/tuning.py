@@ -286,8 +286,9 @@ class ScoreTuning:
     # runs on one copy of each score instead of the head sum's replicated layout (scores._merge_chunk)
     relayout: bool = False
     # G >= 16 with the fp16-split map: add heads g and g + G/2 in fp32 before splitting (half the split and map
-    # work; scores._block_sums). Compiled and checked on the CPU only so far (sm_90 loop 715 -> 594
-    # instructions per thread): not yet timed on a GPU, hence off
+    # work; scores._block_sums; sm_90 loop 715 -> 594 instructions per thread). Off: the kernel gained 3-12%
+    # (H100, paper shape) but the op stayed within noise, and the block scores are not bitwise the default's
+    # (bench/RESULTS.md table 14)
     head_pairs: bool = False
     # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
     # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows

@@ -300,15 +300,8 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
             qi_a, t_a, ok_a = qi_b, t_b, ok_b
             qi_b, t_b, ok_b = qi_c, t_c, ok_c
-    elif LOOP_STAGES > 0:
-        for idx in tl.range(start, end, QB, num_stages=LOOP_STAGES):
-            qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
-            q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
-                                                     sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
-            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
-                                DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
-    else:
-        for idx in range(start, end, QB):
+    else:   # LOOP_STAGES 0: no loop attribute, the same code as a plain range (sm_90 PTX identical)
+        for idx in tl.range(start, end, QB, num_stages=LOOP_STAGES if LOOP_STAGES > 0 else None):
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
             q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
                                                      sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
