@@ -192,6 +192,8 @@ def test_walk_loop_stages_change_nothing(case, dq):
                 SelectTuning(**{name: bad})
     assert SelectTuning(walk_loop_stages=3).loop_stages_for(False) == 3
     assert SelectTuning(walk_loop_stages=3).loop_stages_for(True) == 0
+    pre = SelectTuning(loop="block", prefetch=True, walk_loop_stages=3)
+    assert pre.prefetch_for(2, dq_pairs=True) and not pre.prefetch_for(2, dq_pairs=False)
 
 
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)

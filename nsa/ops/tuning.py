@@ -179,9 +179,10 @@ class SelectTuning:
         """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials."""
         return self.dq_walk_loop_stages if dq_pairs else self.walk_loop_stages
 
-    def prefetch_for(self, G: int) -> bool:
-        """Whether the dK/dV walk prefetches its token ids for G query heads per KV head."""
-        return self.prefetch and self.dq_by_block(G)
+    def prefetch_for(self, G: int, dq_pairs: bool = True) -> bool:
+        """Whether the dK/dV walk (with or without dq partials) prefetches its token ids for G query heads per
+        KV head: not where its step loop is a pipelined tl.range (loop_stages_for), which loads them itself."""
+        return self.prefetch and self.dq_by_block(G) and not self.loop_stages_for(dq_pairs)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32

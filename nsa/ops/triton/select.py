@@ -469,7 +469,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
-            PREFETCH=tn.prefetch_for(HQ // H) and not tn.loop_stages_for(dqp is not None),
+            PREFETCH=tn.prefetch_for(HQ // H, dqp is not None),
             LOOP_STAGES=tn.loop_stages_for(dqp is not None),
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn),
