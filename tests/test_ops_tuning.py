@@ -46,6 +46,10 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.select.dkdv_rows_for(32) == HOPPER.select.dkdv_rows == 32
     assert HOPPER.select.prefetch_for(6) and HOPPER.select.prefetch_for(16) and not HOPPER.select.prefetch_for(32)
     assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
+    # the walk without dq (query tiles) runs its step loop pipelined on Hopper; the walk with dq pair
+    # partials does not (slower at 64k), and nothing else compiled for Ampere or the interpreter changes
+    assert HOPPER.select.loop_stages_for(False) == 3 and HOPPER.select.loop_stages_for(True) == 0
+    assert AMPERE.select.loop_stages_for(False) == CPU.select.loop_stages_for(False) == 0
     assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads

@@ -120,12 +120,13 @@ class SelectTuning:
     # 0: a plain loop under the kernel's dkdv_stages, which pipelines only the loads feeding its dots. At
     # the paper shape the plain loop's q / dO gathers compiled to plain loads (sm_90: 27 LDG, no LDGSTS in
     # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
-    # (H100, walk 2.11 -> 1.75 ms at 8k, 15.8 -> 13.7 at 64k; bench/RESULTS.md table 14). The walk with dq
-    # partials keeps its token-id prefetch: this loop made it slower at 64k (25.7 -> 27.5 ms). Not in the
-    # Hopper preset until tests/test_triton_pairs.py::test_gpu_walk_loop_stages_bitwise has run on a GPU
+    # (H100, walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k; on captured inputs 16.1 -> 13.7; bench/RESULTS.md
+    # table 15). The walk with dq partials keeps its token-id prefetch: this loop made it slower at 64k
+    # (paper 25.9 -> 27.5 ms, production 2.38 -> 2.64)
     walk_loop_stages: int = 0
     # the same for the walk that writes dq pair partials (the production shape's, G=6; at G=16 it spilled
-    # and slowed): compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG, no LDGSTS)
+    # and slowed): compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG, no LDGSTS),
+    # yet pipelining them lost at 64k (above), so no preset sets it
     dq_walk_loop_stages: int = 0
 
     def __post_init__(self) -> None:
@@ -477,7 +478,8 @@ class KernelTuning:
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
-                                          ids_in_regs=True, pair_max_regs=128, chunk_min_items=512),
+                                          ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
+                                          walk_loop_stages=3),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
