@@ -191,6 +191,13 @@ def main() -> int:
     k_cmp = torch.randn(B, (T - hp["l"]) // hp["d"] + 1, H, dk, **bf)
     select_blocks(q, k_cmp, lse, l=hp["l"], d=hp["d"], l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
                   tuning=tuning.scores)
+    # the query-tile forward and dq (the paper shape's path where m consecutive tokens share blocks)
+    from nsa.ops.triton import select_tile as stile
+    m = tuning.tile.m
+    un = stile.tile_unions(bi, m)
+    stile.slc_fwd_tile(q, k, v, bi, l_sel=l_sel, scale=dk ** -0.5, m=m, union=un, tuning=tuning.tile)
+    stile.tile_dq(q, k, v, do, lse, delta, gates[..., 1], un, l_sel=l_sel, scale=dk ** -0.5, m=m,
+                  tuning=tuning.tile)
     rows, mixes = [], []
     for name, warps, stages, ck in seen:
         if ck is None or "ptx" not in getattr(ck, "asm", {}):
