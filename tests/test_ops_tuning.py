@@ -41,15 +41,19 @@ def test_presets_are_frozen_and_named():
     assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
     assert not AMPERE.select.dq_by_block(6) and AMPERE.select.pair_max_regs is None
     # where dq comes from the walk's pair partials, the walk takes 64 rows per step with its token ids
-    # prefetched, and at G=6 the score tiles 128 rows (all measured); the other presets keep theirs
+    # prefetched at G=6 (pipelined at G=16, below), and at G=6 the score tiles 128 rows (all measured); the
+    # other presets keep theirs
     assert HOPPER.select.dkdv_rows_for(6) == HOPPER.select.dkdv_rows_for(16) == 64
     assert HOPPER.select.dkdv_rows_for(32) == HOPPER.select.dkdv_rows == 32
-    assert HOPPER.select.prefetch_for(6) and HOPPER.select.prefetch_for(16) and not HOPPER.select.prefetch_for(32)
+    assert HOPPER.select.prefetch_for(6) and not HOPPER.select.prefetch_for(32)
     assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
     # the walk without dq (query tiles) runs its step loop pipelined on Hopper; the walk with dq pair
-    # partials does not (slower at 64k), and nothing else compiled for Ampere or the interpreter changes
-    assert HOPPER.select.loop_stages_for(False) == 3 and HOPPER.select.loop_stages_for(True) == 0
-    assert AMPERE.select.loop_stages_for(False) == CPU.select.loop_stages_for(False) == 0
+    # partials only at the paper's G=16 (the production shape's G=6 keeps its token-id prefetch: slower
+    # pipelined), and nothing compiled for Ampere or the interpreter changes
+    assert HOPPER.select.loop_stages_for(False, 16) == 3 and HOPPER.select.loop_stages_for(True, 16) == 2
+    assert HOPPER.select.loop_stages_for(True, 6) == 0 and HOPPER.select.prefetch_for(6)
+    assert not HOPPER.select.prefetch_for(16)
+    assert AMPERE.select.loop_stages_for(False, 16) == CPU.select.loop_stages_for(True, 16) == 0
     assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads

@@ -190,8 +190,15 @@ def test_walk_loop_stages_change_nothing(case, dq):
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             with pytest.raises(ValueError, match=f"select.{name}"):
                 SelectTuning(**{name: bad})
-    assert SelectTuning(walk_loop_stages=3).loop_stages_for(False) == 3
-    assert SelectTuning(walk_loop_stages=3).loop_stages_for(True) == 0
+    assert SelectTuning(walk_loop_stages=3).loop_stages_for(False, 16) == 3
+    assert SelectTuning(walk_loop_stages=3).loop_stages_for(True, 16) == 0
+    # the walk with dq partials pipelined only from dq_walk_loop_min_g query heads per KV head
+    g16 = SelectTuning(loop="block", prefetch=True, dq_walk_loop_stages=2, dq_walk_loop_min_g=16)
+    assert g16.loop_stages_for(True, 16) == 2 and g16.loop_stages_for(True, 6) == 0
+    assert not g16.prefetch_for(16) and g16.prefetch_for(6)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="select.dq_walk_loop_min_g"):
+            SelectTuning(dq_walk_loop_min_g=bad)
     pre = SelectTuning(loop="block", prefetch=True, walk_loop_stages=3)
     assert pre.prefetch_for(2, dq_pairs=True) and not pre.prefetch_for(2, dq_pairs=False)
 
@@ -411,17 +418,25 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
     assert int((got["wseg"] == nseg).sum()) == got["w_max"] - int(want["nch"].sum()) > 0
 
 
+# case -> (HQ, H, d, the knobs under test, the tile policy that sends the call down the walk they change)
+WALK_LOOP_CASES = {
+    "paper_tiles": (64, 4, 128, dict(walk_loop_stages=3), dict(auto_union=0.0)),    # the walk without dq
+    "paper_per_token": (64, 4, 128, dict(dq_walk_loop_stages=2), dict(m=1)),        # with dq partials, G=16
+    "production": (12, 2, 64, dict(dq_walk_loop_stages=3, dq_walk_loop_min_g=1), {}),   # with dq partials, G=6
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])
-@pytest.mark.parametrize("shape", ["paper", "production"])
-def test_gpu_walk_loop_stages_bitwise(T, shape):
+@pytest.mark.parametrize("case", list(WALK_LOOP_CASES))
+def test_gpu_walk_loop_stages_bitwise(T, case):
     """bf16, random inputs: the op's o and every gradient with the dK/dV walk's step loop as
-    tl.range(num_stages=3) bitwise those of the plain loop -- at the paper shape (HQ=64, H=4, d=128) with
-    query tiles forced, so the walk without dq runs (select.walk_loop_stages), and at the production shape
-    (HQ=12, H=2, d=64), whose walk writes dq pair partials (select.dq_walk_loop_stages). What either knob
-    needs before the Hopper preset takes it."""
-    HQ, H, dk, field = (64, 4, 128, "walk_loop_stages") if shape == "paper" else (12, 2, 64, "dq_walk_loop_stages")
+    tl.range(num_stages=n) bitwise those of the plain loop -- at the paper shape (HQ=64, H=4, d=128) on query
+    tiles (the walk without dq, select.walk_loop_stages) and per token (the walk with dq pair partials,
+    select.dq_walk_loop_stages), and at the production shape (HQ=12, H=2, d=64, dq partials). What each
+    knob needs before the Hopper preset takes it."""
+    HQ, H, dk, knobs, tile = WALK_LOOP_CASES[case]
     B, l, d, l_sel, n_sel, w = 1, 32, 16, 64, 16, 512
     xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=4)
     do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
@@ -431,9 +446,10 @@ def test_gpu_walk_loop_stages_bitwise(T, shape):
     # backward accumulate dq / dK in run-dependent order (relative ~1e-6 apart from one run to the next)
     torch.use_deterministic_algorithms(True)
     try:
-        for stages in (0, 3):
-            tn = dataclasses.replace(base, select=dataclasses.replace(base.select, **{field: stages}),
-                                     tile=dataclasses.replace(base.tile, auto_union=0.0))
+        for on in (False, True):
+            sel = {k: (v if on or k.endswith("min_g") else 0) for k, v in knobs.items()}
+            tn = dataclasses.replace(base, select=dataclasses.replace(base.select, **sel),
+                                     tile=dataclasses.replace(base.tile, **tile))
             x = [a.detach().clone().requires_grad_() for a in xs]
             o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5, tuning=tn)
             res.append((o, bi, torch.autograd.grad(o, x, do)))

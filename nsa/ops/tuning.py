@@ -121,18 +121,23 @@ class SelectTuning:
     # the paper shape the plain loop's q / dO gathers compiled to plain loads (sm_90: 27 LDG, no LDGSTS in
     # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
     # (H100, walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k; on captured inputs 16.1 -> 13.7; bench/RESULTS.md
-    # table 15). The walk with dq partials keeps its token-id prefetch: this loop made it slower at 64k
-    # (paper 25.9 -> 27.5 ms, production 2.38 -> 2.64)
+    # table 15); 2 / 4 stages: 2.02 / 1.71 ms at 8k
     walk_loop_stages: int = 0
-    # the same for the walk that writes dq pair partials (the production shape's, G=6; at G=16 it spilled
-    # and slowed): compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG, no LDGSTS),
-    # yet pipelining them lost at 64k (above), so no preset sets it
+    # the same for the walk that writes dq pair partials (the per-token path's), for G >= dq_walk_loop_min_g
+    # query heads per KV head. Compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG,
+    # no LDGSTS). H100, 64k, random inputs (table 15): G=16 (paper) 25.7 -> 24.3 ms at 2 stages (3 spilled and
+    # lost: 27.5); G=6 (production) 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4 stages, so it keeps the prefetch
     dq_walk_loop_stages: int = 0
+    dq_walk_loop_min_g: int = 1
 
     def __post_init__(self) -> None:
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")
+        if isinstance(self.dq_walk_loop_min_g, bool) or not isinstance(self.dq_walk_loop_min_g, int) \
+                or self.dq_walk_loop_min_g < 1:
+            raise ValueError(f"select.dq_walk_loop_min_g must be an int >= 1 (query heads per KV head), "
+                             f"got {self.dq_walk_loop_min_g!r}")
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
         if self.loop not in ("token", "block", "auto"):
             raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
@@ -176,14 +181,17 @@ class SelectTuning:
         shared memory there)."""
         return self.block_dkdv_rows if self.dq_by_block(G) and not big else self.dkdv_rows
 
-    def loop_stages_for(self, dq_pairs: bool) -> int:
-        """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials."""
-        return self.dq_walk_loop_stages if dq_pairs else self.walk_loop_stages
+    def loop_stages_for(self, dq_pairs: bool, G: int) -> int:
+        """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials,
+        for G query heads per KV head."""
+        if dq_pairs:
+            return self.dq_walk_loop_stages if G >= self.dq_walk_loop_min_g else 0
+        return self.walk_loop_stages
 
     def prefetch_for(self, G: int, dq_pairs: bool = True) -> bool:
         """Whether the dK/dV walk (with or without dq partials) prefetches its token ids for G query heads per
         KV head: not where its step loop is a pipelined tl.range (loop_stages_for), which loads them itself."""
-        return self.prefetch and self.dq_by_block(G) and not self.loop_stages_for(dq_pairs)
+        return self.prefetch and self.dq_by_block(G) and not self.loop_stages_for(dq_pairs, G)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
@@ -479,7 +487,7 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
-                                          walk_loop_stages=3),
+                                          walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
