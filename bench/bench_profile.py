@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -161,6 +160,20 @@ def kernel_ms(rows: list[dict], width: int = 60) -> dict[str, float]:
     return out
 
 
+def split_changes(variant: str) -> list[str]:
+    """"F=V,F=V" -> its changes; commas inside parentheses, nested too, belong to a value, e.g.
+    tile.fwd=(TileLaunch(128,8,2),TileLaunch(32,8,3))."""
+    out, depth, cur = [], 0, ""
+    for ch in variant:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [c for c in out + [cur] if c]
+
+
 def run_compare(a) -> None:
     """--compare: per-kernel device ms of each tuning variant side by side, and the registers / spills of
     the kernels each variant compiled."""
@@ -172,8 +185,7 @@ def run_compare(a) -> None:
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
         per, totals = {}, {}
         for v in variants:
-            # commas inside parentheses belong to a value, e.g. scores.tile=ScoreTile(128,64,8,2,2,2)
-            tuning = common.changed_tuning([c for c in re.split(r",(?![^()]*\))", v) if c] + a.tuning)
+            tuning = common.changed_tuning(split_changes(v) + a.tuning)
             before = compiled_kernels()
             nsa_step = fwd_bwd(x, do, tuning, hp)
             rows, ms = kernel_table(nsa_step, a.iters)
