@@ -198,53 +198,6 @@ def test_sub_block_keys_and_multi_tile_steps():
             assert rel_err(a, r) <= tol(torch.float32) * f, f"m={m} {name}: {rel_err(a, r):.2e}"
 
 
-# HQ, H, l_sel, n_sel, m, selection mode, keys per step, dtype: T = 97 (odd), 13 blocks of 8 keys
-SPAN_CASES = {
-    "g2_m4_random_2blocks": (4, 2, 8, 5, 4, "random", 16, torch.float32),
-    "g2_m4_random_8blocks": (4, 2, 8, 5, 4, "random", 64, torch.float32),
-    "g16_m2_random_4blocks": (16, 1, 8, 4, 2, "random", 32, torch.float32),
-    "g1_m16_local_4blocks": (1, 1, 8, 5, 16, "local", 32, torch.float32),
-    "fp16_g2_m8_random_2blocks": (4, 2, 8, 6, 8, "random", 16, torch.float16),
-}
-
-
-@pytest.mark.parametrize("case", list(SPAN_CASES))
-def test_span_blocks_key_steps(case):
-    """TileTuning.span_blocks: fwd and dq steps of keys // l_sel union blocks side by side (each key
-    masked by its own block's member bits, entries past the union's end masked off) against the oracle,
-    and within rounding of the one-block steps."""
-    HQ, H, l_sel, n_sel, m, mode, keys, dtype = SPAN_CASES[case]
-    B, T, dk = 1, 97, 16
-    gen = torch.Generator().manual_seed(31)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=gen).to(DEV, dtype)
-
-    q, k, v, do = r(B, T, HQ, dk), r(B, T, H, dk), r(B, T, H, dk), r(B, T, HQ, dk)
-    gate = torch.rand(B, T, HQ, generator=gen).to(DEV, dtype)
-    bi = make_block_idx(B, T, H, n_sel, l_sel, mode, gen)
-    scale = dk ** -0.5
-    ref = oracle(q, k, v, bi, gate, do, l_sel, scale)
-    un = tt.tile_unions(bi, m)
-    assert bool((un.size % (keys // l_sel) != 0).any())   # some tiles end on a partly empty step
-    assert bool((un.size > n_sel).any())                    # and some tiles' tokens chose different blocks
-    wide = TileTuning(fwd=(TileLaunch(keys, 4, 2),) * 2, dq=(TileLaunch(keys, 4, 2),) * 2, span_blocks=True)
-    assert tt._keys(wide, keys, l_sel, 16) == keys > l_sel
-    assert tt._keys(TileTuning(), keys, l_sel, 16) == 16                # off: capped by the (padded) block
-    assert tt._keys(wide, 32, 24, 16) == 32                             # l_sel not a power of two: capped
-    outs = {}
-    for name, tn in (("one block", TileTuning()), ("spanning", wide)):
-        o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=l_sel, scale=scale, m=m, union=un, tuning=tn)
-        delta = (do.float() * o.float()).sum(-1)
-        dq = tt.tile_dq(q, k, v, do, lse, delta, gate, un, l_sel=l_sel, scale=scale, m=m, tuning=tn)
-        outs[name] = (o, lse, dq)
-    t = tol(dtype)
-    for name, a, r_, f in zip(("o", "lse", "dq"), outs["spanning"], ref[:3], (1, 1, 2)):
-        assert rel_err(a, r_) <= t * f, f"{name}: {rel_err(a, r_):.2e}"
-    for a, b in zip(outs["spanning"], outs["one block"]):
-        assert rel_err(a, b) <= t
-
-
 @pytest.mark.parametrize("by,chunk", [("token", 1024), ("tile", 5)])
 def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
     """The whole op (nsa_triton_apply) with KernelTuning.tile.m=4 against m=1 (the per-token kernels)

@@ -227,9 +227,6 @@ class TileTuning:
     fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
     dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))
     big_keys: int = 32              # cap on keys per stage for padded head dims > 128
-    # fwd / dq launches with keys > l_sel (a multiple of it, both powers of two): one step takes keys // l_sel
-    # union blocks side by side (wider MMAs per step, fewer steps); off: keys are capped by l_sel
-    span_blocks: bool = False
     # dK/dV: "token" walks, per block, the tokens that selected it (select.py's kernel, launched with
     # SelectTuning's dkdv_*: every row it loads is a member); "tile" walks the tiles whose union holds
     # the block, masking the rows of tokens that did not select it, i.e. union_fraction * m times the

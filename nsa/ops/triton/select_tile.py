@@ -231,40 +231,6 @@ def _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_d,
 
 
 @triton.jit
-def _union_steps(nu, LSEL: tl.constexpr, BS: tl.constexpr):
-    """Key tiles a tile walks over its nu union blocks: BS <= LSEL cuts each block into LSEL / BS tiles,
-    BS > LSEL (a multiple of LSEL) takes BS // LSEL consecutive union blocks per tile."""
-    if BS > LSEL:
-        return tl.cdiv(nu, BS // LSEL)
-    return nu * ((LSEL + BS - 1) // BS)
-
-
-@triton.jit
-def _union_keys(UB, UBITS, u_base, nu, it, ti, row_ok, T, LSEL: tl.constexpr, BS: tl.constexpr):
-    """Step it of the walk over a tile's union: key positions kp [BS] (int64), their validity k_ok [BS],
-    and member [ROWS, 1] or [ROWS, BS]: whether the row's token selected the key's block. One union
-    entry per step while BS <= LSEL (its bits broadcast over the keys); else BS // LSEL entries side by
-    side, each key carrying its own entry's bits (entries past nu masked off)."""
-    if BS > LSEL:
-        e = it * (BS // LSEL) + tl.arange(0, BS) // LSEL                  # [BS] union entry per key
-        e_ok = e < nu
-        j = tl.load(UB + u_base + e, mask=e_ok, other=0).to(tl.int64)
-        bits = tl.load(UBITS + u_base + e, mask=e_ok, other=0)
-        kp = j * LSEL + tl.arange(0, BS) % LSEL
-        k_ok = e_ok & (kp < T)
-        member = (((bits[None, :] >> ti[:, None]) & 1) != 0) & row_ok[:, None]
-    else:
-        NSUB: tl.constexpr = (LSEL + BS - 1) // BS          # key tiles per block
-        j = tl.load(UB + u_base + it // NSUB).to(tl.int64)
-        bits = tl.load(UBITS + u_base + it // NSUB)
-        kk = (it % NSUB) * BS + tl.arange(0, BS)
-        kp = j * LSEL + kk                                                  # [BS] key positions
-        k_ok = (kk < LSEL) & (kp < T)
-        member = ((((bits >> ti) & 1) != 0) & row_ok)[:, None]              # [ROWS, 1] row's token chose j
-    return kp, k_ok, member
-
-
-@triton.jit
 def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      sob, sot, soh, T, H, NT, scale_log2,
                      G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
@@ -287,13 +253,19 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, 
     v_base = V + b * svb + h * svh
     u_base = (pid_bh.to(tl.int64) * NT + n) * UW
     nu = tl.load(USZ + pid_bh.to(tl.int64) * NT + n)
-    for it in range(_union_steps(nu, LSEL, BS)):        # one flat loop: one key tile per pipeline stage
-        kp, k_ok, member = _union_keys(UB, UBITS, u_base, nu, it, ti, row_ok, T, LSEL, BS)
+    NSUB: tl.constexpr = (LSEL + BS - 1) // BS          # key tiles per block
+    for it in range(nu * NSUB):                          # one flat loop: one key tile per pipeline stage
+        j = tl.load(UB + u_base + it // NSUB).to(tl.int64)
+        bits = tl.load(UBITS + u_base + it // NSUB)
+        kk = (it % NSUB) * BS + tl.arange(0, BS)
+        kp = j * LSEL + kk                                                  # [BS] key positions
+        k_ok = (kk < LSEL) & (kp < T)
         k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        vis = member & k_ok[None, :] & (kp[None, :] <= tok[:, None])
+        member = (((bits >> ti) & 1) != 0) & row_ok                         # [ROWS] row's token chose j
+        vis = member[:, None] & k_ok[None, :] & (kp[None, :] <= tok[:, None])
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, DOT_PREC)
@@ -337,13 +309,19 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN
     v_base = V + b * svb + h * svh
     u_base = (pid_bh.to(tl.int64) * NT + n) * UW
     nu = tl.load(USZ + pid_bh.to(tl.int64) * NT + n)
-    for it in range(_union_steps(nu, LSEL, BS)):
-        kp, k_ok, member = _union_keys(UB, UBITS, u_base, nu, it, ti, row_ok, T, LSEL, BS)
+    NSUB: tl.constexpr = (LSEL + BS - 1) // BS
+    for it in range(nu * NSUB):
+        j = tl.load(UB + u_base + it // NSUB).to(tl.int64)
+        bits = tl.load(UBITS + u_base + it // NSUB)
+        kk = (it % NSUB) * BS + tl.arange(0, BS)
+        kp = j * LSEL + kk
+        k_ok = (kk < LSEL) & (kp < T)
         k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        vis = member & k_ok[None, :] & (kp[None, :] <= tok[:, None])
+        member = (((bits >> ti) & 1) != 0) & row_ok
+        vis = member[:, None] & k_ok[None, :] & (kp[None, :] <= tok[:, None])
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]           # g * p
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -430,13 +408,7 @@ def _meta(q: torch.Tensor, G: int, m: int, dk: int, dv: int, l_sel: int, un: Til
 
 
 def _keys(tn: TileTuning, keys: int, l_sel: int, bdk: int) -> int:
-    """Key rows per step: the launch's, capped by the block (padded to a power of two) unless
-    tn.span_blocks lets a step take keys // l_sel whole union blocks (keys a multiple of l_sel, both
-    powers of two)."""
-    keys = keys if bdk <= 128 else min(keys, tn.big_keys)
-    if tn.span_blocks and keys > l_sel and l_sel == next_pow2(l_sel) and keys % l_sel == 0:
-        return keys
-    return min(max(16, next_pow2(l_sel)), keys)
+    return min(max(16, next_pow2(l_sel)), keys if bdk <= 128 else min(keys, tn.big_keys))
 
 
 def _launch(tn: TileTuning, pair: tuple[TileLaunch, TileLaunch], rows: int, l_sel: int, bdk: int) -> dict:
