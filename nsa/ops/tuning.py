@@ -121,7 +121,7 @@ class SelectTuning:
     # the paper shape the plain loop's q / dO gathers compiled to plain loads (sm_90: 27 LDG, no LDGSTS in
     # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
     # (H100, walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k; on captured inputs 16.1 -> 13.7; bench/RESULTS.md
-    # table 15); 2 / 4 stages: 2.02 / 1.71 ms at 8k
+    # table 15); 2 / 4 stages: 2.02 / 1.71 ms at 8k against 3's 1.70
     walk_loop_stages: int = 0
     # the same for the walk that writes dq pair partials (the per-token path's), for G >= dq_walk_loop_min_g
     # query heads per KV head. Compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG,
