@@ -26,6 +26,8 @@ medians of CUDA-event-timed calls after warm-up.
 --branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
   block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
   delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
+  Also each installed flash-attn, with GQA and with K/V repeated to one KV head per query head ("fa4+kv16":
+  its backward then writes dK/dV per head instead of accumulating 16 heads in fp32; repeat and sum timed).
 --branch cmp: the compressed branch alone, Triton kernel vs the residue-split dense SDPA
   (nsa/ops/triton/cmp_dense.py) on each of its backends, with errors against the Triton kernel.
 --branch select: the fused scores + top-n kernel under several score tiles against the unfused score
@@ -317,16 +319,23 @@ def run_window(a, dims) -> dict:
         except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
             row["flex_error"] = common.error_text(exc, 200)
             rows.append([T, row["ours_fwd_ms"], "-", "-", row["ours_fwd_bwd_ms"], "-", "-", row["flex_error"]])
-        for fb in common.flash_installed_names():   # the same window on flash-attn (FA4 / FA2)
+        # the same window on flash-attn (FA4 / FA2); "+kv16": K/V repeated to HQ heads first (inside the
+        # timed call, the repeat's backward summing dK/dV), so the backward has no GQA accumulation
+        for fb, rep in [(f, r) for f in common.flash_installed_names() for r in (1, HQ // H)]:
             from nsa.ops.flash import dense_attention
             xg = [t.detach().requires_grad_() for t in (q, k, v)]
+            fb = fb if rep == 1 else f"{fb}+kv{rep}"
 
-            def fa_fwd(fb=fb):
+            def fa_call(x, fb=fb, rep=rep):
+                kk, vv = (x[1], x[2]) if rep == 1 else (x[1].repeat_interleave(rep, 2), x[2].repeat_interleave(rep, 2))
+                return dense_attention(x[0], kk, vv, causal=True, window=w, scale=sc, backend=fb.split("+")[0])
+
+            def fa_fwd(fa_call=fa_call):
                 with torch.no_grad():
-                    return dense_attention(q, k, v, causal=True, window=w, scale=sc, backend=fb)
+                    return fa_call((q, k, v))
 
-            def fa_fwd_bwd(fb=fb, xg=xg):
-                return torch.autograd.grad(dense_attention(*xg, causal=True, window=w, scale=sc, backend=fb), xg, do)
+            def fa_fwd_bwd(fa_call=fa_call, xg=xg):
+                return torch.autograd.grad(fa_call(xg), xg, do)
 
             try:
                 row[f"{fb}_rel_err"] = _rel(fa_fwd(), ours_fwd()[0])
