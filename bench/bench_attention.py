@@ -321,14 +321,14 @@ def run_window(a, dims) -> dict:
             rows.append([T, row["ours_fwd_ms"], "-", "-", row["ours_fwd_bwd_ms"], "-", "-", row["flex_error"]])
         # the same window on flash-attn (FA4 / FA2); "+kv16": K/V repeated to HQ heads first (inside the
         # timed call, the repeat's backward summing dK/dV), so the backward has no GQA accumulation
-        for fb, rep in [(f, r) for f in common.flash_installed_names() for r in (1, HQ // H)]:
+        for be, rep in [(f, r) for f in common.flash_installed_names() for r in sorted({1, HQ // H})]:
             from nsa.ops.flash import dense_attention
             xg = [t.detach().requires_grad_() for t in (q, k, v)]
-            fb = fb if rep == 1 else f"{fb}+kv{rep}"
+            fb = be if rep == 1 else f"{be}+kv{rep}"   # the row's and the JSON keys' name
 
-            def fa_call(x, fb=fb, rep=rep):
+            def fa_call(x, be=be, rep=rep):
                 kk, vv = (x[1], x[2]) if rep == 1 else (x[1].repeat_interleave(rep, 2), x[2].repeat_interleave(rep, 2))
-                return dense_attention(x[0], kk, vv, causal=True, window=w, scale=sc, backend=fb.split("+")[0])
+                return dense_attention(x[0], kk, vv, causal=True, window=w, scale=sc, backend=be)
 
             def fa_fwd(fa_call=fa_call):
                 with torch.no_grad():

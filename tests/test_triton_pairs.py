@@ -168,7 +168,8 @@ def test_rank_inverts_the_sorted_pairs():
 @pytest.mark.parametrize("case", ["g16_m2_identical", "g2_m1_chunked", "g3_m8_lsel24_chunked"])
 def test_walk_loop_stages_change_nothing(case, dq):
     """select.walk_loop_stages / dq_walk_loop_stages: the dK/dV walk without / with dq partials runs its step
-    loop as tl.range(num_stages=3): scheduling only, so dK, dV and dq are bitwise the plain loop's (here through the interpreter; test_gpu_walk_loop_stages_bitwise checks the compiled one)."""
+    loop as tl.range(num_stages=3): scheduling only, so dK, dV and dq are bitwise the plain loop's (here
+    through the interpreter; test_gpu_walk_loop_stages_bitwise checks the compiled one)."""
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)) + 8)
     o, lse = tsel.slc_fwd(q, k, v, bi, l_sel=l_sel, scale=scale)
@@ -418,11 +419,12 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
     assert int((got["wseg"] == nseg).sum()) == got["w_max"] - int(want["nch"].sum()) > 0
 
 
-# case -> (HQ, H, d, the knobs under test, the tile policy that sends the call down the walk they change)
+# case -> (HQ, H, d, the stage knob under test and its stages, other select knobs held in both runs, the tile
+# policy that sends the call down the walk the knob changes)
 WALK_LOOP_CASES = {
-    "paper_tiles": (64, 4, 128, dict(walk_loop_stages=3), dict(auto_union=0.0)),    # the walk without dq
-    "paper_per_token": (64, 4, 128, dict(dq_walk_loop_stages=2), dict(m=1)),        # with dq partials, G=16
-    "production": (12, 2, 64, dict(dq_walk_loop_stages=3, dq_walk_loop_min_g=1), {}),   # with dq partials, G=6
+    "paper_tiles": (64, 4, 128, "walk_loop_stages", 3, {}, dict(auto_union=0.0)),         # the walk without dq
+    "paper_per_token": (64, 4, 128, "dq_walk_loop_stages", 2, {}, dict(m=1)),              # dq partials, G=16
+    "production": (12, 2, 64, "dq_walk_loop_stages", 3, dict(dq_walk_loop_min_g=1), {}),   # dq partials, G=6
 }
 
 
@@ -436,7 +438,7 @@ def test_gpu_walk_loop_stages_bitwise(T, case):
     tiles (the walk without dq, select.walk_loop_stages) and per token (the walk with dq pair partials,
     select.dq_walk_loop_stages), and at the production shape (HQ=12, H=2, d=64, dq partials). What each
     knob needs before the Hopper preset takes it."""
-    HQ, H, dk, knobs, tile = WALK_LOOP_CASES[case]
+    HQ, H, dk, field, stages, held, tile = WALK_LOOP_CASES[case]
     B, l, d, l_sel, n_sel, w = 1, 32, 16, 64, 16, 512
     xs = make_inputs(B, T, HQ, H, dk, dk, l=l, d=d, device="cuda", dtype=torch.bfloat16, seed=4)
     do = torch.randn(B, T, HQ, dk, device="cuda", dtype=torch.bfloat16)
@@ -444,17 +446,17 @@ def test_gpu_walk_loop_stages_bitwise(T, case):
     res = []
     # deterministic algorithms: the dense branches on the own kernels, since flash-attn's and cuDNN's
     # backward accumulate dq / dK in run-dependent order (relative ~1e-6 apart from one run to the next)
+    was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        for on in (False, True):
-            sel = {k: (v if on or k.endswith("min_g") else 0) for k, v in knobs.items()}
-            tn = dataclasses.replace(base, select=dataclasses.replace(base.select, **sel),
+        for n in (0, stages):
+            tn = dataclasses.replace(base, select=dataclasses.replace(base.select, **held, **{field: n}),
                                      tile=dataclasses.replace(base.tile, **tile))
             x = [a.detach().clone().requires_grad_() for a in xs]
             o, bi = nsa_triton_apply(*x, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=dk ** -0.5, tuning=tn)
             res.append((o, bi, torch.autograd.grad(o, x, do)))
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(was)
     (o0, bi0, g0), (o1, bi1, g1) = res
     assert torch.equal(bi0, bi1) and torch.equal(o0, o1)
     for i, (a, b) in enumerate(zip(g1, g0)):
