@@ -160,12 +160,12 @@ def _warm(changes: dict, B: int, S: int, shape: tuple) -> str:
         return common.error_text(exc, 120)
 
 
-def precompile(Bs, Ss, shape: tuple, jobs: int) -> None:
-    """Fill Triton's on-disk cache with every SWEEP variant at the largest S and the defaults at
+def precompile(Bs, Ss, shape: tuple, jobs: int, variants: list[dict]) -> None:
+    """Fill Triton's on-disk cache with every sweep variant at the largest S and the defaults at
     every S, `jobs` processes at a time."""
     import concurrent.futures as cf
     import multiprocessing as mp
-    work = [(ch, B, max(Ss)) for ch in SWEEP for B in Bs] + [({}, B, S) for B in Bs for S in Ss if S != max(Ss)]
+    work = [(ch, B, max(Ss)) for ch in variants for B in Bs] + [({}, B, S) for B in Bs for S in Ss if S != max(Ss)]
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
         futs = [ex.submit(_warm, ch, B, S, shape) for ch, B, S in work]
         for (ch, B, S), f in zip(work, futs):
@@ -173,10 +173,10 @@ def precompile(Bs, Ss, shape: tuple, jobs: int) -> None:
                 print(f"  precompile B={B} S={S} {_key(ch)}: {r}", flush=True)
 
 
-def sweep(c, S, reps, base) -> dict:
-    """Graph replay, cold L2 (us) of every SWEEP variant at this batch size."""
+def sweep(c, S, reps, base, variants: list[dict]) -> dict:
+    """Graph replay, cold L2 (us) of every sweep variant at this batch size."""
     out = {}
-    for ch in SWEEP:
+    for ch in variants:
         try:
             out[_key(ch)] = bench_nsa(c, S, reps, common.decode_sweep_variant(base, ch), sweeping=True)["graph_cold_us"]
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory for this tile
@@ -185,9 +185,9 @@ def sweep(c, S, reps, base) -> dict:
     return out
 
 
-def pick_best(res: dict) -> dict:
-    """The fastest SWEEP changes of one batch size's sweep."""
-    ok = [ch for ch in SWEEP if isinstance(res[_key(ch)], float)]
+def pick_best(res: dict, variants: list[dict]) -> dict:
+    """The fastest changes of one batch size's sweep."""
+    ok = [ch for ch in variants if isinstance(res[_key(ch)], float)]
     return min(ok, key=lambda ch: res[_key(ch)])
 
 
@@ -219,6 +219,9 @@ def main() -> None:
     ap.add_argument("--dense", nargs="*", default=DENSE_DEFAULT, help="dense baselines (name prefixes)")
     ap.add_argument("--sweep", action="store_true",
                     help="time the SWEEP launch knobs at the largest S first and use the best for the table")
+    ap.add_argument("--variants", nargs="+", metavar="KNOB=V[,KNOB=V]",
+                    help="--sweep over these instead of SWEEP: changes to the small-batch DecodeKnobs, "
+                         "e.g. 'cmp_per_sm=4' 'cmp_tile=128,cmp_warps=8' (an empty string: the defaults)")
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
     ap.add_argument("--stages", action="store_true",
                     help="at the largest S: graph times of the first 1..4 launches (critical-path cost of each)")
@@ -227,11 +230,13 @@ def main() -> None:
                     help="only compile the SWEEP variants (--jobs processes) and exit")
     a = ap.parse_args()
     shape = (a.HQ, a.H, a.dk, a.dv)
+    variants = SWEEP if a.variants is None else [
+        common.parse_changes([x for x in v.split(",") if x.strip()]) for v in a.variants]
     warnings.filterwarnings("ignore", category=UserWarning)  # SDPA's "kernel not used because" notes
     if not common.has_cuda():
         raise SystemExit("bench_decode.py needs a CUDA device (the Triton kernels run natively)")
     if a.precompile_only or a.jobs > 1:
-        precompile(a.B, a.S, shape, max(1, a.jobs))
+        precompile(a.B, a.S, shape, max(1, a.jobs), variants)
         if a.precompile_only:
             return
     torch.manual_seed(0)
@@ -242,8 +247,8 @@ def main() -> None:
         S, sweeps, best = max(a.S), {}, {}
         for B in a.B:
             c = make_cache(B, S, *shape)
-            sweeps[B] = sweep(c, S, a.reps, tuning)
-            best[B] = pick_best(sweeps[B])
+            sweeps[B] = sweep(c, S, a.reps, tuning, variants)
+            best[B] = pick_best(sweeps[B], variants)
             del c
             torch.cuda.empty_cache()
         lr = common.decode_large_rows(tuning)

@@ -1,0 +1,103 @@
+"""The Gluon tile forward (nsa/ops/triton/tile_gluon.py). Gluon has no interpreter, so on the CPU: which
+calls it takes, its knob, and that it compiles for sm_90 (Triton's ptxas, no GPU) without spills in few
+enough registers for three programs per SM; on a GPU (`gpu`): bitwise the Triton tile kernel's output."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa.ops.triton import select_tile as tt
+from nsa.ops.triton import tile_gluon as tg
+from nsa.ops.tuning import TileTuning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_rows_2d_views():
+    k = torch.zeros(2, 96, 4, 128, dtype=torch.bfloat16)
+    assert tg._rows_2d(k)
+    fused = torch.zeros(2, 96, 3, 4, 128, dtype=torch.bfloat16)      # a fused qkv projection's slice
+    assert tg._rows_2d(fused[:, :, 1])
+    assert not tg._rows_2d(k.transpose(1, 2).contiguous().transpose(1, 2))   # heads not adjacent rows
+    assert not tg._rows_2d(k[..., :64])                                       # head stride != d
+
+
+def test_gluon_fwd_not_taken_off_hopper_shapes():
+    q = torch.zeros(1, 128, 64, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 128, 4, 128, dtype=torch.bfloat16)
+    assert not tg.gluon_fwd_ok(q, k, k, 4, 64)                      # CPU tensors
+    assert not tg.gluon_fwd_ok(q, k, k, 8, 64)                      # 128 rows
+    assert not tg.gluon_fwd_ok(q, k, k, 4, 32)                      # l_sel != 64
+
+
+@pytest.mark.parametrize("bad", [1, -2])
+def test_gluon_stages_knob_is_validated(bad):
+    with pytest.raises(ValueError, match="gluon_fwd_stages"):
+        TileTuning(gluon_fwd_stages=bad)
+    assert TileTuning(gluon_fwd_stages=3).gluon_fwd_stages == 3
+
+
+COMPILE = r"""
+import sys, torch
+sys.path.insert(0, "bench")
+import bench_regs as br
+seen = br.compile_only(90)
+torch.Tensor.is_cuda = property(lambda self: True)
+from nsa.ops.triton.select_tile import _tile_unions_torch
+from nsa.ops.triton.tile_gluon import gtile_fwd
+T, HQ, H, D = 1024, 64, 4, 128
+q = torch.randn(1, T, HQ, D).bfloat16()
+k, v = torch.randn(1, T, H, D).bfloat16(), torch.randn(1, T, H, D).bfloat16()
+un = _tile_unions_torch(br.selection(T, H, T // 64, 16, 64).to(torch.int32), 4)
+o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
+gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
+rep = br.ptxas_report(seen[-1][3].asm["ptx"], 90)
+print("REPORT", rep["regs"], rep["spill_stores"], seen[-1][3].metadata.shared)
+"""
+
+
+@pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
+def test_gluon_fwd_compiles_for_sm90_without_spills():
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    line = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
+    if not line and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+        pytest.skip("no ptxas in this Triton")
+    assert line, r.stderr[-2000:]
+    regs, spills, shared = (int(x) for x in line[0].split()[1:])
+    # three 4-warp programs per SM: <= 168 registers (65536 / 384, 8-register steps), two 32 KB slots + barriers
+    assert regs <= 168 and spills == 0 and shared <= 2 * 32 * 1024 + 1024, (regs, spills, shared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B,T,dtype", [(1, 8192, torch.bfloat16), (1, 65536, torch.bfloat16),
+                                       (2, 4000, torch.bfloat16), (2, 4000, torch.float16)])
+def test_gpu_gluon_fwd_is_bitwise_the_triton_kernel(B, T, dtype):
+    from test_triton_tile import make_block_idx
+    if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs Gluon on a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    HQ, H, d, m = 64, 4, 128, 4
+    qkv = torch.randn(B, T, HQ + 2 * H, d, generator=gen, device="cuda").to(dtype)   # k / v as strided views
+    q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + H], qkv[:, :, HQ + H:]
+    assert tg.gluon_fwd_ok(q, k, v, m, 64)
+    for mode in ("random", "local"):
+        bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
+        un = tt.tile_unions(bi, m)
+        run = {s: tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
+                                  tuning=TileTuning(m=m, gluon_fwd_stages=s)) for s in (0, 2, 3)}
+        for s in (2, 3):
+            for name, a, b in zip(("o", "lse"), run[s], run[0]):
+                assert torch.equal(a, b), f"{mode} stages={s}: {name} differs from the Triton kernel"
+        # guarded: the program runs or returns by the device flag (guard.py), leaving out untouched
+        flag = torch.ones(1, dtype=torch.int32, device="cuda")
+        for mode_bit, runs in ((1, True), (2, False)):
+            out = (torch.full_like(run[0][0], float("nan")), torch.full_like(run[0][1], float("nan")))
+            tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, out=out,
+                            tuning=TileTuning(m=m, gluon_fwd_stages=2), guard=(flag, mode_bit))
+            assert torch.equal(out[0], run[0][0]) if runs else out[0].isnan().all()
