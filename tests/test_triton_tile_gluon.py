@@ -34,9 +34,10 @@ def test_gluon_fwd_not_taken_off_hopper_shapes():
 
 
 @pytest.mark.parametrize("bad", [1, -2])
-def test_gluon_stages_knob_is_validated(bad):
-    with pytest.raises(ValueError, match="gluon_fwd_stages"):
-        TileTuning(gluon_fwd_stages=bad)
+@pytest.mark.parametrize("knob", ["gluon_fwd_stages", "gluon_dq_stages"])
+def test_gluon_stages_knob_is_validated(bad, knob):
+    with pytest.raises(ValueError, match=knob):
+        TileTuning(**{knob: bad})
     assert TileTuning(gluon_fwd_stages=3).gluon_fwd_stages == 3
 
 
@@ -47,37 +48,42 @@ import bench_regs as br
 seen = br.compile_only(90)
 torch.Tensor.is_cuda = property(lambda self: True)
 from nsa.ops.triton.select_tile import _tile_unions_torch
-from nsa.ops.triton.tile_gluon import gtile_fwd
+from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd
 T, HQ, H, D = 1024, 64, 4, 128
 q = torch.randn(1, T, HQ, D).bfloat16()
 k, v = torch.randn(1, T, H, D).bfloat16(), torch.randn(1, T, H, D).bfloat16()
 un = _tile_unions_torch(br.selection(T, H, T // 64, 16, 64).to(torch.int32), 4)
 o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
 gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
-rep = br.ptxas_report(seen[-1][3].asm["ptx"], 90)
-print("REPORT", rep["regs"], rep["spill_stores"], seen[-1][3].metadata.shared)
+dq = torch.empty(1, T, HQ, D)
+gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, dq, dq, 1, m=4, scale=D ** -0.5, stages=2, has_gate=True)
+for _, _, _, kern in seen:
+    rep = br.ptxas_report(kern.asm["ptx"], 90)
+    print("REPORT", rep["regs"], rep["spill_stores"], kern.metadata.shared)
 """
 
 
 @pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
-def test_gluon_fwd_compiles_for_sm90_without_spills():
+def test_gluon_kernels_compile_for_sm90_without_spills():
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
-    line = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
-    if not line and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+    lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
+    if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this Triton")
-    assert line, r.stderr[-2000:]
-    regs, spills, shared = (int(x) for x in line[0].split()[1:])
-    # three 4-warp programs per SM: <= 168 registers (65536 / 384, 8-register steps), two 32 KB slots + barriers
-    assert regs <= 168 and spills == 0 and shared <= 2 * 32 * 1024 + 1024, (regs, spills, shared)
+    assert len(lines) == 2, r.stderr[-2000:]
+    (fregs, fspills, fshared), (dregs, dspills, dshared) = ([int(x) for x in ln.split()[1:]] for ln in lines)
+    # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
+    # <= 255; both with two 32 KB K/V slots plus barriers and no spills
+    assert fregs <= 168 and dregs <= 255 and fspills == dspills == 0, (fregs, dregs, fspills, dspills)
+    assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024, (fshared, dshared)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B,T,dtype", [(1, 8192, torch.bfloat16), (1, 65536, torch.bfloat16),
                                        (2, 4000, torch.bfloat16), (2, 4000, torch.float16)])
-def test_gpu_gluon_fwd_is_bitwise_the_triton_kernel(B, T, dtype):
+def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
     from test_triton_tile import make_block_idx
     if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon on a Hopper GPU")
@@ -94,6 +100,16 @@ def test_gpu_gluon_fwd_is_bitwise_the_triton_kernel(B, T, dtype):
         for s in (2, 3):
             for name, a, b in zip(("o", "lse"), run[s], run[0]):
                 assert torch.equal(a, b), f"{mode} stages={s}: {name} differs from the Triton kernel"
+        # dq: with the branch gate and an fp32 dq_in to accumulate, and without either
+        do = torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype)
+        lse, delta = run[0][1], torch.randn(B, T, HQ, generator=gen, device="cuda")
+        gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").to(dtype)[..., 1]
+        dq_in = torch.randn(B, T, HQ, d, generator=gen, device="cuda")
+        for g, acc in ((gate, dq_in), (None, None)):
+            got, want = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
+                                    dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
+                                    tuning=TileTuning(m=m, gluon_dq_stages=s)) for s in (2, 0))
+            assert torch.equal(got, want), f"{mode} gate={g is not None}: Gluon dq differs from the Triton kernel"
         # guarded: the program runs or returns by the device flag (guard.py), leaving out untouched
         flag = torch.ones(1, dtype=torch.int32, device="cuda")
         for mode_bit, runs in ((1, True), (2, False)):

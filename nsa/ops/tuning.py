@@ -245,6 +245,7 @@ class TileTuning:
     # registers) where it is eligible, else 0: the Triton kernel. Same output bit for bit; H100, paper
     # shape, m=4, captured selections: 8-27% faster (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
+    gluon_dq_stages: int = 0        # the same for the tile dq kernel
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -259,9 +260,10 @@ class TileTuning:
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
         if self.min_g < 1:
             raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
-        if self.gluon_fwd_stages == 1 or self.gluon_fwd_stages < 0:
-            raise ValueError(f"TileTuning.gluon_fwd_stages must be 0 (the Triton kernel) or >= 2 (K/V ring "
-                             f"slots of the Gluon kernel), got {self.gluon_fwd_stages}")
+        for f in ("gluon_fwd_stages", "gluon_dq_stages"):
+            if getattr(self, f) == 1 or getattr(self, f) < 0:
+                raise ValueError(f"TileTuning.{f} must be 0 (the Triton kernel) or >= 2 (K/V ring slots of "
+                                 f"the Gluon kernel), got {getattr(self, f)}")
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
@@ -496,7 +498,8 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
                                           walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
-                      tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2))
+                      tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
+                                      gluon_dq_stages=2))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

@@ -159,24 +159,139 @@ def _kernel():
                  + co[None, :], o.to(k_desc.dtype), mask=(to < T)[:, None])
         gl.store(LSE + (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G, lse, mask=tok < T)
 
-    return _gtile_fwd
+    @gluon.jit
+    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, sqb, sqt, sqh,
+                  sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
+                  LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
+                  HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
+        """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
+        R: gl.constexpr = G * M
+        if GUARD == 1:
+            if gl.load(FLAG) == 0:
+                return
+        if GUARD == 2:
+            if gl.load(FLAG) != 0:
+                return
+        n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rq = gl.arange(0, R, layout=gl.SliceLayout(1, ld))
+        cq = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        cv = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
+        tq = (n * M + rq // G).to(gl.int64)
+        hq = h * G + rq % G
+        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
+        qa = gl.convert_layout(gl.load(Q + b.to(gl.int64) * sqb + tq[:, None] * sqt + hq[:, None] * sqh + cq[None, :],
+                                       mask=(tq < T)[:, None], other=0.0), a_op)
+        doa = gl.convert_layout(gl.load(DO + b.to(gl.int64) * sdb + tq[:, None] * sdt + hq[:, None] * sdh
+                                        + cv[None, :], mask=(tq < T)[:, None], other=0.0), a_op)
+        rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
+        ti = rs // G
+        tok = n * M + ti
+        ridx = (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G
+        row_ok = tok < T
+        lse = gl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
+        delta = gl.load(DELTA + ridx, mask=row_ok, other=0.0)
+        if HAS_GATE:
+            gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
+        else:
+            gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, LS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, LS, DV], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(bars.index(i), count=1)
+        ubase = (pid_bh.to(gl.int64) * NT + n) * UW
+        nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
+        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
+        row0 = b * T
+        for i in gl.static_range(NSTAGE - 1):
+            if i < nu:
+                j0 = gl.load(UB + ubase + i)
+                mbarrier.expect(bars.index(i), nbytes)
+                tma_load(k_desc, [row0 + j0 * LS, h * D], bars.index(i), k_smem.index(i))
+                tma_load(v_desc, [row0 + j0 * LS, h * DV], bars.index(i), v_smem.index(i))
+        kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
+        s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
+        dq = gl.zeros([R, D], gl.float32, layout=mma_q)
+        for it in range(nu):
+            nxt = it + NSTAGE - 1
+            if nxt < nu:
+                cta_barrier()
+                s2 = nxt % NSTAGE
+                j2 = gl.load(UB + ubase + nxt)
+                mbarrier.expect(bars.index(s2), nbytes)
+                tma_load(k_desc, [row0 + j2 * LS, h * D], bars.index(s2), k_smem.index(s2))
+                tma_load(v_desc, [row0 + j2 * LS, h * DV], bars.index(s2), v_smem.index(s2))
+            slot = it % NSTAGE
+            mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
+            j = gl.load(UB + ubase + it)
+            bits = gl.load(UBITS + ubase + it)
+            sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpa = warpgroup_mma(doa, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
+            kp = j * LS + kk
+            vis = ((((bits >> ti) & 1) != 0) & row_ok)[:, None] & (kp[None, :] <= tok[:, None])
+            p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
+            ds = p * (dpa - delta[:, None])
+            dsa = gl.convert_layout(ds.to(k_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2))
+            dq = warpgroup_mma(dsa, k_smem.index(slot), dq, is_async=True)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        for i in gl.static_range(NSTAGE):
+            mbarrier.invalidate(bars.index(i))
+        dq = dq * scale
+        ro = gl.arange(0, R, layout=gl.SliceLayout(1, mma_q))
+        co = gl.arange(0, D, layout=gl.SliceLayout(0, mma_q))
+        to = n * M + ro // G
+        off = ((b.to(gl.int64) * T + to) * (H * G) + h * G + ro % G)[:, None] * D + co[None, :]   # contiguous dq
+        if ACC_DQ:
+            dq += gl.load(DQ_IN + off, mask=(to < T)[:, None], other=0.0)
+        gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
+
+    return _gtile_fwd, _gtile_dq
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
               m: int, scale: float, stages: int, guard: Guard | None = None) -> None:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
     gluon_fwd_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2)."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay = gl.NVMMASharedLayout.get_default_for([LSEL, D], gdt)
-    kd = TensorDescriptor(k, [B * T, H * D], [k.stride(1), 1], [LSEL, D], lay)
-    vd = TensorDescriptor(v, [B * T, H * DV], [v.stride(1), 1], [LSEL, DV], lay)
+    kd, vd = _descriptors(k, v)
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
-    _kernel()[(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1),
+    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1),
                            q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * 1.4426950408889634,
                            G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages, GUARD=mode,
                            num_warps=4)
+
+
+def _descriptors(k: torch.Tensor, v: torch.Tensor):
+    """TMA descriptors of K / V as 2-D [B*T, H*d] arrays, [LSEL, d] boxes (one block of one head)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    B, T, H, D = k.shape
+    lay = gl.NVMMASharedLayout.get_default_for([LSEL, D], gl.bfloat16 if k.dtype == torch.bfloat16 else gl.float16)
+    return (TensorDescriptor(k, [B * T, H * D], [k.stride(1), 1], [LSEL, D], lay),
+            TensorDescriptor(v, [B * T, H * v.shape[3]], [v.stride(1), 1], [LSEL, v.shape[3]], lay))
+
+
+def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
+             has_gate: bool, guard: Guard | None = None) -> None:
+    """select_tile.tile_dq's kernel for inputs gluon_fwd_ok accepts (do with a unit last stride): writes
+    dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given); lse / delta
+    contiguous fp32, gate_arg / sgt as select._bwd_args'."""
+    B, T, HQ, D = q.shape
+    H, DV = k.shape[2], v.shape[3]
+    kd, vd = _descriptors(k, v)
+    flag, mode = guard if guard is not None else (lse, 0)
+    nt = un.size.shape[2]
+    _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, dq,
+                              dq if dq_in is None else dq_in, flag, q.stride(0), q.stride(1), q.stride(2),
+                              do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
+                              scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
+                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, num_warps=4)
