@@ -56,6 +56,13 @@ def test_bf16_matches_fp32_torch(T, HQ, H, dk, dv):
     _check_vs_fp32_torch(T, HQ, H, dk, dv)
 
 
+def test_paper_shape_on_query_tiles_matches_fp32_torch():
+    """The paper's shape with the selection on query tiles forced (on Hopper: the Gluon forward and dq)."""
+    import dataclasses
+    t = tuning_for("cuda")
+    _check_vs_fp32_torch(8192, 64, 4, 128, 128, tuning=t.replace(tile=dataclasses.replace(t.tile, auto_union=0.0)))
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
 def test_dense_cmp_branch_matches_fp32_torch(backend):
     """The compressed branch on a dense SDPA kernel (residue split, cmp_dense.py) inside the full op."""

@@ -67,16 +67,32 @@ def _kernel():
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
 
     @gluon.jit
+    def _skip(FLAG, GUARD: gl.constexpr):
+        """guard.py's contract: mode 1 runs iff the flag is set, mode 2 iff it is clear."""
+        f = gl.load(FLAG)
+        if GUARD == 1:
+            skip = f == 0
+        else:
+            skip = f != 0
+        return skip
+
+    @gluon.jit
+    def _load_block(k_desc, v_desc, bar, ks, vs, UB, idx, row0, h, LS: gl.constexpr, D: gl.constexpr,
+                    DV: gl.constexpr):
+        """Union entry idx's block: its K / V tiles [LS, d] of head h into one ring slot, counted on bar."""
+        j = gl.load(UB + idx)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [row0 + j * LS, h * D], bar, ks)
+        tma_load(v_desc, [row0 + j * LS, h * DV], bar, vs)
+
+    @gluon.jit
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, sob, sot, soh, T, H, NT,
                    scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr, D: gl.constexpr,
                    DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
                    num_warps: gl.constexpr):
         R: gl.constexpr = G * M
-        if GUARD == 1:   # guard.py's contract: mode 1 runs iff flag != 0, mode 2 iff flag == 0
-            if gl.load(FLAG) == 0:
-                return
-        if GUARD == 2:
-            if gl.load(FLAG) != 0:
+        if GUARD != 0:
+            if _skip(FLAG, GUARD):
                 return
         n = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -100,14 +116,11 @@ def _kernel():
             mbarrier.init(bars.index(i), count=1)
         ubase = (pid_bh.to(gl.int64) * NT + n) * UW
         nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
-        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         row0 = b * T                    # block j's keys are rows row0 + j*LS .. of the 2-D K / V views
         for i in gl.static_range(NSTAGE - 1):
             if i < nu:
-                j0 = gl.load(UB + ubase + i)
-                mbarrier.expect(bars.index(i), nbytes)
-                tma_load(k_desc, [row0 + j0 * LS, h * D], bars.index(i), k_smem.index(i))
-                tma_load(v_desc, [row0 + j0 * LS, h * DV], bars.index(i), v_smem.index(i))
+                _load_block(k_desc, v_desc, bars.index(i), k_smem.index(i), v_smem.index(i), UB, ubase + i, row0, h,
+                            LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
         tok = n * M + ti
@@ -121,10 +134,8 @@ def _kernel():
             if nxt < nu:   # refill the slot step it-1 read: the barrier puts every warp past its wgmma waits
                 cta_barrier()
                 s2 = nxt % NSTAGE
-                j2 = gl.load(UB + ubase + nxt)
-                mbarrier.expect(bars.index(s2), nbytes)
-                tma_load(k_desc, [row0 + j2 * LS, h * D], bars.index(s2), k_smem.index(s2))
-                tma_load(v_desc, [row0 + j2 * LS, h * DV], bars.index(s2), v_smem.index(s2))
+                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0,
+                            h, LS, D, DV)
             slot = it % NSTAGE
             mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
             j = gl.load(UB + ubase + it)
@@ -166,11 +177,8 @@ def _kernel():
                   HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
-        if GUARD == 1:
-            if gl.load(FLAG) == 0:
-                return
-        if GUARD == 2:
-            if gl.load(FLAG) != 0:
+        if GUARD != 0:
+            if _skip(FLAG, GUARD):
                 return
         n = gl.program_id(0)
         pid_bh = gl.program_id(1)
@@ -207,14 +215,11 @@ def _kernel():
             mbarrier.init(bars.index(i), count=1)
         ubase = (pid_bh.to(gl.int64) * NT + n) * UW
         nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
-        nbytes: gl.constexpr = k_desc.block_type.nbytes + v_desc.block_type.nbytes
         row0 = b * T
         for i in gl.static_range(NSTAGE - 1):
             if i < nu:
-                j0 = gl.load(UB + ubase + i)
-                mbarrier.expect(bars.index(i), nbytes)
-                tma_load(k_desc, [row0 + j0 * LS, h * D], bars.index(i), k_smem.index(i))
-                tma_load(v_desc, [row0 + j0 * LS, h * DV], bars.index(i), v_smem.index(i))
+                _load_block(k_desc, v_desc, bars.index(i), k_smem.index(i), v_smem.index(i), UB, ubase + i, row0, h,
+                            LS, D, DV)
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dq = gl.zeros([R, D], gl.float32, layout=mma_q)
@@ -223,10 +228,8 @@ def _kernel():
             if nxt < nu:
                 cta_barrier()
                 s2 = nxt % NSTAGE
-                j2 = gl.load(UB + ubase + nxt)
-                mbarrier.expect(bars.index(s2), nbytes)
-                tma_load(k_desc, [row0 + j2 * LS, h * D], bars.index(s2), k_smem.index(s2))
-                tma_load(v_desc, [row0 + j2 * LS, h * DV], bars.index(s2), v_smem.index(s2))
+                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0,
+                            h, LS, D, DV)
             slot = it % NSTAGE
             mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
             j = gl.load(UB + ubase + it)
