@@ -28,9 +28,9 @@ def test_rows_2d_views():
 def test_gluon_fwd_not_taken_off_hopper_shapes():
     q = torch.zeros(1, 128, 64, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 128, 4, 128, dtype=torch.bfloat16)
-    assert not tg.gluon_fwd_ok(q, k, k, 4, 64)                      # CPU tensors
-    assert not tg.gluon_fwd_ok(q, k, k, 8, 64)                      # 128 rows
-    assert not tg.gluon_fwd_ok(q, k, k, 4, 32)                      # l_sel != 64
+    assert not tg.gluon_tile_ok(q, k, k, 4, 64)                      # CPU tensors
+    assert not tg.gluon_tile_ok(q, k, k, 8, 64)                      # 128 rows
+    assert not tg.gluon_tile_ok(q, k, k, 4, 32)                      # l_sel != 64
 
 
 @pytest.mark.parametrize("bad", [1, -2])
@@ -39,6 +39,39 @@ def test_gluon_stages_knob_is_validated(bad, knob):
     with pytest.raises(ValueError, match=knob):
         TileTuning(**{knob: bad})
     assert TileTuning(gluon_fwd_stages=3).gluon_fwd_stages == 3
+
+
+def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
+    """Gluon is experimental: a build / launch failure warns once, is counted, and the Triton kernels take
+    that call and every later one on the device (the interpreter runs them here)."""
+    from nsa.ops.fallbacks import fallback_counts
+    from test_triton_tile import make_block_idx
+    gen = torch.Generator().manual_seed(3)
+    B, T, HQ, H, d, m = 1, 130, 8, 2, 16, 4
+    q, k, v, do = (torch.randn(B, T, n, d, generator=gen) for n in (HQ, H, H, HQ))
+    bi = make_block_idx(B, T, H, 2, 16, "random", gen, device="cpu")
+    un = tt.tile_unions(bi, m)
+    plain = TileTuning(m=m)
+    want = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=plain)
+    dq_want = tt.tile_dq(q, k, v, do, want[1], want[1], None, un, l_sel=16, scale=0.25, m=m, tuning=plain)
+    calls = []
+
+    def broken(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("async_copy_global_to_shared has been removed")
+
+    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: "cpu" not in tg._OFF)
+    monkeypatch.setattr(tg, "_fwd", broken)
+    monkeypatch.setattr(tg, "_dq", broken)
+    monkeypatch.setattr(tg, "_OFF", {})
+    before = fallback_counts().get("tile_gluon->triton", 0)
+    gl = TileTuning(m=m, gluon_fwd_stages=2, gluon_dq_stages=2)
+    with pytest.warns(RuntimeWarning, match="Gluon tile forward failed.*using the Triton kernels"):
+        got = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=gl)
+    dq = tt.tile_dq(q, k, v, do, got[1], got[1], None, un, l_sel=16, scale=0.25, m=m, tuning=gl)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(dq, dq_want)
+    assert len(calls) == 1 and fallback_counts()["tile_gluon->triton"] == before + 1   # not retried
+    assert "removed" in tg._OFF["cpu"]
 
 
 COMPILE = r"""
@@ -93,7 +126,7 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
     HQ, H, d, m = 64, 4, 128, 4
     qkv = torch.randn(B, T, HQ + 2 * H, d, generator=gen, device="cuda").to(dtype)   # k / v as strided views
     q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + H], qkv[:, :, HQ + H:]
-    assert tg.gluon_fwd_ok(q, k, v, m, 64)
+    assert tg.gluon_tile_ok(q, k, v, m, 64)
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
         un = tt.tile_unions(bi, m)

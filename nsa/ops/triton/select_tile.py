@@ -38,7 +38,7 @@ from .attn import online_softmax_step
 from .guard import Guard, skip_program
 from .inversion import segment_lists
 from .select import _bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_dkdv, work_item
-from .tile_gluon import gluon_fwd_ok, gtile_dq, gtile_fwd
+from .tile_gluon import gluon_tile_ok, gtile_dq, gtile_fwd
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -441,8 +441,8 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     nt = un.size.shape[2]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    if tn.gluon_fwd_stages and gluon_fwd_ok(q, k, v, m, l_sel):
-        gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard)
+    if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
+            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
@@ -479,9 +479,9 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     nt = un.size.shape[2]
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
-    if tn.gluon_dq_stages and do.stride(3) == 1 and gluon_fwd_ok(q, k, v, m, l_sel):
-        gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                 stages=tn.gluon_dq_stages, has_gate=gate is not None, guard=guard)
+    if tn.gluon_dq_stages and do.stride(3) == 1 and gluon_tile_ok(q, k, v, m, l_sel) and \
+            gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
+                     stages=tn.gluon_dq_stages, has_gate=gate is not None, guard=guard):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
     flag, mode = guard if guard is not None else (lse, 0)

@@ -7,7 +7,7 @@ of NSTAGE shared-memory slots guarded by mbarriers, so a whole 16 KB tile is one
 thread instead of 8 cp.async per thread; q (m*G = 64 rows) stays in registers as wgmma's A operand, so
 a program needs NSTAGE * 32 KB of shared memory and three programs share an SM at NSTAGE=2.
 
-Eligible (gluon_fwd_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128, l_sel = 64,
+Eligible (gluon_tile_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128, l_sel = 64,
 m * G = 64 rows (the paper shape's m=4 at G=16), K / V viewable as 2-D [B*T, H*d] (heads adjacent, rows
 evenly strided) with 16-byte aligned strides and bases. Everything else runs the Triton kernel.
 Gluon has no interpreter: tests/test_triton_tile.py compiles it for sm_90 on the CPU and compares it
@@ -16,12 +16,15 @@ bitwise with the Triton kernel on a GPU.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
+from ..fallbacks import count_fallback
 from .guard import Guard
 
 ROWS = 64          # wgmma rows of one warpgroup: m * G must fill them exactly
+_OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 HEAD_DIM = 128
 LSEL = 64
 
@@ -45,9 +48,9 @@ def _rows_2d(x: torch.Tensor) -> bool:
             and (x.stride(1) * es) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
-def gluon_fwd_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int) -> bool:
-    """Whether the Gluon tile forward takes this call (module doc); cheap, host-side only."""
-    if not (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype):
+def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int) -> bool:
+    """Whether the Gluon tile kernels take this call (module doc); cheap, host-side only."""
+    if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype):
         return False
     G = q.shape[2] // k.shape[2]
     if (m * G != ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
@@ -258,19 +261,39 @@ def _kernel():
     return _gtile_fwd, _gtile_dq
 
 
+def _launch(name: str, q: torch.Tensor, fn) -> bool:
+    """Runs fn (a Gluon launch); on failure (Gluon is experimental: an API or compiler change in
+    another Triton) the Triton kernels take this device from now on, counted and warned once: False."""
+    try:
+        fn()
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure: the caller launches the Triton kernel instead
+        why = f"{name} failed: {type(exc).__name__}: {str(exc)[:160]}"
+        _OFF[str(q.device)] = why
+        count_fallback("tile_gluon->triton")
+        warnings.warn(f"query-tile selection: {why}; using the Triton kernels from now on", RuntimeWarning,
+                      stacklevel=3)
+        return False
+
+
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None) -> None:
+              m: int, scale: float, stages: int, guard: Guard | None = None) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
-    gluon_fwd_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2)."""
+    gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). False (nothing written)
+    when the Gluon kernel failed to build or launch (_launch)."""
+    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard))
+
+
+def _fwd(q, k, v, un, o, lse, m, scale, stages, guard) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
     _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1),
-                           q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * 1.4426950408889634,
-                           G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages, GUARD=mode,
-                           num_warps=4)
+                              q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * 1.4426950408889634,
+                              G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages, GUARD=mode,
+                              num_warps=4)
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
@@ -284,10 +307,15 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
-             has_gate: bool, guard: Guard | None = None) -> None:
-    """select_tile.tile_dq's kernel for inputs gluon_fwd_ok accepts (do with a unit last stride): writes
+             has_gate: bool, guard: Guard | None = None) -> bool:
+    """select_tile.tile_dq's kernel for inputs gluon_tile_ok accepts (do with a unit last stride): writes
     dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given); lse / delta
-    contiguous fp32, gate_arg / sgt as select._bwd_args'."""
+    contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
+    return _launch("the Gluon tile dq", q, lambda: _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m,
+                                                         scale, stages, has_gate, guard))
+
+
+def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
