@@ -11,7 +11,7 @@ import torch
 
 from nsa.ops.triton import select_tile as tt
 from nsa.ops.triton import tile_gluon as tg
-from nsa.ops.tuning import TileTuning
+from nsa.ops.tuning import SelectTuning, TileTuning, tuning_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +34,11 @@ def test_gluon_fwd_not_taken_off_hopper_shapes():
 
 
 @pytest.mark.parametrize("bad", [1, -2])
-@pytest.mark.parametrize("knob", ["gluon_fwd_stages", "gluon_dq_stages"])
+@pytest.mark.parametrize("knob", ["gluon_fwd_stages", "gluon_dq_stages", "gluon_walk_stages"])
 def test_gluon_stages_knob_is_validated(bad, knob):
+    cls = SelectTuning if knob == "gluon_walk_stages" else TileTuning
     with pytest.raises(ValueError, match=knob):
-        TileTuning(**{knob: bad})
+        cls(**{knob: bad})
     assert TileTuning(gluon_fwd_stages=3).gluon_fwd_stages == 3
 
 
@@ -81,7 +82,7 @@ import bench_regs as br
 seen = br.compile_only(90)
 torch.Tensor.is_cuda = property(lambda self: True)
 from nsa.ops.triton.select_tile import _tile_unions_torch
-from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd
+from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd, gwalk_dkdv
 T, HQ, H, D = 1024, 64, 4, 128
 q = torch.randn(1, T, HQ, D).bfloat16()
 k, v = torch.randn(1, T, H, D).bfloat16(), torch.randn(1, T, H, D).bfloat16()
@@ -90,6 +91,12 @@ o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
 gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
 dq = torch.empty(1, T, HQ, D)
 gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, dq, dq, 1, m=4, scale=D ** -0.5, stages=2, has_gate=True)
+from nsa.ops.triton.inversion import invert_selection
+inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
+inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
+dk32 = torch.empty(1, T, H, D)
+gwalk_dkdv(q, k, v, torch.randn_like(q), lse, lse, lse, 1, inv, dk32, dk32, dk32, dk32, chunk=1024, scale=D ** -0.5,
+           stages=2, has_gate=True)
 for _, _, _, kern in seen:
     rep = br.ptxas_report(kern.asm["ptx"], 90)
     print("REPORT", rep["regs"], rep["spill_stores"], kern.metadata.shared)
@@ -106,12 +113,16 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
     if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 2, r.stderr[-2000:]
-    (fregs, fspills, fshared), (dregs, dspills, dshared) = ([int(x) for x in ln.split()[1:]] for ln in lines)
+    assert len(lines) == 3, r.stderr[-2000:]
+    (fregs, fspills, fshared), (dregs, dspills, dshared), (wregs, wspills, wshared) = (
+        [int(x) for x in ln.split()[1:]] for ln in lines)
     # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
-    # <= 255; both with two 32 KB K/V slots plus barriers and no spills
-    assert fregs <= 168 and dregs <= 255 and fspills == dspills == 0, (fregs, dregs, fspills, dspills)
-    assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024, (fshared, dshared)
+    # <= 255; both with two 32 KB K/V slots plus barriers. The walk (dK and dV held): two programs per SM,
+    # K / V, two q / dO slots and the P / dS operands within half an SM's 228 KB. None spills.
+    assert fregs <= 168 and dregs <= 255 and wregs <= 255, (fregs, dregs, wregs)
+    assert fspills == dspills == wspills == 0, (fspills, dspills, wspills)
+    assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024 and wshared <= 228 * 1024 // 2 - 1024, \
+        (fshared, dshared, wshared)
 
 
 @pytest.mark.gpu
@@ -152,3 +163,34 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
             tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, out=out,
                             tuning=TileTuning(m=m, gluon_fwd_stages=2), guard=(flag, mode_bit))
             assert torch.equal(out[0], run[0][0]) if runs else out[0].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T,chunk", [(8192, 1024), (8192, 256), (65536, 1024)])
+def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
+    """dK / dV of the walk without dq partials (several chunks per block at chunk=256: the fp32 partials
+    and their reduction), on the Gluon kernel and on the Triton one under the Hopper preset's walk knobs."""
+    import dataclasses
+    from test_triton_tile import make_block_idx
+    from nsa.ops.triton import select as tsel
+    if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs Gluon on a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(T + chunk)
+    B, HQ, H, d = 1, 64, 4, 128
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
+    lse = torch.randn(B, T, HQ, generator=gen, device="cuda") + 8.0
+    delta = torch.randn(B, T, HQ, generator=gen, device="cuda")
+    gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
+    base = tuning_for("cuda").select
+    assert tg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
+    for mode in ("random", "local"):
+        bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda")
+        got, want = (tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=chunk,
+                                   tuning=dataclasses.replace(base, gluon_walk_stages=s)) for s in (2, 0))
+        for name, a, b in zip(("dk", "dv"), got, want):
+            assert torch.isfinite(a).all() and torch.equal(a, b), f"{mode}: Gluon {name} differs from the Triton walk"

@@ -129,8 +129,17 @@ class SelectTuning:
     # lost: 27.5); G=6 (production) 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4 stages, so it keeps the prefetch
     dq_walk_loop_stages: int = 0
     dq_walk_loop_min_g: int = 1
+    # the walk without dq partials on the Gluon kernel (nsa/ops/triton/tile_gluon.py: the block's K/V and
+    # each step's q / dO rows by TMA, this many ring slots) where eligible (d = 128, l_sel = 64, 64-row
+    # steps of whole tokens' heads), else 0: the Triton kernel. Bitwise the same dK / dV; H100, paper shape,
+    # captured selections, dK/dV incl. its reduction: 14.1 -> 12.6 / 13.7 -> 12.9 ms at 64k, 3-4% at 8k;
+    # 3 slots (one program per SM) 25-40% slower (bench/RESULTS.md table 16)
+    gluon_walk_stages: int = 0
 
     def __post_init__(self) -> None:
+        if self.gluon_walk_stages == 1 or self.gluon_walk_stages < 0:
+            raise ValueError(f"select.gluon_walk_stages must be 0 (the Triton kernel) or >= 2 (q / dO ring slots "
+                             f"of the Gluon kernel), got {self.gluon_walk_stages}")
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")
@@ -243,7 +252,9 @@ class TileTuning:
     min_g: int = 1
     # forward on the Gluon kernel (nsa/ops/triton/tile_gluon.py: TMA ring of this many K/V slots, q in
     # registers) where it is eligible, else 0: the Triton kernel. Same output bit for bit; H100, paper
-    # shape, m=4, captured selections: 8-27% faster (bench/RESULTS.md table 16)
+    # shape, m=4, captured selections: forward 10.3-13.0 -> 8.1-11.1 ms at 64k, 1.2-1.4 -> 0.9-1.2 at 8k;
+    # dq (2 slots; 3 win at 8k and one 64k layer, lose at the other) 12.0-15.7 -> 10.5-12.6 ms at 64k
+    # (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
@@ -496,7 +507,8 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
-                                          walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16),
+                                          walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16,
+                                          gluon_walk_stages=2),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
                                       gluon_dq_stages=2))

@@ -21,6 +21,7 @@ from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
+from .tile_gluon import gluon_walk_ok, gwalk_dkdv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,7 +465,14 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     walks = [(dq_pairs, mode)]
     if dq_pairs is not None and mode != 0:
         walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
+    rows = max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H))
     for dqp, gm in walks:
+        if dqp is None and tn.gluon_walk_stages and walk_group(HQ // H, tn) == HQ // H and \
+                gluon_walk_ok(q, k, v, do, rows, l_sel) and \
+                gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv, chunk=chunk,
+                           scale=scale, stages=tn.gluon_walk_stages, has_gate=gate is not None,
+                           guard=None if gm == 0 else (flag, gm)):
+            continue
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
@@ -472,8 +480,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             PREFETCH=tn.prefetch_for(HQ // H, dqp is not None),
             LOOP_STAGES=tn.loop_stages_for(dqp is not None, HQ // H),
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-            GP=walk_group(HQ // H, tn),
-            ROWS=max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H)),
+            GP=walk_group(HQ // H, tn), ROWS=rows,
             **{k: v for k, v in meta.items() if k != "GR"})
     return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
 

@@ -1,17 +1,21 @@
-"""The query-tile selection forward (select_tile._tile_fwd_kernel's contract) in Gluon for Hopper.
+"""Three selection kernels in Gluon (Triton's explicit-layout dialect) for Hopper: the query-tile forward
+and dq (select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel) and the dK/dV walk without dq partials
+(select._slc_bwd_dkdv_kernel), each with the Triton kernel's contract.
 
-Same program decomposition and the same arithmetic in the same order as the Triton kernel (its
-output is bitwise the Triton kernel's, bench/RESULTS.md table 16), but written at the level Triton
-leaves to its compiler: each union block's K and V tiles ([64 keys, d] each) arrive by TMA into a ring
-of NSTAGE shared-memory slots guarded by mbarriers, so a whole 16 KB tile is one copy issued by one
-thread instead of 8 cp.async per thread; q (m*G = 64 rows) stays in registers as wgmma's A operand, so
-a program needs NSTAGE * 32 KB of shared memory and three programs share an SM at NSTAGE=2.
+Same programs and the same arithmetic in the same order as the Triton kernels (their outputs are bitwise
+the Triton kernels', bench/RESULTS.md table 16), written at the level Triton leaves to its compiler: the
+K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
+by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
+shared-memory slots filled a step ahead; the tile kernels keep q (and dO) in registers as wgmma's A
+operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two).
 
-Eligible (gluon_tile_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128, l_sel = 64,
-m * G = 64 rows (the paper shape's m=4 at G=16), K / V viewable as 2-D [B*T, H*d] (heads adjacent, rows
-evenly strided) with 16-byte aligned strides and bases. Everything else runs the Triton kernel.
-Gluon has no interpreter: tests/test_triton_tile.py compiles it for sm_90 on the CPU and compares it
-bitwise with the Triton kernel on a GPU.
+Eligible (gluon_tile_ok / gluon_walk_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128,
+l_sel = 64, 64 rows of whole tokens' heads (the paper shape's m=4 at G=16), K / V addressable as 2-D
+[B*T, H*d] (heads adjacent, rows evenly strided) and, for the walk, q / dO as [B*T*HQ, d], all 16-byte
+aligned. Everything else, and every call on a device where a Gluon kernel once failed to build or launch
+(_launch: Gluon is experimental), runs the Triton kernels. Gluon has no interpreter:
+tests/test_triton_tile_gluon.py compiles the kernels for sm_90 on the CPU and compares them bitwise with
+the Triton kernels on a GPU.
 """
 from __future__ import annotations
 
@@ -64,7 +68,8 @@ def _kernel():
     """The @gluon.jit kernel, built on first use (importing Gluon costs nothing on CPU-only runs)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     # Gluon is experimental: the TMA load was async_copy_global_to_shared up to Triton 3.6, async_load later
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
@@ -258,7 +263,123 @@ def _kernel():
             dq += gl.load(DQ_IN + off, mask=(to < T)[:, None], other=0.0)
         gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
 
-    return _gtile_fwd, _gtile_dq
+    @gluon.jit
+    def _load_rows(q_desc, do_desc, bar, qs, dos, TOKS, e0, end, row_b, hq0, HQ, G: gl.constexpr, QB: gl.constexpr):
+        """One walk step's rows into a ring slot: for each of its QB list entries (past `end`: token 0,
+        masked later) the token's G head rows of q and dO, one [G, d] TMA box each."""
+        mbarrier.expect(bar, QB * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+        for r in gl.static_range(QB):
+            t = gl.load(TOKS + e0 + r, mask=e0 + r < end, other=0).to(gl.int32)
+            row = (row_b + t) * HQ + hq0          # TMA coordinates are int32 (B*T*HQ < 2**31, checked)
+            tma_load(q_desc, [row, 0], bar, qs.slice(r * G, G))
+            tma_load(do_desc, [row, 0], bar, dos.slice(r * G, G))
+
+    @gluon.jit
+    def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
+                    DKO, DVO, XDK, XDV, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
+                    G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
+                    CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, GUARD: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """select._slc_bwd_dkdv_kernel without dq partials (rows on the MMA's M side), operation for
+        operation: one program per work item (segment = (b, h, block j), chunk of its token list); the
+        block's K / V by TMA once; each step's q / dO rows (QB tokens x G heads) by TMA into a ring."""
+        R: gl.constexpr = G * QB
+        if GUARD != 0:
+            if _skip(FLAG, GUARD):
+                return
+        w = gl.program_id(0)
+        seg = gl.load(WSEG + w).to(gl.int32)     # as select.work_item, in int32 (TMA coordinates)
+        chunk = gl.load(WCHUNK + w).to(gl.int32)
+        ok = seg < NSEG
+        seg = gl.where(ok, seg, 0)
+        j = seg % NSB
+        bh = seg // NSB
+        b = bh // H
+        h = bh % H
+        start = (gl.load(SEGOFF + seg) + chunk * CH).to(gl.int32)
+        end = gl.where(ok, gl.minimum(gl.load(SEGOFF + seg + 1), start + CH), start).to(gl.int32)
+        HQ = H * G
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
+        mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, LS], k_desc.dtype)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [LS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [LS, DV], v_desc.layout)
+        q_ring = gl.allocate_shared_memory(q_desc.dtype, [NSTAGE, R, D], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(do_desc.dtype, [NSTAGE, R, DV], do_desc.layout)
+        p_smem = gl.allocate_shared_memory(k_desc.dtype, [R, LS], p_sl)
+        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [R, LS], p_sl)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(bars.index(i), count=1)
+        row_b = b * T
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [row_b + j * LS, h * D], kv_bar, k_smem)
+        tma_load(v_desc, [row_b + j * LS, h * DV], kv_bar, v_smem)
+        nsteps = (end - start + QB - 1) // QB
+        for i in gl.static_range(NSTAGE - 1):
+            if i < nsteps:
+                _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i), TOKS,
+                           start + i * QB, end, row_b, h * G, HQ, G, QB)
+        rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
+        kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
+        s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
+        dk = gl.zeros([LS, D], gl.float32, layout=mma_k)
+        dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
+        mbarrier.wait(kv_bar, phase=0)
+        for st in range(nsteps):
+            nxt = st + NSTAGE - 1
+            if nxt < nsteps:   # refill the slot step st-1 read (the barrier: every warp is past its waits)
+                cta_barrier()
+                s2 = nxt % NSTAGE
+                _load_rows(q_desc, do_desc, bars.index(s2), q_ring.index(s2), do_ring.index(s2), TOKS,
+                           start + nxt * QB, end, row_b, h * G, HQ, G, QB)
+            slot = st % NSTAGE
+            qs = q_ring.index(slot)
+            dos = do_ring.index(slot)
+            e = start + st * QB + rs // G
+            row_ok = e < end
+            t = gl.load(TOKS + e, mask=row_ok, other=0).to(gl.int64)
+            ridx = (row_b.to(gl.int64) + t) * HQ + h * G + rs % G
+            lse = gl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
+            delta = gl.load(DELTA + ridx, mask=row_ok, other=0.0)
+            if HAS_GATE:
+                gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
+            else:
+                gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
+            limit = gl.where(row_ok, gl.minimum(t - j * LS, LS - 1), -1).to(gl.int32)   # select.walk_limit
+            mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
+            sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpa = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
+            vis = kk[None, :] <= limit[:, None]
+            p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
+            ds = p * (dpa - delta[:, None])
+            p_smem.store(p.to(k_desc.dtype))
+            ds_smem.store(ds.to(k_desc.dtype))
+            fence_async_shared()
+            cta_barrier()
+            dv = warpgroup_mma(p_smem.permute((1, 0)), dos, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.invalidate(kv_bar)
+        for i in gl.static_range(NSTAGE):
+            mbarrier.invalidate(bars.index(i))
+        dk = dk * scale
+        ko = gl.arange(0, LS, layout=gl.SliceLayout(1, mma_k))
+        co = gl.arange(0, D, layout=gl.SliceLayout(0, mma_k))
+        first = ok & (chunk == 0) & (ko < gl.minimum(T - j * LS, LS))
+        o_row = ((row_b.to(gl.int64) + j * LS + ko) * H + h)
+        gl.store(DKO + o_row[:, None] * D + co[None, :], dk, mask=first[:, None])
+        gl.store(DVO + o_row[:, None] * DV + co[None, :], dv, mask=first[:, None])
+        extra = ok & (chunk > 0) & (ko < LS)
+        xslot = gl.load(XOFF + seg) + chunk - 1
+        x_row = (gl.where(extra, xslot, 0) * LS + ko).to(gl.int64)
+        gl.store(XDK + x_row[:, None] * D + co[None, :], dk, mask=extra[:, None])
+        gl.store(XDV + x_row[:, None] * DV + co[None, :], dv, mask=extra[:, None])
+
+    return _gtile_fwd, _gtile_dq, _gwalk_dkdv
 
 
 def _launch(name: str, q: torch.Tensor, fn) -> bool:
@@ -326,3 +447,46 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
                               HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, num_warps=4)
+
+
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """x [B, T, HQ, d] addressable as a 2-D [B*T*HQ, d] array (one row per (token, head)), 16-byte aligned."""
+    B, T, HQ, d = x.shape
+    return (x.stride(3) == 1 and x.stride(2) == d and (T == 1 or x.stride(1) == HQ * d)
+            and (B == 1 or x.stride(0) == T * HQ * d) and (d * x.element_size()) % 16 == 0
+            and x.data_ptr() % 16 == 0)
+
+
+def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, rows: int, l_sel: int) -> bool:
+    """Whether the Gluon dK/dV walk (no dq partials) takes this call: gluon_tile_ok's conditions with
+    `rows` (the walk step's token x head rows) in place of m*G, q / dO one row per (token, head)."""
+    G = q.shape[2] // k.shape[2]
+    return (rows == ROWS and rows % G == 0 and do.dtype == q.dtype and _rows_of_heads(q) and _rows_of_heads(do)
+            and q.numel() // q.shape[3] < 2 ** 31 and gluon_tile_ok(q, k, v, rows // G, l_sel))
+
+
+def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
+               scale: float, stages: int, has_gate: bool, guard: Guard | None = None) -> bool:
+    """select.slc_dkdv's walk without dq partials for inputs gluon_walk_ok accepts: fills dk32 / dv32 /
+    xdk / xdv as _slc_bwd_dkdv_kernel does (reduce_dkdv sums them). False as gtile_fwd's."""
+    return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
+                                                            xdk, xdv, chunk, scale, stages, has_gate, guard))
+
+
+def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, chunk, scale, stages, has_gate,
+          guard) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    B, T, HQ, D = q.shape
+    H, DV = k.shape[2], v.shape[3]
+    G = HQ // H
+    kd, vd = _descriptors(k, v)
+    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lay = gl.NVMMASharedLayout.get_default_for([G, D], dt)
+    qd = TensorDescriptor(q, [B * T * HQ, D], [D, 1], [G, D], lay)
+    dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
+    flag, mode = guard if guard is not None else (lse, 0)
+    _kernel()[2][(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
+                                  inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv, flag, sgt, T, H, inv["nsb"],
+                                  inv["nseg"], scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D,
+                                  DV=DV, CH=chunk, NSTAGE=stages, HAS_GATE=has_gate, GUARD=mode, num_warps=4)
