@@ -95,8 +95,9 @@ from nsa.ops.triton.inversion import invert_selection
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
 inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
 dk32 = torch.empty(1, T, H, D)
-gwalk_dkdv(q, k, v, torch.randn_like(q), lse, lse, lse, 1, inv, dk32, dk32, dk32, dk32, chunk=1024, scale=D ** -0.5,
-           stages=2, has_gate=True)
+for dqp in (None, torch.empty(16 * T * HQ, D).bfloat16()):
+    gwalk_dkdv(q, k, v, torch.randn_like(q), lse, lse, lse, 1, inv, dk32, dk32, dk32, dk32, chunk=1024,
+               scale=D ** -0.5, stages=2, has_gate=True, dq_pairs=dqp)
 for _, _, _, kern in seen:
     rep = br.ptxas_report(kern.asm["ptx"], 90)
     print("REPORT", rep["regs"], rep["spill_stores"], kern.metadata.shared)
@@ -113,9 +114,11 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
     if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 3, r.stderr[-2000:]
-    (fregs, fspills, fshared), (dregs, dspills, dshared), (wregs, wspills, wshared) = (
+    assert len(lines) == 4, r.stderr[-2000:]
+    (fregs, fspills, fshared), (dregs, dspills, dshared), (wregs, wspills, wshared), (_, qspills, _) = (
         [int(x) for x in ln.split()[1:]] for ln in lines)
+    # the walk writing dq partials holds a third accumulator (in halves): a few spilled words at most
+    assert qspills <= 64, qspills
     # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
     # <= 255; both with two 32 KB K/V slots plus barriers. The walk (dK and dV held): two programs per SM,
     # K / V, two q / dO slots and the P / dS operands within half an SM's 228 KB. None spills.
@@ -194,3 +197,39 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
                                    tuning=dataclasses.replace(base, gluon_walk_stages=s)) for s in (2, 0))
         for name, a, b in zip(("dk", "dv"), got, want):
             assert torch.isfinite(a).all() and torch.equal(a, b), f"{mode}: Gluon {name} differs from the Triton walk"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
+    """The walk that also writes each (token, block) pair's dq partial (select.gluon_dq_walk_stages, off in
+    the presets until this passes): dK, dV and every partial bitwise the Triton walk's."""
+    import dataclasses
+    from test_triton_tile import make_block_idx
+    from nsa.ops.triton import select as tsel
+    from nsa.ops.triton.select_block import pair_buffer
+    if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs Gluon on a Hopper GPU")
+    gen = torch.Generator(device="cuda").manual_seed(T + 1)
+    B, HQ, H, d = 1, 64, 4, 128
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
+    lse = torch.randn(B, T, HQ, generator=gen, device="cuda") + 8.0
+    delta = torch.randn(B, T, HQ, generator=gen, device="cuda")
+    gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
+    base = tuning_for("cuda").select
+    bi = make_block_idx(B, T, H, 16, 64, "random", gen, device="cuda")
+    inv = tsel.invert_selection(bi, 64, 1024, ranks=True)
+    runs = []
+    for s in (2, 0):
+        tn = dataclasses.replace(base, gluon_dq_walk_stages=s)
+        dqp = pair_buffer(q, 16, H, d, tn, dq=True).zero_()
+        dk, dv = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=1024,
+                               tuning=tn, inv=inv, dq_pairs=dqp)
+        runs.append((dk, dv, dqp[:inv["n_pairs"] * (HQ // H)]))
+    for name, a, b in zip(("dk", "dv", "dq pairs"), *runs):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"T={T}: Gluon {name} differs from the Triton walk"

@@ -135,11 +135,15 @@ class SelectTuning:
     # captured selections, dK/dV incl. its reduction: 14.1 -> 12.6 / 13.7 -> 12.9 ms at 64k, 3-4% at 8k;
     # 3 slots (one program per SM) 25-40% slower (bench/RESULTS.md table 16)
     gluon_walk_stages: int = 0
+    # the same for the walk that writes dq pair partials (written and compiled for sm_90 on the CPU, not yet
+    # run on a GPU: off in every preset until its bitwise GPU test has passed)
+    gluon_dq_walk_stages: int = 0
 
     def __post_init__(self) -> None:
-        if self.gluon_walk_stages == 1 or self.gluon_walk_stages < 0:
-            raise ValueError(f"select.gluon_walk_stages must be 0 (the Triton kernel) or >= 2 (q / dO ring slots "
-                             f"of the Gluon kernel), got {self.gluon_walk_stages}")
+        for name in ("gluon_walk_stages", "gluon_dq_walk_stages"):
+            if getattr(self, name) == 1 or getattr(self, name) < 0:
+                raise ValueError(f"select.{name} must be 0 (the Triton kernel) or >= 2 (q / dO ring slots of the "
+                                 f"Gluon kernel), got {getattr(self, name)}")
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")

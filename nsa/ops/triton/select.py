@@ -467,10 +467,10 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
     rows = max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H))
     for dqp, gm in walks:
-        if dqp is None and tn.gluon_walk_stages and walk_group(HQ // H, tn) == HQ // H and \
-                gluon_walk_ok(q, k, v, do, rows, l_sel) and \
+        gstages = tn.gluon_walk_stages if dqp is None else tn.gluon_dq_walk_stages
+        if gstages and walk_group(HQ // H, tn) == HQ // H and gluon_walk_ok(q, k, v, do, rows, l_sel) and \
                 gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv, chunk=chunk,
-                           scale=scale, stages=tn.gluon_walk_stages, has_gate=gate is not None,
+                           scale=scale, stages=gstages, has_gate=gate is not None, dq_pairs=dqp,
                            guard=None if gm == 0 else (flag, gm)):
             continue
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](

@@ -28,6 +28,8 @@ from ..fallbacks import count_fallback
 from .guard import Guard
 
 ROWS = 64          # wgmma rows of one warpgroup: m * G must fill them exactly
+# the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6)
+_DQC = 2
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 HEAD_DIM = 128
 LSEL = 64
@@ -286,13 +288,14 @@ def _kernel():
 
     @gluon.jit
     def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                    DKO, DVO, XDK, XDV, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
+                    DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                    CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, GUARD: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """select._slc_bwd_dkdv_kernel without dq partials (rows on the MMA's M side), operation for
-        operation: one program per work item (segment = (b, h, block j), chunk of its token list); the
-        block's K / V by TMA once; each step's q / dO rows (QB tokens x G heads) by TMA into a ring."""
+                    CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
+                    DQC: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
+        """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
+        per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
+        each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
+        pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs)."""
         R: gl.constexpr = G * QB
         if GUARD != 0:
             if _skip(FLAG, GUARD):
@@ -311,6 +314,8 @@ def _kernel():
         HQ = H * G
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
         mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D // DQC, 16])
         p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, LS], k_desc.dtype)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [LS, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [LS, DV], v_desc.layout)
@@ -373,6 +378,16 @@ def _kernel():
             dv = warpgroup_mma(p_smem.permute((1, 0)), dos, dv, is_async=True)
             dk = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk, is_async=True)
             dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            if DQ_PAIRS:   # dS K * scale [R, d] in DQC column slices of d (fewer accumulator registers beside dK / dV)
+                rq = gl.arange(0, R, layout=gl.SliceLayout(1, mma_h))
+                eq = start + st * QB + rq // G
+                pr = eq.to(gl.int64) * G + rq % G
+                for c in gl.static_range(DQC):
+                    dqp = warpgroup_mma(ds_smem, k_smem.slice(c * (D // DQC), D // DQC, dim=1),
+                                        gl.zeros([R, D // DQC], gl.float32, layout=mma_h), use_acc=False)
+                    cq = c * (D // DQC) + gl.arange(0, D // DQC, layout=gl.SliceLayout(0, mma_h))
+                    gl.store(DQP + pr[:, None] * D + cq[None, :], (dqp * scale).to(DQP.dtype.element_ty),
+                             mask=(eq < end)[:, None])
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NSTAGE):
             mbarrier.invalidate(bars.index(i))
@@ -476,15 +491,17 @@ def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
 
 
 def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
-               scale: float, stages: int, has_gate: bool, guard: Guard | None = None) -> bool:
-    """select.slc_dkdv's walk without dq partials for inputs gluon_walk_ok accepts: fills dk32 / dv32 /
-    xdk / xdv as _slc_bwd_dkdv_kernel does (reduce_dkdv sums them). False as gtile_fwd's."""
+               scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
+               guard: Guard | None = None) -> bool:
+    """select.slc_dkdv's walk for inputs gluon_walk_ok accepts: fills dk32 / dv32 / xdk / xdv as
+    _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
+    there. False as gtile_fwd's."""
     return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
-                                                            xdk, xdv, chunk, scale, stages, has_gate, guard))
+                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard))
 
 
-def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, chunk, scale, stages, has_gate,
-          guard) -> None:
+def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_pairs, chunk, scale, stages,
+          has_gate, guard) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, T, HQ, D = q.shape
@@ -497,6 +514,8 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, chu
     dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
     flag, mode = guard if guard is not None else (lse, 0)
     _kernel()[2][(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
-                                  inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv, flag, sgt, T, H, inv["nsb"],
-                                  inv["nseg"], scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D,
-                                  DV=DV, CH=chunk, NSTAGE=stages, HAS_GATE=has_gate, GUARD=mode, num_warps=4)
+                                  inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv,
+                                  dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
+                                  scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
+                                  NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
+                                  GUARD=mode, num_warps=4)
