@@ -168,6 +168,19 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
             assert torch.equal(out[0], run[0][0]) if runs else out[0].isnan().all()
 
 
+def walk_inputs(B, T, HQ, H, d, gen):
+    """bf16 q, k, v, dO, the rows' fp32 lse (log-sum-exps about 8 above the scores) and delta, and the
+    selection branch's gate: a dK/dV walk's operands on the GPU."""
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
+    lse = torch.randn(B, T, HQ, generator=gen, device="cuda") + 8.0
+    delta = torch.randn(B, T, HQ, generator=gen, device="cuda")
+    gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
+    return q, k, v, do, lse, delta, gate
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T,chunk", [(8192, 1024), (8192, 256), (65536, 1024)])
@@ -181,14 +194,7 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
         pytest.skip("needs Gluon on a Hopper GPU")
     gen = torch.Generator(device="cuda").manual_seed(T + chunk)
     B, HQ, H, d = 1, 64, 4, 128
-
-    def r(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
-
-    q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
-    lse = torch.randn(B, T, HQ, generator=gen, device="cuda") + 8.0
-    delta = torch.randn(B, T, HQ, generator=gen, device="cuda")
-    gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
+    q, k, v, do, lse, delta, gate = walk_inputs(B, T, HQ, H, d, gen)
     base = tuning_for("cuda").select
     assert tg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
     for mode in ("random", "local"):
@@ -213,14 +219,7 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
         pytest.skip("needs Gluon on a Hopper GPU")
     gen = torch.Generator(device="cuda").manual_seed(T + 1)
     B, HQ, H, d = 1, 64, 4, 128
-
-    def r(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
-
-    q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
-    lse = torch.randn(B, T, HQ, generator=gen, device="cuda") + 8.0
-    delta = torch.randn(B, T, HQ, generator=gen, device="cuda")
-    gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
+    q, k, v, do, lse, delta, gate = walk_inputs(B, T, HQ, H, d, gen)
     base = tuning_for("cuda").select
     bi = make_block_idx(B, T, H, 16, 64, "random", gen, device="cuda")
     inv = tsel.invert_selection(bi, 64, 1024, ranks=True)
