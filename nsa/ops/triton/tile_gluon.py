@@ -27,12 +27,12 @@ import torch
 from ..fallbacks import count_fallback
 from .guard import Guard
 
-ROWS = 64          # wgmma rows of one warpgroup: m * G must fill them exactly
+ROWS = 64          # wgmma rows of one warpgroup: m * G (tile kernels) or a walk step's rows must be exactly this
+HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
+LSEL = 64          # keys per selection block (one TMA box of K or V)
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6)
 _DQC = 2
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
-HEAD_DIM = 128
-LSEL = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +56,8 @@ def _rows_2d(x: torch.Tensor) -> bool:
 
 def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int) -> bool:
     """Whether the Gluon tile kernels take this call (module doc); cheap, host-side only."""
-    if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16) and k.dtype == q.dtype == v.dtype):
+    if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16)
+            and k.dtype == q.dtype == v.dtype):
         return False
     G = q.shape[2] // k.shape[2]
     if (m * G != ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
@@ -77,7 +78,7 @@ def _target_arch() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """The @gluon.jit kernel, built on first use (importing Gluon costs nothing on CPU-only runs)."""
+    """The @gluon.jit kernels (forward, dq, walk), built on first use (CPU-only runs never import Gluon)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
