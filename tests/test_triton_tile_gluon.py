@@ -76,9 +76,9 @@ def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
 
 
 COMPILE = r"""
-import sys, torch
-sys.path.insert(0, "bench")
-import bench_regs as br
+import torch
+from test_pipeline_bench import load_bench
+br = load_bench("bench_regs")
 seen = br.compile_only(90)
 torch.Tensor.is_cuda = property(lambda self: True)
 from nsa.ops.triton.select_tile import _tile_unions_torch
@@ -91,7 +91,6 @@ o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
 gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
 dq = torch.empty(1, T, HQ, D)
 gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, dq, dq, 1, m=4, scale=D ** -0.5, stages=2, has_gate=True)
-from nsa.ops.triton.inversion import invert_selection
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
 inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
 dk32 = torch.empty(1, T, H, D)
@@ -107,9 +106,9 @@ for _, _, _, kern in seen:
 @pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
 def test_gluon_kernels_compile_for_sm90_without_spills():
     # compiled, not interpreted: the suite's TRITON_INTERPRET would turn the kernels' helpers into Python
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+    # (0, not unset: conftest, imported with test_pipeline_bench's load_bench, sets it only when absent)
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
                        timeout=600)
     lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
     if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
