@@ -54,6 +54,13 @@ def check_max_regs(name: str, value) -> None:
         raise ValueError(f"{name} must be None or an int in [24, 255], got {value!r}")
 
 
+def check_gluon_slots(name: str, value: int, what: str) -> None:
+    """A Gluon kernel's ring slots: 0 (the Triton kernel instead) or >= 2 (one slot cannot prefetch)."""
+    if value == 1 or value < 0:
+        raise ValueError(f"{name} must be 0 (the Triton kernel) or >= 2 ({what} ring slots of the Gluon kernel), "
+                         f"got {value}")
+
+
 @dataclass(frozen=True)
 class SelectTuning:
     """Selected-block attention (nsa/ops/triton/select.py): forward, dq and dK/dV kernels."""
@@ -141,9 +148,7 @@ class SelectTuning:
 
     def __post_init__(self) -> None:
         for name in ("gluon_walk_stages", "gluon_dq_walk_stages"):
-            if getattr(self, name) == 1 or getattr(self, name) < 0:
-                raise ValueError(f"select.{name} must be 0 (the Triton kernel) or >= 2 (q / dO ring slots of the "
-                                 f"Gluon kernel), got {getattr(self, name)}")
+            check_gluon_slots(f"select.{name}", getattr(self, name), "q / dO")
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")
@@ -276,9 +281,7 @@ class TileTuning:
         if self.min_g < 1:
             raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
         for f in ("gluon_fwd_stages", "gluon_dq_stages"):
-            if getattr(self, f) == 1 or getattr(self, f) < 0:
-                raise ValueError(f"TileTuning.{f} must be 0 (the Triton kernel) or >= 2 (K/V ring slots of "
-                                 f"the Gluon kernel), got {getattr(self, f)}")
+            check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""

@@ -479,7 +479,7 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     nt = un.size.shape[2]
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
-    if tn.gluon_dq_stages and do.stride(3) == 1 and gluon_tile_ok(q, k, v, m, l_sel) and \
+    if tn.gluon_dq_stages and gluon_tile_ok(q, k, v, m, l_sel, do) and \
             gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
                      stages=tn.gluon_dq_stages, has_gate=gate is not None, guard=guard):
         return dq

@@ -54,10 +54,12 @@ def _rows_2d(x: torch.Tensor) -> bool:
             and (x.stride(1) * es) % 16 == 0 and x.data_ptr() % 16 == 0)
 
 
-def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int) -> bool:
-    """Whether the Gluon tile kernels take this call (module doc); cheap, host-side only."""
+def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int,
+                  do: torch.Tensor | None = None) -> bool:
+    """Whether the Gluon tile kernels take this call (module doc; do: dq's dO, unit stride in d);
+    cheap, host-side only."""
     if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype == v.dtype):
+            and k.dtype == q.dtype == v.dtype and (do is None or do.stride(3) == 1)):
         return False
     G = q.shape[2] // k.shape[2]
     if (m * G != ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
