@@ -424,7 +424,8 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
 WALK_LOOP_CASES = {
     "paper_tiles": (64, 4, 128, "walk_loop_stages", 3, dict(gluon_walk_stages=0),           # the Triton walk
                     dict(auto_union=0.0)),                                                  # without dq
-    "paper_per_token": (64, 4, 128, "dq_walk_loop_stages", 2, {}, dict(m=1)),              # dq partials, G=16
+    "paper_per_token": (64, 4, 128, "dq_walk_loop_stages", 2, dict(gluon_dq_walk_stages=0),  # the Triton walk,
+                        dict(m=1)),                                                         # dq partials, G=16
     "production": (12, 2, 64, "dq_walk_loop_stages", 3, dict(dq_walk_loop_min_g=1), {}),   # dq partials, G=6
 }
 

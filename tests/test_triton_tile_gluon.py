@@ -208,8 +208,8 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])
 def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
-    """The walk that also writes each (token, block) pair's dq partial (select.gluon_dq_walk_stages, off in
-    the presets until this passes): dK, dV and every partial bitwise the Triton walk's."""
+    """The walk that also writes each (token, block) pair's dq partial (select.gluon_dq_walk_stages, on in
+    the Hopper preset): dK, dV and every partial bitwise the Triton walk's."""
     import dataclasses
     from test_triton_tile import make_block_idx
     from nsa.ops.triton import select as tsel

@@ -142,8 +142,9 @@ class SelectTuning:
     # captured selections, dK/dV incl. its reduction: 14.1 -> 12.6 / 13.7 -> 12.9 ms at 64k, 3-4% at 8k;
     # 3 slots (one program per SM) 25-40% slower (bench/RESULTS.md table 16)
     gluon_walk_stages: int = 0
-    # the same for the walk that writes dq pair partials (written and compiled for sm_90 on the CPU, not yet
-    # run on a GPU: off in every preset until its bitwise GPU test has passed)
+    # the same for the walk that writes dq pair partials (the per-token path's: random paper-shape inputs from
+    # 16k). Bitwise the Triton walk's dK / dV / pair partials; H100, random inputs: 5.96 -> 5.64 ms at 16k,
+    # 24.4 -> 22.9 at 64k (bench/RESULTS.md table 17)
     gluon_dq_walk_stages: int = 0
 
     def __post_init__(self) -> None:
@@ -515,7 +516,7 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
                                           walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16,
-                                          gluon_walk_stages=2),
+                                          gluon_walk_stages=2, gluon_dq_walk_stages=2),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
                                       gluon_dq_stages=2))

@@ -1,6 +1,6 @@
 """Three selection kernels in Gluon (Triton's explicit-layout dialect) for Hopper: the query-tile forward
-and dq (select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel) and the dK/dV walk without dq partials
-(select._slc_bwd_dkdv_kernel), each with the Triton kernel's contract.
+and dq (select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel) and the dK/dV walk, with or without dq pair
+partials (select._slc_bwd_dkdv_kernel), each with the Triton kernel's contract.
 
 Same programs and the same arithmetic in the same order as the Triton kernels (their outputs are bitwise
 the Triton kernels', bench/RESULTS.md table 16), written at the level Triton leaves to its compiler: the
@@ -30,7 +30,8 @@ from .guard import Guard
 ROWS = 64          # wgmma rows of one warpgroup: m * G (tile kernels) or a walk step's rows must be exactly this
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
-# the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6)
+# the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
+# before the token-id prefetch, which adds 16 B)
 _DQC = 2
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
@@ -279,12 +280,20 @@ def _kernel():
         gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
 
     @gluon.jit
-    def _load_rows(q_desc, do_desc, bar, qs, dos, TOKS, e0, end, row_b, hq0, HQ, G: gl.constexpr, QB: gl.constexpr):
-        """One walk step's rows into a ring slot: for each of its QB list entries (past `end`: token 0,
-        masked later) the token's G head rows of q and dO, one [G, d] TMA box each."""
+    def _step_toks(TOKS, e0, end, QB: gl.constexpr, num_warps: gl.constexpr):
+        """The token ids of list entries e0 .. e0+QB-1 (past `end`: token 0, masked later) as an int32 [QB]
+        that every thread holds whole."""
+        iq = gl.arange(0, QB, layout=gl.BlockedLayout([QB], [32], [num_warps], [0]))
+        return gl.load(TOKS + e0 + iq, mask=e0 + iq < end, other=0).to(gl.int32)
+
+    @gluon.jit
+    def _load_rows(q_desc, do_desc, bar, qs, dos, toks, row_b, hq0, HQ, G: gl.constexpr, QB: gl.constexpr):
+        """One walk step's rows into a ring slot: for each of its QB tokens (toks, _step_toks) the token's
+        G head rows of q and dO, one [G, d] TMA box each."""
         mbarrier.expect(bar, QB * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
+        iq = gl.arange(0, QB, layout=toks.type.layout)
         for r in gl.static_range(QB):
-            t = gl.load(TOKS + e0 + r, mask=e0 + r < end, other=0).to(gl.int32)
+            t = gl.sum(gl.where(iq == r, toks, 0), 0)   # within each thread: it holds all QB
             row = (row_b + t) * HQ + hq0          # TMA coordinates are int32 (B*T*HQ < 2**31, checked)
             tma_load(q_desc, [row, 0], bar, qs.slice(r * G, G))
             tma_load(do_desc, [row, 0], bar, dos.slice(r * G, G))
@@ -338,27 +347,35 @@ def _kernel():
         nsteps = (end - start + QB - 1) // QB
         for i in gl.static_range(NSTAGE - 1):
             if i < nsteps:
-                _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i), TOKS,
-                           start + i * QB, end, row_b, h * G, HQ, G, QB)
+                _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i),
+                           _step_toks(TOKS, start + i * QB, end, QB, num_warps), row_b, h * G, HQ, G, QB)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dk = gl.zeros([LS, D], gl.float32, layout=mma_k)
         dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
+        # token ids are read a step before their use, the rows' (for the lse / delta gathers) and the next
+        # refill's (for its TMA coordinates): neither then waits on a dependent global load (the walk's
+        # largest stall, bench/RESULTS.md table 17)
+        e = start + rs // G
+        t_next = gl.load(TOKS + e, mask=e < end, other=0).to(gl.int32)                 # [R], step 0
+        toks_r = _step_toks(TOKS, start + (NSTAGE - 1) * QB, end, QB, num_warps)      # [QB], the first refill
         mbarrier.wait(kv_bar, phase=0)
         for st in range(nsteps):
             nxt = st + NSTAGE - 1
             if nxt < nsteps:   # refill the slot step st-1 read (the barrier: every warp is past its waits)
                 cta_barrier()
                 s2 = nxt % NSTAGE
-                _load_rows(q_desc, do_desc, bars.index(s2), q_ring.index(s2), do_ring.index(s2), TOKS,
-                           start + nxt * QB, end, row_b, h * G, HQ, G, QB)
+                _load_rows(q_desc, do_desc, bars.index(s2), q_ring.index(s2), do_ring.index(s2), toks_r, row_b, h * G,
+                           HQ, G, QB)
+            toks_r = _step_toks(TOKS, start + (nxt + 1) * QB, end, QB, num_warps)
             slot = st % NSTAGE
             qs = q_ring.index(slot)
             dos = do_ring.index(slot)
             e = start + st * QB + rs // G
             row_ok = e < end
-            t = gl.load(TOKS + e, mask=row_ok, other=0).to(gl.int64)
+            t = t_next.to(gl.int64)
+            t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)
             ridx = (row_b.to(gl.int64) + t) * HQ + h * G + rs % G
             lse = gl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
             delta = gl.load(DELTA + ridx, mask=row_ok, other=0.0)
@@ -486,7 +503,7 @@ def _rows_of_heads(x: torch.Tensor) -> bool:
 
 
 def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, rows: int, l_sel: int) -> bool:
-    """Whether the Gluon dK/dV walk (no dq partials) takes this call: gluon_tile_ok's conditions with
+    """Whether the Gluon dK/dV walk (with or without dq partials) takes this call: gluon_tile_ok's conditions with
     `rows` (the walk step's token x head rows) in place of m*G, q / dO one row per (token, head)."""
     G = q.shape[2] // k.shape[2]
     return (rows == ROWS and rows % G == 0 and do.dtype == q.dtype and _rows_of_heads(q) and _rows_of_heads(do)
