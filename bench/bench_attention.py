@@ -484,12 +484,11 @@ def run_select(a, dims) -> dict:
 def select_variants() -> dict[str, object]:
     """{name: KernelTuning} for --branch select: score tiles (rows, min keys, warps, stages, map <= 16
     tokens, map > 16 tokens), each also with its block scores relaid out before ranking (ScoreTuning.relayout),
-    and the merge skip, head pairs and the other k~ load (tma_keys) on the default tile."""
+    and the merge skip on the default tile."""
     base = common.base_tuning()
     out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True}),
            "defaults relayout": common.tuning_variant(base, {"scores.relayout": True}),
-           "defaults head_pairs": common.tuning_variant(base, {"scores.head_pairs": True}),
-           "defaults tma_keys": common.tuning_variant(base, {"scores.tma_keys": not base.scores.tma_keys})}
+           "defaults head_pairs": common.tuning_variant(base, {"scores.head_pairs": True})}
     for t, regs in [((128, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 0, 2), None),
                     ((128, 64, 8, 3, 2, 2), None), ((128, 64, 4, 2, 2, 2), None), ((128, 32, 8, 2, 2, 2), None),
                     ((128, 64, 4, 2, 0, 2), None), ((256, 64, 8, 3, 0, 2), None),

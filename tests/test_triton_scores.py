@@ -59,14 +59,14 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False, tma_keys=False) -> ScoreTuning:
+def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
     return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout,
-                       head_pairs=head_pairs, tma_keys=tma_keys)
+                       head_pairs=head_pairs)
 
 
 def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, relayout=False,
-             head_pairs=False, tma_keys=False, **kw):
+             head_pairs=False, **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -79,8 +79,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, sk
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, scale=scale,
-                            tuning=None if tile is None and not relayout and not head_pairs and not tma_keys
-                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs, tma_keys), **kw).cpu()
+                            tuning=None if tile is None and not relayout and not head_pairs
+                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -153,23 +153,6 @@ def test_head_pairs_pick_the_same_blocks(shape, relayout):
     run_case(*shape, seed=11, tile=(64, 16, 4, 1, 2, 2), relayout=relayout, head_pairs=True)
 
 
-@pytest.mark.parametrize("case", ["g1_dot_many_chunks", "g16_paper_geometry", "g3_lsel12_nsel3", "g2_f16_map",
-                                  "t_below_l", "t_1"])
-def test_tma_keys_pick_the_same_blocks(case):
-    """Compressed keys through a 2-D tensor descriptor (ScoreTuning.tma_keys): chunks starting before token 0
-    or running past N (zeros, or a neighbouring batch's keys at B=2, which the mask must drop), with and
-    without the relayout (then through two alternating scratch buffers) and skipped merges; N = 0 (t_1) and
-    head dims that are not a power of two fall back to pointer loads."""
-    B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
-    for relayout, skip in ((False, False), (True, False), (True, True)):
-        run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 7, tile=tile or F16, relayout=relayout,
-                 skip_merge=skip, tma_keys=True)
-    kc = torch.zeros(2, 10, 3, 24)
-    assert tsc._key_descriptor(kc, 16, 32) is None and tsc._key_descriptor(kc[:, :0], 16, 32) is None
-    assert tsc._key_descriptor(torch.zeros(2, 10, 3, 32), 16, 32) is not None
-    assert tsc._key_descriptor(torch.zeros(2, 10, 3, 64)[..., ::2], 16, 32) is None
-
-
 def test_relayout_ties_go_to_lower_index():
     got = run_case(1, 150, 4, 2, 16, 8, 4, 8, 5, seed=2, tile=SMALL, zero="k", relayout=True)
     assert (got[0, 100:, :, 1] == 1).all()
@@ -214,7 +197,7 @@ def test_forward_uses_fused_selection(monkeypatch):
 
 
 def _device_tile_pair(T, HQ, H, dk, field):
-    """block_idx of the device's score tile with the ScoreTuning bool `field` off and on, on random bf16
+    """block_idx of the device's score tile without and with the ScoreTuning bool `field`, on random bf16
     inputs at paper hyperparameters (lse from the Triton compressed attention)."""
     import dataclasses
 
@@ -239,17 +222,6 @@ def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
     """On the device's own tile (the paper and production shapes, bf16): block scores relaid out before
     ranking move fp32 values and change no arithmetic, so block_idx is bitwise the same as without."""
     a, b = _device_tile_pair(T, HQ, H, dk, "relayout")
-    assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("HQ, H, dk", [(64, 4, 128), (12, 2, 64)])
-@pytest.mark.parametrize("T", [8192, 65536])
-def test_gpu_tma_keys_are_bitwise_the_default(T, HQ, H, dk):
-    """k~ by TMA, pipelined, with the relayout's barrier in inline PTX and two scratch buffers (a missing or
-    misplaced barrier would show as a race on the compiled kernel): block_idx bitwise the pointer loads'."""
-    a, b = _device_tile_pair(T, HQ, H, dk, "tma_keys")
     assert torch.equal(a, b)
 
 

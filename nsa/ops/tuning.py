@@ -323,10 +323,6 @@ class ScoreTuning:
     # pass each chunk's block scores through a per-program scratch before ranking them, so the ranking
     # runs on one copy of each score instead of the head sum's replicated layout (scores._merge_chunk)
     relayout: bool = False
-    # load each chunk's compressed keys through a tensor descriptor (TMA on Hopper) instead of pointers: with
-    # the relayout's scratch traffic in the loop Triton does not pipeline the pointer loads, and the q k~ dot
-    # waited on them (31% of the kernel's warp samples in Nsight Compute, bench/RESULTS.md table 17)
-    tma_keys: bool = False
     # G >= 16 with the fp16-split map: add heads g and g + G/2 in fp32 before splitting (half the split and map
     # work; scores._block_sums; sm_90 loop 715 -> 594 instructions per thread). Off: the kernel gained 3-12%
     # (H100, paper shape) but the op stayed within noise, and the block scores are not bitwise the default's

@@ -136,35 +136,19 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
 def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                  KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                  KEY64: tl.constexpr, G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
-                 SKIP: tl.constexpr, SCR, RELAY: tl.constexpr, ASM_BAR: tl.constexpr):
+                 SKIP: tl.constexpr, SCR, RELAY: tl.constexpr):
     """run [BT, KR] best keys so far (descending); s [BT, NBJ_PAD] scores of blocks j0.. -> new run.
     RELAY: s goes through this program's scratch SCR [BT * NBJ_PAD] fp32 first. The head sum leaves s
     in the MMA rows' layout, every element held by the lanes that held its heads (8 copies at G=16 on
     8 warps); loaded back it is spread over the threads, so the keys and the sorting network below run
     once per element instead of once per copy (sm_90, 128-row tile: the unmasked loop 566 -> 432
     instructions per thread at G=16, d=128; 692 -> 408 at G=6, d=64)."""
-    if RELAY == 1:
+    if RELAY:
         r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
         tl.store(SCR + r_, s)
         tl.debug_barrier()    # every thread's store lands before any thread loads
         s = tl.load(SCR + r_)
         tl.debug_barrier()    # and every load before the next chunk overwrites
-    elif RELAY == 2:
-        # Two scratch buffers alternating by chunk, so one barrier per chunk suffices: a thread storing chunk
-        # c+2 into this buffer has passed chunk c+1's barrier, which every thread reaches only after its
-        # loads of chunk c. On the GPU the barrier is a bar.sync in inline PTX whose zero result the loads'
-        # offsets depend on: Triton's software pipeliner leaves loops with a debug_barrier unpipelined, and
-        # it must pipeline the k~ copies (tma_keys)
-        r_ = (tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
-              + ((j0 // NBJ) % 2) * (BT * NBJ_PAD))
-        tl.store(SCR + r_, s)
-        if ASM_BAR:
-            zero = tl.inline_asm_elementwise("bar.sync 0;\n\tmov.b32 $0, 0;", "=r,r", [tl.full([1, 1], 0, tl.int32)],
-                                             dtype=tl.int32, is_pure=False, pack=1)
-            s = tl.load(SCR + (r_ + zero))
-        else:   # the interpreter runs no inline PTX
-            tl.debug_barrier()
-            s = tl.load(SCR + r_)
     cols = tl.arange(0, NBJ_PAD)
     jj = (j0 + cols).to(tl.int64)                                            # [NBJ_PAD]
     mult = tl.full([1, 1], SCORE_GRID * STRIDE, tl.float64) / (G * L_CMP)
@@ -194,28 +178,22 @@ def _merge_keys(run, key, BT: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.conste
 
 
 @triton.jit
-def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, c_lo, c_hi, N, scale_log2,
+def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
           G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
           R: tl.constexpr, LC: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BT: tl.constexpr,
           BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr,
           LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr, KEY64: tl.constexpr,
           MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr, SKIP: tl.constexpr,
-          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr, PAIRH: tl.constexpr, KDESC: tl.constexpr,
-          ASM_BAR: tl.constexpr):
+          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr, PAIRH: tl.constexpr):
     """Chunks c_lo .. c_hi-1. MASKED=False only for chunks whose loaded tokens all exist (>= 0, < N)
-    and are visible to every token of the tile. KDESC: k~ through the tensor descriptor KD (k_cmp as 2-D
-    [B*N, H*dk], [BN, dk] boxes); rows outside batch b's [0, N) then hold a neighbouring batch's keys (or
-    zeros past the array), finite values that only the masked chunks load and k_ok masks there."""
+    and are visible to every token of the tile."""
     offs_dk = tl.arange(0, BDK)
     for c in range(c_lo, c_hi):
         j0 = c * NBJ
         ki = j0 * R - (LC - 1) + tl.arange(0, BN)                            # [BN] compressed tokens
         k_ok = (ki >= 0) & (ki < N)
-        if KDESC:
-            k = KD.load([(b * N + j0 * R - (LC - 1)).to(tl.int32), (h * DK).to(tl.int32)])
-        else:
-            k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
-                        mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)   # [BN, BDK]
+        k = tl.load(kc_base + ki.to(tl.int64)[:, None] * skt + offs_dk[None, :],
+                    mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)   # [BN, BDK]
         x = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2 - lse2[:, None]
         if MASKED:
             vis = ((ki * STRIDE + L_CMP - 1)[None, :] <= tok[:, None]) & k_ok[None, :]
@@ -224,7 +202,7 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, c_lo, c_hi, N, sc
             p = tl.exp2(x)
         s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC, PAIRH)
         run = _merge_chunk(run, s, j0, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                           G, L_CMP, STRIDE, SKIP, SCR, RELAY, ASM_BAR)
+                           G, L_CMP, STRIDE, SKIP, SCR, RELAY)
     return run
 
 
@@ -233,15 +211,14 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, c_lo, c_hi, N, sc
 
 
 @triton.jit
-def _select_kernel(Q, KC, KD, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
+def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
                    T, N, H, n_tiles, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
                    LSEL: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
                    BLOCK_R: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                    KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                    KEY64: tl.constexpr, MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKIP: tl.constexpr, RELAY: tl.constexpr, PAIRH: tl.constexpr, KDESC: tl.constexpr,
-                   ASM_BAR: tl.constexpr):
+                   SKIP: tl.constexpr, RELAY: tl.constexpr, PAIRH: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     R: tl.constexpr = LSEL // STRIDE       # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE     # stride chunks per compression block
@@ -266,20 +243,20 @@ def _select_kernel(Q, KC, KD, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sb
     ov = tl.minimum(r_, c_ * R + R - 1) - tl.maximum(r_ - (LC - 1), c_ * R) + 1
     cnt = tl.where((ov > 0) & (c_ < NBJ), ov, 0).to(tl.float32)
     kc_base = KC + b * skb + h * skh
-    scr = SCRATCH + (pid_bh * n_tiles + pid_m).to(tl.int64) * (RELAY * BT * NBJ_PAD) if RELAY else SCRATCH
+    scr = SCRATCH + (pid_bh * n_tiles + pid_m).to(tl.int64) * (BT * NBJ_PAD) if RELAY else SCRATCH
     if KEY64:
         run = tl.full([BT, KR], -1, tl.int64)
     else:
         run = tl.full([BT, KR], -1, tl.int32)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
+    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH, KDESC, ASM_BAR)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, C_LO, c_full, N, scale_log2,
+                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
+    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, False, scr, RELAY, PAIRH, KDESC, ASM_BAR)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, KD, b, h, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
+                MAP, P_PREC, DOT_PREC, SKIP, False, scr, RELAY, PAIRH)
+    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH, KDESC, ASM_BAR)
+                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
     # forced blocks by priority (cur, 0, cur-1; min(cur+1, 3) distinct), then the best others
     pos = tl.arange(0, KR)[None, :]
     nf = tl.minimum(cur + 1, 3)[:, None]
@@ -334,34 +311,16 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     mode = tile.map_small if bt <= 16 and bt * bn * nbj_pad <= 16384 else tile.map_big
     bi = torch.empty(B, T, H, n_sel, device=q.device, dtype=torch.int64)
     n_tiles = triton.cdiv(T, bt)
-    kd = _key_descriptor(k_cmp, bn, bdk) if tuning.tma_keys else None
-    # RELAY: one [bt, nbj_pad] fp32 scratch per program (T * H * 64 B at the default tiles), two with TMA keys
-    relay = (2 if kd is not None else 1) if tuning.relayout else 0
-    scratch = torch.empty(n_tiles * B * H * bt * nbj_pad * relay if relay else 1, device=q.device,
+    # RELAY: one [bt, nbj_pad] fp32 scratch per program (T * H * 64 B at the default tiles)
+    scratch = torch.empty(n_tiles * B * H * bt * nbj_pad if tuning.relayout else 1, device=q.device,
                           dtype=torch.float32)
     _select_kernel[(n_tiles, B * H)](
-        q, k_cmp, kd if kd is not None else k_cmp, lse_cmp.contiguous(), bi, scratch, q.stride(0), q.stride(1),
-        q.stride(2), k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), bi.stride(0), bi.stride(1), bi.stride(2),
+        q, k_cmp, lse_cmp.contiguous(), bi, scratch, q.stride(0), q.stride(1), q.stride(2),
+        k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), bi.stride(0), bi.stride(1), bi.stride(2),
         T, N, H, n_tiles, scale * LOG2E, G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, DK=dk,
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=tuning.skip_merge, RELAY=relay, ASM_BAR=q.is_cuda, PAIRH=tuning.head_pairs, KDESC=kd is not None,
-        num_warps=warps, num_stages=stages,
+        SKIP=tuning.skip_merge, RELAY=tuning.relayout, PAIRH=tuning.head_pairs, num_warps=warps, num_stages=stages,
         **reg_cap(tile.max_regs, q.is_cuda))
     return bi
-
-
-def _key_descriptor(k_cmp: torch.Tensor, bn: int, bdk: int):
-    """A tensor descriptor of k_cmp [B, N, H, dk] with [1, bn, 1, bdk] boxes (one chunk of one head's
-    compressed keys; a TMA copy on Hopper), or None where TMA's rules do not hold (no compressed token, a
-    strided last dim, 16-byte alignment): the kernel then loads through pointers."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    es = k_cmp.element_size()
-    B, N, H, dk = k_cmp.shape
-    if (N == 0 or dk != bdk or k_cmp.stride(3) != 1 or k_cmp.stride(2) != dk or k_cmp.data_ptr() % 16
-            or (B > 1 and k_cmp.stride(0) != N * k_cmp.stride(1)) or (k_cmp.stride(1) * es) % 16
-            or B * N >= 2 ** 31):
-        return None
-    B, N, H, dk = k_cmp.shape
-    return TensorDescriptor(k_cmp, [B * N, H * dk], [k_cmp.stride(1), 1], [bn, bdk])
