@@ -110,6 +110,46 @@ def _kernel():
         tma_load(v_desc, [row0 + j * LS, h * DV], bar, vs)
 
     @gluon.jit
+    def _rows_a(X, b, h, n, T, sxb, sxt, sxh, G: gl.constexpr, M: gl.constexpr, D: gl.constexpr,
+                parent: gl.constexpr):
+        """The tile's [G*M, D] rows of X (token-major, row = ti * G + g, as select_tile._tile_rows; zeros past
+        T) as wgmma's A operand in registers, for an accumulator of layout `parent`."""
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        r = gl.arange(0, G * M, layout=gl.SliceLayout(1, ld))
+        c = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
+        t = (n * M + r // G).to(gl.int64)
+        x = gl.load(X + b.to(gl.int64) * sxb + t[:, None] * sxt + (h * G + r % G)[:, None] * sxh + c[None, :],
+                    mask=(t < T)[:, None], other=0.0)
+        return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=parent, k_width=2))
+
+    @gluon.jit
+    def _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE: gl.constexpr, LS: gl.constexpr, D: gl.constexpr,
+                 DV: gl.constexpr):
+        """The tile kernels' ring: NSTAGE slots of a block's K / V tiles with their mbarriers, the tile's first
+        NSTAGE - 1 union blocks (entries ubase ..., nu of them) already issued."""
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, LS, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, LS, DV], v_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(bars.index(i), count=1)
+        for i in gl.static_range(NSTAGE - 1):
+            if i < nu:
+                _load_block(k_desc, v_desc, bars.index(i), k_smem.index(i), v_smem.index(i), UB, ubase + i, row0, h,
+                            LS, D, DV)
+        return k_smem, v_smem, bars
+
+    @gluon.jit
+    def _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV):
+        """At step it: union entry it + NSTAGE - 1 into the slot step it - 1 read; the CTA barrier first puts
+        every warp past that step's wgmma waits. (The sizes are the caller's constexprs, passed through.)"""
+        nxt = it + NSTAGE - 1
+        if nxt < nu:
+            cta_barrier()
+            s2 = nxt % NSTAGE
+            _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0, h,
+                        LS, D, DV)
+
+    @gluon.jit
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, sob, sot, soh, T, H, NT,
                    scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr, D: gl.constexpr,
                    DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
@@ -125,26 +165,11 @@ def _kernel():
         # S = q K^T [R, LS] and O [R, DV] accumulators: one warpgroup, 16-row wgmma atoms
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        # rows token-major (row = ti * G + g), as _tile_rows; the tile's q once, into wgmma's A registers
-        rq = gl.arange(0, R, layout=gl.SliceLayout(1, ld))
-        cq = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        tq = n * M + rq // G
-        qv = gl.load(Q + b.to(gl.int64) * sqb + tq.to(gl.int64)[:, None] * sqt + (h * G + rq % G)[:, None] * sqh
-                     + cq[None, :], mask=(tq < T)[:, None], other=0.0)
-        qa = gl.convert_layout(qv, gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2))
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, LS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, LS, DV], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NSTAGE):
-            mbarrier.init(bars.index(i), count=1)
+        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)     # the tile's q once, in registers
         ubase = (pid_bh.to(gl.int64) * NT + n) * UW
         nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
         row0 = b * T                    # block j's keys are rows row0 + j*LS .. of the 2-D K / V views
-        for i in gl.static_range(NSTAGE - 1):
-            if i < nu:
-                _load_block(k_desc, v_desc, bars.index(i), k_smem.index(i), v_smem.index(i), UB, ubase + i, row0, h,
-                            LS, D, DV)
+        k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
         tok = n * M + ti
@@ -154,12 +179,7 @@ def _kernel():
         acc = gl.zeros([R, DV], gl.float32, layout=mma_o)
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         for it in range(nu):
-            nxt = it + NSTAGE - 1
-            if nxt < nu:   # refill the slot step it-1 read: the barrier puts every warp past its wgmma waits
-                cta_barrier()
-                s2 = nxt % NSTAGE
-                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0,
-                            h, LS, D, DV)
+            _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV)
             slot = it % NSTAGE
             mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
             j = gl.load(UB + ubase + it)
@@ -210,17 +230,8 @@ def _kernel():
         h = pid_bh % H
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
         mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        rq = gl.arange(0, R, layout=gl.SliceLayout(1, ld))
-        cq = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        cv = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
-        tq = (n * M + rq // G).to(gl.int64)
-        hq = h * G + rq % G
-        a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_s, k_width=2)
-        qa = gl.convert_layout(gl.load(Q + b.to(gl.int64) * sqb + tq[:, None] * sqt + hq[:, None] * sqh + cq[None, :],
-                                       mask=(tq < T)[:, None], other=0.0), a_op)
-        doa = gl.convert_layout(gl.load(DO + b.to(gl.int64) * sdb + tq[:, None] * sdt + hq[:, None] * sdh
-                                        + cv[None, :], mask=(tq < T)[:, None], other=0.0), a_op)
+        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)
+        doa = _rows_a(DO, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
         tok = n * M + ti
@@ -232,28 +243,15 @@ def _kernel():
             gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
         else:
             gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NSTAGE, LS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NSTAGE, LS, DV], v_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NSTAGE):
-            mbarrier.init(bars.index(i), count=1)
         ubase = (pid_bh.to(gl.int64) * NT + n) * UW
         nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
         row0 = b * T
-        for i in gl.static_range(NSTAGE - 1):
-            if i < nu:
-                _load_block(k_desc, v_desc, bars.index(i), k_smem.index(i), v_smem.index(i), UB, ubase + i, row0, h,
-                            LS, D, DV)
+        k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dq = gl.zeros([R, D], gl.float32, layout=mma_q)
         for it in range(nu):
-            nxt = it + NSTAGE - 1
-            if nxt < nu:
-                cta_barrier()
-                s2 = nxt % NSTAGE
-                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0,
-                            h, LS, D, DV)
+            _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV)
             slot = it % NSTAGE
             mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
             j = gl.load(UB + ubase + it)
