@@ -33,7 +33,6 @@ LSEL = 64          # keys per selection block (one TMA box of K or V)
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
 # before the token-id prefetch, which adds 16 B)
 _DQC = 2
-_VARIANT = {"KM": 0}
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
 
@@ -302,7 +301,7 @@ def _kernel():
                     DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                     CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, KM: gl.constexpr, num_warps: gl.constexpr):
+                    DQC: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
         """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
         per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
         each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
@@ -348,14 +347,8 @@ def _kernel():
             if i < nsteps:
                 _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i),
                            _step_toks(TOKS, start + i * QB, end, QB, num_warps), row_b, h * G, HQ, G, QB)
-        if KM:   # keys on the MMA's M side: S^T [LS, R], the step's rows along N (R == LS: the same layout)
-            row_l: gl.constexpr = gl.SliceLayout(0, mma_s)
-            key_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-        else:
-            row_l: gl.constexpr = gl.SliceLayout(1, mma_s)
-            key_l: gl.constexpr = gl.SliceLayout(0, mma_s)
-        rs = gl.arange(0, R, layout=row_l)
-        kk = gl.arange(0, LS, layout=key_l)
+        rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
+        kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dk = gl.zeros([LS, D], gl.float32, layout=mma_k)
         dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
@@ -387,47 +380,32 @@ def _kernel():
             if HAS_GATE:
                 gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
             else:
-                gate = gl.full([R], 1.0, gl.float32, layout=row_l)
+                gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
             limit = gl.where(row_ok, gl.minimum(t - j * LS, LS - 1), -1).to(gl.int32)   # select.walk_limit
             mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
-            if KM:
-                # S^T = K q^T, dP^T = V dO^T; P^T / dS^T then feed dV / dK from registers, no shared-memory pass
-                sacc = warpgroup_mma(k_smem, qs.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dpa = warpgroup_mma(v_smem, dos.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
-                vis = kk[:, None] <= limit[None, :]
-                p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[None, :]), 0.0) * gate[None, :]
-                ds = p * (dpa - delta[None, :])
-                a_k: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_k, k_width=2)
-                pa = gl.convert_layout(p.to(k_desc.dtype), a_k)
-                dsa = gl.convert_layout(ds.to(k_desc.dtype), a_k)
-                dv = warpgroup_mma(pa, dos, dv, is_async=True)
-                dk = warpgroup_mma(dsa, qs, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            else:
-                sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                dpa = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
-                vis = kk[None, :] <= limit[:, None]
-                p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
-                ds = p * (dpa - delta[:, None])
-                p_smem.store(p.to(k_desc.dtype))
-                ds_smem.store(ds.to(k_desc.dtype))
-                fence_async_shared()
-                cta_barrier()
-                dv = warpgroup_mma(p_smem.permute((1, 0)), dos, dv, is_async=True)
-                dk = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-                if DQ_PAIRS:   # dS K * scale [R, d] in DQC column slices of d (fewer accumulator registers beside dK / dV)
-                    rq = gl.arange(0, R, layout=gl.SliceLayout(1, mma_h))
-                    eq = start + st * QB + rq // G
-                    pr = eq.to(gl.int64) * G + rq % G
-                    for c in gl.static_range(DQC):
-                        dqp = warpgroup_mma(ds_smem, k_smem.slice(c * (D // DQC), D // DQC, dim=1),
-                                            gl.zeros([R, D // DQC], gl.float32, layout=mma_h), use_acc=False)
-                        cq = c * (D // DQC) + gl.arange(0, D // DQC, layout=gl.SliceLayout(0, mma_h))
-                        gl.store(DQP + pr[:, None] * D + cq[None, :], (dqp * scale).to(DQP.dtype.element_ty),
-                                 mask=(eq < end)[:, None])
+            sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dpa = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
+            vis = kk[None, :] <= limit[:, None]
+            p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
+            ds = p * (dpa - delta[:, None])
+            p_smem.store(p.to(k_desc.dtype))
+            ds_smem.store(ds.to(k_desc.dtype))
+            fence_async_shared()
+            cta_barrier()
+            dv = warpgroup_mma(p_smem.permute((1, 0)), dos, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            if DQ_PAIRS:   # dS K * scale [R, d] in DQC column slices of d (fewer accumulator registers beside dK / dV)
+                rq = gl.arange(0, R, layout=gl.SliceLayout(1, mma_h))
+                eq = start + st * QB + rq // G
+                pr = eq.to(gl.int64) * G + rq % G
+                for c in gl.static_range(DQC):
+                    dqp = warpgroup_mma(ds_smem, k_smem.slice(c * (D // DQC), D // DQC, dim=1),
+                                        gl.zeros([R, D // DQC], gl.float32, layout=mma_h), use_acc=False)
+                    cq = c * (D // DQC) + gl.arange(0, D // DQC, layout=gl.SliceLayout(0, mma_h))
+                    gl.store(DQP + pr[:, None] * D + cq[None, :], (dqp * scale).to(DQP.dtype.element_ty),
+                             mask=(eq < end)[:, None])
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NSTAGE):
             mbarrier.invalidate(bars.index(i))
@@ -558,4 +536,4 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
                                   dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, KM=bool(_VARIANT['KM']) and dq_pairs is None, num_warps=4)
+                                  GUARD=mode, num_warps=4)
