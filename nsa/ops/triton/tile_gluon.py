@@ -3,7 +3,7 @@ and dq (select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel) and the dK/dV walk, 
 partials (select._slc_bwd_dkdv_kernel), each with the Triton kernel's contract.
 
 Same programs and the same arithmetic in the same order as the Triton kernels (their outputs are bitwise
-the Triton kernels', bench/RESULTS.md table 16), written at the level Triton leaves to its compiler: the
+the Triton kernels', bench/RESULTS.md tables 16 and 17), written at the level Triton leaves to its compiler: the
 K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
 by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
 shared-memory slots filled a step ahead; the tile kernels keep q (and dO) in registers as wgmma's A
