@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from ..fallbacks import count_fallback
-from .guard import Guard
+from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 
 ROWS = 64          # wgmma rows of one warpgroup: m * G (tile kernels) or a walk step's rows must be exactly this
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
@@ -91,16 +91,6 @@ def _kernel():
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
 
     @gluon.jit
-    def _skip(FLAG, GUARD: gl.constexpr):
-        """guard.py's contract: mode 1 runs iff the flag is set, mode 2 iff it is clear."""
-        f = gl.load(FLAG)
-        if GUARD == 1:
-            skip = f == 0
-        else:
-            skip = f != 0
-        return skip
-
-    @gluon.jit
     def _load_block(k_desc, v_desc, bar, ks, vs, UB, idx, row0, h, LS: gl.constexpr, D: gl.constexpr,
                     DV: gl.constexpr):
         """Union entry idx's block: its K / V tiles [LS, d] of head h into one ring slot, counted on bar."""
@@ -108,6 +98,18 @@ def _kernel():
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [row0 + j * LS, h * D], bar, ks)
         tma_load(v_desc, [row0 + j * LS, h * DV], bar, vs)
+
+    @gluon.jit
+    def _tile_program(USZ, T, H, NT, UW: gl.constexpr):
+        """This tile program's (n, b, h): tile n of (batch b, KV head h); its union entries' base ubase and
+        count nu; row0 = b * T, where block j's keys start at row row0 + j * LSEL of the 2-D K / V views."""
+        n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        ubase = (pid_bh.to(gl.int64) * NT + n) * UW
+        nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
+        return n, b, h, ubase, nu, b * T
 
     @gluon.jit
     def _rows_a(X, b, h, n, T, sxb, sxt, sxh, G: gl.constexpr, M: gl.constexpr, D: gl.constexpr,
@@ -139,15 +141,20 @@ def _kernel():
         return k_smem, v_smem, bars
 
     @gluon.jit
-    def _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV):
-        """At step it: union entry it + NSTAGE - 1 into the slot step it - 1 read; the CTA barrier first puts
-        every warp past that step's wgmma waits. (The sizes are the caller's constexprs, passed through.)"""
+    def _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE, LS, D, DV):
+        """Step it of a tile kernel's union walk: union entry it + NSTAGE - 1 into the slot step it - 1 read
+        (the CTA barrier first puts every warp past that step's wgmma waits), then wait for entry it's slot.
+        Returns (slot, block j, bits of the tile's tokens that chose j). (The sizes are the caller's
+        constexprs, passed through.)"""
         nxt = it + NSTAGE - 1
         if nxt < nu:
             cta_barrier()
             s2 = nxt % NSTAGE
             _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0, h,
                         LS, D, DV)
+        slot = it % NSTAGE
+        mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
+        return slot, gl.load(UB + ubase + it), gl.load(UBITS + ubase + it)
 
     @gluon.jit
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, sob, sot, soh, T, H, NT,
@@ -156,19 +163,13 @@ def _kernel():
                    num_warps: gl.constexpr):
         R: gl.constexpr = G * M
         if GUARD != 0:
-            if _skip(FLAG, GUARD):
+            if skip_program(FLAG, GUARD):
                 return
-        n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
+        n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
         # S = q K^T [R, LS] and O [R, DV] accumulators: one warpgroup, 16-row wgmma atoms
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
         qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)     # the tile's q once, in registers
-        ubase = (pid_bh.to(gl.int64) * NT + n) * UW
-        nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
-        row0 = b * T                    # block j's keys are rows row0 + j*LS .. of the 2-D K / V views
         k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
@@ -179,11 +180,8 @@ def _kernel():
         acc = gl.zeros([R, DV], gl.float32, layout=mma_o)
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         for it in range(nu):
-            _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV)
-            slot = it % NSTAGE
-            mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
-            j = gl.load(UB + ubase + it)
-            bits = gl.load(UBITS + ubase + it)
+            slot, j, bits = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE,
+                                     LS, D, DV)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, ))
             # the row's token chose block j, and causality (keys past T are past every token)
@@ -222,12 +220,9 @@ def _kernel():
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
         if GUARD != 0:
-            if _skip(FLAG, GUARD):
+            if skip_program(FLAG, GUARD):
                 return
-        n = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
+        n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
         mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)
@@ -243,19 +238,13 @@ def _kernel():
             gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
         else:
             gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
-        ubase = (pid_bh.to(gl.int64) * NT + n) * UW
-        nu = gl.load(USZ + pid_bh.to(gl.int64) * NT + n)
-        row0 = b * T
         k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dq = gl.zeros([R, D], gl.float32, layout=mma_q)
         for it in range(nu):
-            _kv_refill(k_desc, v_desc, k_smem, v_smem, bars, UB, ubase, it, nu, row0, h, NSTAGE, LS, D, DV)
-            slot = it % NSTAGE
-            mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
-            j = gl.load(UB + ubase + it)
-            bits = gl.load(UBITS + ubase + it)
+            slot, j, bits = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE,
+                                     LS, D, DV)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpa = warpgroup_mma(doa, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
@@ -308,7 +297,7 @@ def _kernel():
         pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs)."""
         R: gl.constexpr = G * QB
         if GUARD != 0:
-            if _skip(FLAG, GUARD):
+            if skip_program(FLAG, GUARD):
                 return
         w = gl.program_id(0)
         seg = gl.load(WSEG + w).to(gl.int32)     # as select.work_item, in int32 (TMA coordinates)
