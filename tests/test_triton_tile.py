@@ -236,7 +236,7 @@ def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
         assert rel_err(a, r) <= tol(torch.float32) * f, f"{name} m=4 vs reference: {rel_err(a, r):.2e}"
 
 
-@pytest.mark.parametrize("case", ["dq_fp32", "dq_last", "hopper_g16"])
+@pytest.mark.parametrize("case", ["dq_fp32", "dq_last", "hopper_g16", "combine"])
 def test_op_auto_tile_choice_runs_exactly_the_chosen_kernels(case):
     """TileTuning.auto_union: the op launches the per-token and the tile kernels, and the device flag
     (union fraction <= auto_union) lets exactly one of them write: the result is bitwise the fixed
@@ -245,7 +245,9 @@ def test_op_auto_tile_choice_runs_exactly_the_chosen_kernels(case):
     outside (flash-attn's stand-in), so the selection's dq is the last and is written in q's dtype.
     hopper_g16: the Hopper preset's selection at G=16 (forward per token, dq from the dK/dV walk's pair
     partials, whose walk then runs twice under the flag: with dq partials and without) with its
-    min_g=16; a G below min_g runs the per-token kernels whatever the threshold."""
+    min_g=16; a G below min_g runs the per-token kernels whatever the threshold. combine: the tile runs
+    with TileTuning.gluon_combine (here, off Hopper, the combine kernel under the tiles' flag beside
+    the per-token side's) give the same bits as the plain runs."""
     from nsa.ops.tuning import HOPPER, FlashBranchTuning
     B, T, HQ, H, dk, dv = (1, 45, 16, 1, 16, 16) if case == "hopper_g16" else (1, 45, 4, 2, 16, 16)
     hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=8)
@@ -255,6 +257,9 @@ def test_op_auto_tile_choice_runs_exactly_the_chosen_kernels(case):
     base = tuning_for(DEV)
     if case == "dq_last":
         base = base.replace(flash=FlashBranchTuning(win="reference"))
+    if case == "combine":   # o_cmp in the dense compressed problem's rows: the combine's row map too
+        from nsa.ops.tuning import CmpDenseTuning
+        base = base.replace(cmp_dense=CmpDenseTuning("math"))
     g = {}
     if case == "hopper_g16":
         base = base.replace(select=HOPPER.select)
@@ -271,6 +276,9 @@ def test_op_auto_tile_choice_runs_exactly_the_chosen_kernels(case):
     checks = [(1.0, 4, g), (frac + 1e-6, 4, g), (frac - 1e-3, 1, g), (1e-6, 1, g)]
     if g:   # G below min_g: per token even where the threshold would pick tiles
         checks.append((1.0, 1, dict(min_g=HQ // H + 1)))
+    if case == "combine":
+        g = dict(gluon_combine=True)
+        checks = [(thr, want, {**kw, **g}) for thr, want, kw in checks] + [(0.0, 4, g)]
     for thr, want, kw in checks:
         got = run(TileTuning(m=4, auto_union=thr, **kw))
         for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, fixed[want]):

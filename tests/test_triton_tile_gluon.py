@@ -89,6 +89,12 @@ k, v = torch.randn(1, T, H, D).bfloat16(), torch.randn(1, T, H, D).bfloat16()
 un = _tile_unions_torch(br.selection(T, H, T // 64, 16, 64).to(torch.int32), 4)
 o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
 gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
+from nsa.ops.triton.cmp_dense import _maps
+from nsa.ops.triton.function import Combine
+gates = torch.rand(1, T, HQ, 3).bfloat16()
+maps = _maps(T, (T - 32) // 16 + 1, HQ, H, 32, 16, "cpu", True)
+for oc, rows in ((torch.randn_like(q), None), (torch.randn(1, maps.slot_src.numel(), D).bfloat16(), maps)):
+    gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2, combine=Combine.of(oc, o, gates, rows))
 dq = torch.empty(1, T, HQ, D)
 gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, dq, dq, 1, m=4, scale=D ** -0.5, stages=2, has_gate=True)
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
@@ -113,9 +119,13 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
     if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 4, r.stderr[-2000:]
-    (fregs, fspills, fshared), (dregs, dspills, dshared), (wregs, wspills, wshared), (_, qspills, _) = (
+    assert len(lines) == 6, r.stderr[-2000:]
+    (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), (wregs, wspills, wshared), (_, qspills, _) = (
         [int(x) for x in ln.split()[1:]] for ln in lines)
+    # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
+    # still three programs per SM, no spill, with o_cmp in q's rows and in the dense problem's
+    for cregs, cspills, cshared in combined:
+        assert cregs <= 168 and cspills == 0 and cshared <= 2 * 32 * 1024 + 1024, (cregs, cspills, cshared)
     # the walk writing dq partials holds a third accumulator (in halves): a few spilled words at most
     assert qspills <= 64, qspills
     # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
@@ -158,6 +168,21 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
                                     dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
                                     tuning=TileTuning(m=m, gluon_dq_stages=s)) for s in (2, 0))
             assert torch.equal(got, want), f"{mode} gate={g is not None}: Gluon dq differs from the Triton kernel"
+        # the op's output written by the forward's epilogue (TileTuning.gluon_combine), o_cmp in q's rows and
+        # in the dense compressed problem's: bitwise the combine kernel's
+        from nsa.ops.triton.cmp_dense import _maps
+        from nsa.ops.triton.function import Combine, combine
+        gates = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").to(dtype)
+        o_win = torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype)
+        maps = _maps(T, (T - 32) // 16 + 1, HQ, H, 32, 16, "cuda", True)
+        for o_cmp, rows in ((torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype), None),
+                            (torch.randn(B, maps.slot_src.numel(), d, generator=gen, device="cuda").to(dtype), maps)):
+            cb = Combine.of(o_cmp, o_win, gates, rows)
+            o_s, lse_s = tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, combine=cb,
+                                         tuning=TileTuning(m=m, gluon_fwd_stages=2, gluon_combine=True))
+            assert torch.equal(o_s, run[0][0]) and torch.equal(lse_s, run[0][1])
+            want = combine(o_cmp, run[0][0], o_win, gates, rows)
+            assert torch.equal(cb.out, want), f"{mode} rows={rows is not None}: fused combine differs"
         # guarded: the program runs or returns by the device flag (guard.py), leaving out untouched
         flag = torch.ones(1, dtype=torch.int32, device="cuda")
         for mode_bit, runs in ((1, True), (2, False)):

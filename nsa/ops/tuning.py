@@ -267,6 +267,9 @@ class TileTuning:
     # (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
+    # the Gluon forward also writes the op's output (the gated sum of the three branches) from its tile's
+    # rows, where the branches' outputs exist before the selection's: no separate combine pass over them
+    gluon_combine: bool = False
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -519,7 +522,7 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                                           gluon_walk_stages=2, gluon_dq_walk_stages=2),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
-                                      gluon_dq_stages=2))
+                                      gluon_dq_stages=2, gluon_combine=True))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

@@ -18,6 +18,8 @@ _QFork node, whose backward sums the three branches' gradients of q in one pass.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,7 @@ from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
-from .guard import pair
+from .guard import Guard, pair, skip_program
 from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_dq, slc_fwd
 from .select_block import pair_buffer, pair_dq, slc_fwd_pairs
 from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
@@ -48,23 +50,29 @@ def _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV: tl.constexpr, ROWS: tl.constexpr
 
 
 @triton.jit
-def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                        BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over rows [n_rows, DV] (o_cmp's rows: _cmp_rows)."""
-    r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    ok = r < n_rows
+def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, FLAG, n_per_b, n_rows, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                        BLOCK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, GUARD: tl.constexpr):
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over rows [n_rows, DV] (o_cmp's rows: _cmp_rows),
+    SUB blocks of BLOCK rows per program (fewer programs to start, or to skip under GUARD, guard.py)."""
+    if GUARD != 0:
+        if skip_program(FLAG, GUARD):
+            return
     c = tl.arange(0, BDV)
     cm = c[None, :] < DV
-    m = ok[:, None] & cm
-    off = r[:, None] * DV + c[None, :]
-    oc_row, oc_ok = _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV, ROWS)
-    g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
-    g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
-    g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
-    o = g0[:, None] * tl.load(OC + oc_row[:, None] + c[None, :], mask=oc_ok[:, None] & cm, other=0.0).to(tl.float32)
-    o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
-    o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(O + off, o.to(O.dtype.element_ty), mask=m)
+    for i in tl.static_range(SUB):
+        r = ((tl.program_id(0) * SUB + i) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        ok = r < n_rows
+        m = ok[:, None] & cm
+        off = r[:, None] * DV + c[None, :]
+        oc_row, oc_ok = _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV, ROWS)
+        g0 = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
+        g1 = tl.load(GT + r * 3 + 1, mask=ok, other=0.0).to(tl.float32)
+        g2 = tl.load(GT + r * 3 + 2, mask=ok, other=0.0).to(tl.float32)
+        o = g0[:, None] * tl.load(OC + oc_row[:, None] + c[None, :], mask=oc_ok[:, None] & cm,
+                                  other=0.0).to(tl.float32)
+        o += g1[:, None] * tl.load(OS + off, mask=m, other=0.0).to(tl.float32)
+        o += g2[:, None] * tl.load(OW + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(O + off, o.to(O.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -168,18 +176,52 @@ def _rows_args(cmp_rows: cmp_dense.CmpMaps | None, other: torch.Tensor) -> tuple
     return (cmp_rows.row_slot, cmp_rows.row_slot.numel()) if cmp_rows is not None else (other, 1)
 
 
+COMBINE_SUB = 4   # row blocks per combine program
+
+
 def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
-            cmp_rows: cmp_dense.CmpMaps | None = None) -> torch.Tensor:
+            cmp_rows: cmp_dense.CmpMaps | None = None, out: torch.Tensor | None = None,
+            guard: Guard | None = None) -> torch.Tensor:
     """All contiguous: o_* [B,T,HQ,dv] (o_cmp [B,S,dv] in the dense problem's rows with cmp_rows),
-    gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype."""
-    o = torch.empty_like(o_slc)
+    gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype (into out when given; guard: only where the
+    device flag says so, guard.py)."""
+    o = torch.empty_like(o_slc) if out is None else out
     n_rows, dv = o.numel() // o.shape[-1], o.shape[-1]
     if n_rows == 0:
         return o
     nb, bdv, block = _rows_grid(n_rows, dv)
-    _combine_fwd_kernel[(nb,)](o_cmp, o_slc, o_win, gates, o, *_rows_args(cmp_rows, o), n_rows, o_cmp.shape[1],
-                               DV=dv, BDV=bdv, BLOCK=block, ROWS=cmp_rows is not None)
+    flag, mode = guard if guard is not None else (o, 0)
+    slot, n_per_b = _rows_args(cmp_rows, o)
+    _combine_fwd_kernel[(triton.cdiv(nb, COMBINE_SUB),)](
+        o_cmp, o_slc, o_win, gates, o, slot, flag, n_per_b, n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
+        SUB=COMBINE_SUB, ROWS=cmp_rows is not None, GUARD=mode)
     return o
+
+
+class Combine(NamedTuple):
+    """The op's output o [B,T,HQ,dv] = the gated sum of the branches (combine()), for a selection forward
+    that writes it from its own rows (select_tile.slc_fwd_tile's combine): the other operands and, for
+    o_cmp in the dense compressed problem's rows (rows), that problem's row map (slot, n_per_b = its
+    length per batch, s_rows = o_cmp's rows per batch)."""
+    gates: torch.Tensor
+    o_cmp: torch.Tensor
+    o_win: torch.Tensor
+    out: torch.Tensor
+    slot: torch.Tensor
+    n_per_b: int
+    s_rows: int
+    rows: bool
+    cmp_rows: cmp_dense.CmpMaps | None
+
+    @staticmethod
+    def of(o_cmp, o_win, gates, cmp_rows: cmp_dense.CmpMaps | None) -> "Combine":
+        out = torch.empty_like(o_win)
+        slot, n_per_b = _rows_args(cmp_rows, out)
+        return Combine(gates, o_cmp, o_win, out, slot, n_per_b, o_cmp.shape[1], cmp_rows is not None, cmp_rows)
+
+    def run(self, o_slc: torch.Tensor, guard: Guard | None) -> None:
+        """The combine kernel into out (what the fused epilogue would have written), under guard."""
+        combine(self.o_cmp, o_slc, self.o_win, self.gates, self.cmp_rows, out=self.out, guard=guard)
 
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
@@ -221,8 +263,13 @@ class NSATritonFunction(torch.autograd.Function):
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tuning.scores)
+        if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
+            o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
+        else:   # before the selection, whose forward may write the op's output (Combine)
+            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
         G = q.shape[2] // k_slc.shape[2]
         ctx.m = m = tuning.tile.m_for(G)
+        fused = Combine.of(o_cmp, o_win, gates, cmp_rows) if m > 1 and tuning.tile.gluon_combine else None
         # block-order forward: the pair inversion it walks is the one the dK/dV kernel walks, kept for it;
         # dq from pair partials after a per-token forward makes it in the backward (nothing held between)
         pairs = m == 1 or tuning.tile.auto_union > 0
@@ -238,21 +285,19 @@ class NSATritonFunction(torch.autograd.Function):
             _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
                            tuning=tuning.select, out=out, guard=on_token)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m, union=union,
-                                          tuning=tuning.tile, out=out, guard=on_tile)
+                                          tuning=tuning.tile, out=out, guard=on_tile, combine=fused)
+            if fused is not None:   # the tiles' side wrote o (or ran the kernel under on_tile)
+                combine(o_cmp, o_slc, o_win, gates, cmp_rows, out=fused.out, guard=on_token)
             union = (*union, flag)
         elif m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
             union = tile_unions(block_idx, m)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
-                                          union=union, tuning=tuning.tile)
+                                          union=union, tuning=tuning.tile, combine=fused)
         else:
             union = ()
             o_slc, lse_slc = _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale,
                                             chunk=chunk, tuning=tuning.select)
-        if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
-            o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
-        else:
-            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
-        o = combine(o_cmp, o_slc, o_win, gates, cmp_rows)
+        o = fused.out if fused is not None else combine(o_cmp, o_slc, o_win, gates, cmp_rows)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
         ctx.hp = (l, d, l_sel, w, scale, chunk, tuning)

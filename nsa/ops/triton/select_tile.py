@@ -441,11 +441,13 @@ def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnio
 def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
                  l_sel: int, scale: float, m: int, union: TileUnion | None = None,
                  tuning: TileTuning | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 guard: Guard | None = None, combine=None) -> tuple[torch.Tensor, torch.Tensor]:
     """As select.slc_fwd (q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o, lse fp32
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
     when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
-    preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's."""
+    preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's.
+    combine: a function.Combine whose out then holds the op's output under the same guard: written by
+    the Gluon forward's epilogue (tuning.gluon_combine) or, when that does not run, by combine.run."""
     tn = tuning or tuning_for(q.device).tile
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -454,8 +456,11 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     nt = un.size.shape[2]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
+    fuse = combine if tn.gluon_combine else None
     if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
-            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard):
+            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=fuse):
+        if combine is not None and fuse is None:
+            combine.run(o, guard)
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
@@ -465,6 +470,8 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows, GUARD=mode,
         **_launch(tn, tn.fwd, rows, l_sel, meta["BDK"]), **meta)
+    if combine is not None:
+        combine.run(o, guard)
     return o, lse
 
 

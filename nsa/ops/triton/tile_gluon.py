@@ -157,10 +157,38 @@ def _kernel():
         return slot, gl.load(UB + ubase + it), gl.load(UBITS + ubase + it)
 
     @gluon.jit
-    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, sob, sot, soh, T, H, NT,
-                   scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr, D: gl.constexpr,
-                   DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
-                   num_warps: gl.constexpr):
+    def _combine_rows(ob, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G: gl.constexpr, M: gl.constexpr,
+                      DV: gl.constexpr, CROWS: gl.constexpr, lay: gl.constexpr):
+        """o = g_cmp * o_cmp + g_slc * ob + g_win * o_win into O2 for the tile's rows, ob [G*M, DV] (layout lay)
+        being its selection output: function._combine_fwd_kernel, operation for operation (gates GT [B,T,HQ,3],
+        o_win / O2 [B,T,HQ,DV] contiguous; o_cmp OC likewise, or with CROWS in the dense compressed problem's
+        rows through SLOT, function._cmp_rows)."""
+        r = gl.arange(0, G * M, layout=gl.SliceLayout(1, lay))
+        c = gl.arange(0, DV, layout=gl.SliceLayout(0, lay))
+        t = (n * M + r // G).to(gl.int64)
+        ok = t < T
+        rf = (b.to(gl.int64) * T + t) * (H * G) + h * G + r % G      # flat (b, t, hq) row
+        g0 = gl.load(GT + rf * 3, mask=ok, other=0.0).to(gl.float32)
+        g1 = gl.load(GT + rf * 3 + 1, mask=ok, other=0.0).to(gl.float32)
+        g2 = gl.load(GT + rf * 3 + 2, mask=ok, other=0.0).to(gl.float32)
+        if CROWS:
+            slot = gl.load(SLOT + (rf - b.to(gl.int64) * n_per_b), mask=ok, other=-1)
+            oc_row = (b.to(gl.int64) * s_rows + slot) * DV
+            oc_ok = ok & (slot >= 0)
+        else:
+            oc_row = rf * DV
+            oc_ok = ok
+        off = rf[:, None] * DV + c[None, :]
+        res = g0[:, None] * gl.load(OC + oc_row[:, None] + c[None, :], mask=oc_ok[:, None], other=0.0).to(gl.float32)
+        res += g1[:, None] * ob.to(gl.float32)
+        res += g2[:, None] * gl.load(OW + off, mask=ok[:, None], other=0.0).to(gl.float32)
+        gl.store(O2 + off, res.to(O2.dtype.element_ty), mask=ok[:, None])
+
+    @gluon.jit
+    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot, soh,
+                   T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
+                   D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
+                   COMBINE: gl.constexpr, CROWS: gl.constexpr, num_warps: gl.constexpr):
         R: gl.constexpr = G * M
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -205,12 +233,16 @@ def _kernel():
         lsafe = gl.where(has, l_i, 1.0)
         o = acc / gl.convert_layout(lsafe, gl.SliceLayout(1, mma_o))[:, None]
         lse = gl.where(has, (m_i + gl.log2(lsafe)) / 1.4426950408889634, float("-inf"))
+        gl.store(LSE + (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G, lse, mask=tok < T)
         ro = gl.arange(0, R, layout=gl.SliceLayout(1, mma_o))
         co = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_o))
         to = n * M + ro // G
+        ob = o.to(k_desc.dtype)
         gl.store(O + b.to(gl.int64) * sob + to.to(gl.int64)[:, None] * sot + (h * G + ro % G)[:, None] * soh
-                 + co[None, :], o.to(k_desc.dtype), mask=(to < T)[:, None])
-        gl.store(LSE + (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G, lse, mask=tok < T)
+                 + co[None, :], ob, mask=(to < T)[:, None])
+        if COMBINE:   # the op's output from the same registers (a staging of o through shared memory for
+            # 16-byte rows needed 169 registers with Triton 3.9: two programs per SM instead of three)
+            _combine_rows(ob, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, mma_o)
 
     @gluon.jit
     def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, sqb, sqt, sqh,
@@ -430,23 +462,30 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None) -> bool:
+              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
-    gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). False (nothing written)
+    gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
+    function.Combine whose out also gets the gated sum of the three branches. False (nothing written)
     when the Gluon kernel failed to build or launch (_launch)."""
-    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard))
+    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine))
 
 
-def _fwd(q, k, v, un, o, lse, m, scale, stages, guard) -> None:
+def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
-    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1),
-                              q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * 1.4426950408889634,
-                              G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages, GUARD=mode,
-                              num_warps=4)
+    if combine is not None:
+        cb = (combine.gates, combine.o_cmp, combine.o_win, combine.out, combine.slot, combine.n_per_b,
+              combine.s_rows)
+    else:
+        cb = (o, o, o, o, o, 1, 1)
+    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, *cb[:5], q.stride(0), q.stride(1),
+                              q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
+                              scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
+                              NSTAGE=stages, GUARD=mode, COMBINE=combine is not None,
+                              CROWS=combine is not None and combine.rows, num_warps=4)
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
