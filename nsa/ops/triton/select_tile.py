@@ -43,8 +43,6 @@ from .tile_gluon import gluon_tile_ok, gtile_dq, gtile_fwd
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
 _NONE = torch.iinfo(torch.int64).max   # sort key of "no block" in the torch path (after every real block)
-UNION_PROGRAMS = 8192   # the union kernel's launch: about this many programs ...
-UNION_TPP = 8           # ... of at most this many tiles each
 
 
 class TileUnion(NamedTuple):
@@ -93,65 +91,55 @@ def _tile_unions_torch(block_idx: torch.Tensor, m: int) -> TileUnion:
 
 
 @triton.jit
-def _union_entries(BI, b, h, n, sbb, sbt, sbh, T, e, M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr):
-    """Block ids of tile n's entries e (entry e = slot e % S of token n*M + e // S) as int32 with the
-    entry's validity; invalid entries (padding, tokens >= T, empty slots) read 2**31 - 1."""
-    tok = (n * M + e // S).to(tl.int64)
-    ok = (e < UW) & (tok < T)
-    x = tl.load(BI + b * sbb + tok * sbt + h * sbh + e % S, mask=ok, other=-1).to(tl.int32)
-    ok = ok & (x >= 0)
-    return tl.where(ok, x, 2147483647), ok
-
-
-@triton.jit
-def _union_kernel(BI, UB, UBITS, USZ, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS, TPP,
+def _union_kernel(BI, UB, UBITS, USZ, FIRST, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
                   M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
                   SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
-    """Program (k, b*H + h) takes sample slots k*TPP .. k*TPP + TPP - 1 (fewer, longer programs: at 64k
-    one tile per program was bound by starting programs, not by their work); slot i is tile i * STRIDE
-    (STRIDE > 1 samples tiles, size only) and writes its size to USZ[b*H + h, i] (NS slots per head).
-    Per tile, all in registers, RC entry rows at a time against all LP entries: an entry is *first*
-    when no earlier entry holds its block; the union size is the count of first entries; each first
-    entry goes to its rank among the distinct blocks (= count of smaller first entries) with the OR of
-    its tokens' bits (a token lists a block once, so OR = sum).
-    GUARD: skipped unless the device flag chose tiles (guard.py)."""
+    """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S.
+    Pass 1 flags each entry that is the first occurrence of its block (pairwise compare against all
+    entries, RC rows at a time; flags go through FIRST because a register tensor cannot be sliced);
+    pass 2 puts each first entry at its rank among the distinct blocks (= count of smaller first
+    entries) with the OR of its tokens' bits (a token lists a block once, so OR = sum).
+    Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
+    STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
+    n = tl.program_id(0) * STRIDE
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
+    out = (pid_bh.to(tl.int64) * NT + n) * UW
     ej = tl.arange(0, LP)
-    for k in range(TPP):
-        si = tl.program_id(0) * TPP + k
-        if si < NS:
-            n = si * STRIDE
-            out = (pid_bh.to(tl.int64) * NT + n) * UW
-            xj, okj = _union_entries(BI, b, h, n, sbb, sbt, sbh, T, ej, M, S, UW)
-            bitj = tl.where(okj, tl.full([LP], 1, tl.int32) << tl.where(okj, ej // S, 0), 0)
-            # column view of "first": the count of earlier equal entries, summed over the row chunks
-            earlier_j = tl.zeros([LP], tl.int32)
-            for c in tl.static_range(LP // RC):
-                ei = c * RC + tl.arange(0, RC)
-                xi, oki = _union_entries(BI, b, h, n, sbb, sbt, sbh, T, ei, M, S, UW)
-                eq = (xi[:, None] == xj[None, :]) & oki[:, None]
-                earlier_j += tl.sum((eq & (ei[:, None] < ej[None, :])).to(tl.int32), 0)
-            firstj = okj & (earlier_j == 0)
-            size = tl.sum(firstj.to(tl.int32), 0)
-            tl.store(USZ + pid_bh.to(tl.int64) * NS + si, size)
-            if not SIZE_ONLY:
-                for c in tl.static_range(LP // RC):
-                    ei = c * RC + tl.arange(0, RC)
-                    xi, oki = _union_entries(BI, b, h, n, sbb, sbt, sbh, T, ei, M, S, UW)
-                    eq = (xi[:, None] == xj[None, :]) & okj[None, :]
-                    firsti = oki & (tl.sum((eq & (ej[None, :] < ei[:, None])).to(tl.int32), 1) == 0)
-                    rank = tl.sum(((xj[None, :] < xi[:, None]) & firstj[None, :]).to(tl.int32), 1)
-                    bits = tl.sum(tl.where(eq, bitj[None, :], 0), 1)
-                    tl.store(UB + out + rank, xi, mask=firsti)
-                    tl.store(UBITS + out + rank, bits, mask=firsti)
-                tail = (ej >= size) & (ej < UW)
-                tl.store(UB + out + ej, tl.full([LP], -1, tl.int32), mask=tail)
-                tl.store(UBITS + out + ej, tl.zeros([LP], tl.int32), mask=tail)
+    tokj = (n * M + ej // S).to(tl.int64)
+    okj = (ej < UW) & (tokj < T)
+    xj = tl.load(BI + b * sbb + tokj * sbt + h * sbh + ej % S, mask=okj, other=-1).to(tl.int32)
+    okj = okj & (xj >= 0)
+    xj = tl.where(okj, xj, 2147483647)
+    bitj = tl.where(okj, tl.full([LP], 1, tl.int32) << tl.where(okj, ej // S, 0), 0)
+    for c in tl.static_range(LP // RC):
+        ei = c * RC + tl.arange(0, RC)
+        xi = tl.load(BI + b * sbb + (n * M + ei // S).to(tl.int64) * sbt + h * sbh + ei % S,
+                     mask=(ei < UW) & (n * M + ei // S < T), other=-1).to(tl.int32)
+        eq = xi[:, None] == xj[None, :]
+        earlier = tl.sum((eq & (ej[None, :] < ei[:, None])).to(tl.int32), 1)
+        tl.store(FIRST + out + ei, ((earlier == 0) & (xi >= 0)).to(tl.int8), mask=ei < UW)
+    tl.debug_barrier()
+    firstj = tl.load(FIRST + out + ej, mask=ej < UW, other=0) != 0
+    size = tl.sum(firstj.to(tl.int32), 0)
+    tl.store(USZ + pid_bh.to(tl.int64) * NS + tl.program_id(0), size)
+    if not SIZE_ONLY:
+        for c in tl.static_range(LP // RC):
+            ei = c * RC + tl.arange(0, RC)
+            xi = tl.load(BI + b * sbb + (n * M + ei // S).to(tl.int64) * sbt + h * sbh + ei % S,
+                         mask=(ei < UW) & (n * M + ei // S < T), other=-1).to(tl.int32)
+            firsti = tl.load(FIRST + out + ei, mask=ei < UW, other=0) != 0
+            rank = tl.sum(((xj[None, :] < xi[:, None]) & firstj[None, :]).to(tl.int32), 1)
+            bits = tl.sum(tl.where(xi[:, None] == xj[None, :], bitj[None, :], 0), 1)
+            tl.store(UB + out + rank, xi, mask=firsti)
+            tl.store(UBITS + out + rank, bits, mask=firsti)
+        tail = (ej >= size) & (ej < UW)
+        tl.store(UB + out + ej, tl.full([LP], -1, tl.int32), mask=tail)
+        tl.store(UBITS + out + ej, tl.zeros([LP], tl.int32), mask=tail)
 
 
 def _check_m(m: int) -> None:
@@ -167,16 +155,15 @@ def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1
     ns = triton.cdiv(nt, stride)
     dev = block_idx.device
     size = torch.empty(B, H, ns, device=dev, dtype=torch.int32)
-    blocks = size if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
-    bits = size if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
+    first = torch.empty(B, H, nt, uw, device=dev, dtype=torch.int8)     # scratch of pass 1
+    blocks = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
+    bits = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
     lp = max(16, next_pow2(uw))
-    # about UNION_PROGRAMS programs in all, at most UNION_TPP tiles each
-    tpp = max(1, min(UNION_TPP, ns * B * H // UNION_PROGRAMS))
     flag, mode = guard if guard is not None else (size, 0)
-    _union_kernel[(triton.cdiv(ns, tpp), B * H)](block_idx, blocks, bits, size, flag, block_idx.stride(0),
-                                                 block_idx.stride(1), block_idx.stride(2), T, H, nt, stride, ns,
-                                                 tpp, M=m, S=S, UW=uw, LP=lp, RC=max(1, min(lp, 4096 // lp)),
-                                                 SIZE_ONLY=size_only or stride > 1, GUARD=mode, num_warps=4)
+    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, first, flag, block_idx.stride(0), block_idx.stride(1),
+                               block_idx.stride(2), T, H, nt, stride, ns, M=m, S=S, UW=uw, LP=lp,
+                               RC=max(1, min(lp, 4096 // lp)), SIZE_ONLY=size_only or stride > 1, GUARD=mode,
+                               num_warps=4)
     return blocks, bits, size
 
 
