@@ -33,6 +33,9 @@ LSEL = 64          # keys per selection block (one TMA box of K or V)
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
 # before the token-id prefetch, which adds 16 B)
 _DQC = 2
+# the forward that also writes the op's output: three 4-warp programs per SM need <= 168 registers (Triton 3.6
+# allocates 164 for it, 3.9 171 uncapped)
+FWD_MAX_REGS = 168
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
 
@@ -240,9 +243,14 @@ def _kernel():
         ob = o.to(k_desc.dtype)
         gl.store(O + b.to(gl.int64) * sob + to.to(gl.int64)[:, None] * sot + (h * G + ro % G)[:, None] * soh
                  + co[None, :], ob, mask=(to < T)[:, None])
-        if COMBINE:   # the op's output from the same registers (a staging of o through shared memory for
-            # 16-byte rows needed 169 registers with Triton 3.9: two programs per SM instead of three)
-            _combine_rows(ob, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, mma_o)
+        if COMBINE:   # the op's output: o's rows through K/V slot 0 (free now: every copy into it was waited
+            # for, every wgmma that read it too) into 16-byte rows, the operands' loads coalesced
+            ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            stage = v_smem.index(0)
+            cta_barrier()
+            stage.store(ob)
+            cta_barrier()
+            _combine_rows(stage.load(ld), GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld)
 
     @gluon.jit
     def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, sqb, sqt, sqh,
@@ -485,7 +493,8 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
                               q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
                               NSTAGE=stages, GUARD=mode, COMBINE=combine is not None,
-                              CROWS=combine is not None and combine.rows, num_warps=4)
+                              CROWS=combine is not None and combine.rows, num_warps=4,
+                              **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
