@@ -201,28 +201,6 @@ def test_many_sorted_scoring_slices():
     assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())
 
 
-@pytest.mark.parametrize("per_sm", [1, 250])
-def test_combine_as_the_selection_launch_tail(per_sm):
-    """DecodeKnobs.fuse_combine: the last selection / window program of each (row, kv head) merges the
-    partials (o_cmp merged by the score slices) instead of a fourth launch; the same o as the four
-    launches (one program or many per (row, kv head)), and every semaphore back at zero."""
-    HQ, H, dk, dv = 8, 2, 16, 16
-    hp = dict(l=16, d=8, l_sel=16, n_sel=3, w=40)
-    xs = make_inputs(2, 200, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=5, q_scale=2.0, device=DEV)
-    views, pos0, win_pos0 = decode_views(xs, 199, 1, hp["w"], hp["l"], hp["d"])
-    ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
-    res = {}
-    for fuse in (True, False):
-        tn = tuning_for(DEV).decode.with_knobs(fuse_combine=fuse, sw_per_sm=per_sm, score_slice=8)
-        info = {}
-        res[fuse] = run_kernel(views, pos0, win_pos0, hp, tuning=tn, launch_info=info)
-        assert sorted(info) == sorted(["cmp", "score", "slc_win"] + ([] if fuse else ["combine"]))
-        check(*res[fuse], ro, ridx, 1e-5, (fuse, per_sm))
-    assert torch.equal(res[True][1], res[False][1])
-    assert (res[True][0] - res[False][0]).abs().max().item() <= 1e-6
-    assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())
-
-
 def test_fp16_inputs():
     HQ, H, dk, dv, hp, T = CASES["G2"]
     xs = make_inputs(1, 64, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=8, device=DEV)

@@ -416,9 +416,6 @@ class DecodeKnobs:
     tile: int = 64
     comb_warps: Warps = 4
     pdl: bool = True      # helps few rows (latency-bound)
-    # the combine as the selection / window launch's tail (its last program per (row, kv head) merges the
-    # partials; the score launch merges o_cmp): three launches instead of four
-    fuse_combine: bool = True
 
 
 # from large_rows (query row, kv head) pairs on the launches are bandwidth-bound: PDL off, auto warps

@@ -1,8 +1,8 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Four launches (three with DecodeKnobs.fuse_combine), every grid sized from buffer capacities (never from
-the current length), and the query position read from a device tensor when one is given, so one CUDA
-graph replays every step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
+Four launches, every grid sized from buffer capacities (never from the current length),
+and the query position read from a device tensor when one is given, so one CUDA graph replays every
+step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
 axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
 
 1. ``_cmp_kernel``    grid (H, NCH, R)
@@ -28,10 +28,7 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    Selection programs read the block ids of their SPB slots and attend over them; window programs
    attend over WSUB*TW window tokens.
    Key tiles are dealt evenly over the programs. Softmax partials.
-4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates. With
-   fuse_combine the score slices merge the compressed partials (head s, s + NSL, ...) and the last
-   selection / window program of each (row, kv head) to finish (a second split-K semaphore) does the rest
-   for its G heads: one dependent launch fewer on the critical path.
+4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
 The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2-4 programmatic dependent launches
 (each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait right before
@@ -214,18 +211,16 @@ def _cmp_kernel(Q, KC, VC, POS, SP, MS, CM, CL, CO, sqb, sqt, sqh, skcb, skct, s
 
 
 @triton.jit(do_not_specialize=["pos_base"])
-def _score_kernel(POS, SP, MS, CM, CL, CO, OCM, CAND, CNT, SEL, BI, spos, pos_base, sbb, sbt, sbh, Tq, H, NBUF, NCH,
+def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, sbt, sbh, Tq, H, NBUF, NCH,
                   NSUB, NBCAP, G: tl.constexpr, GP: tl.constexpr, GC: tl.constexpr, L_CMP: tl.constexpr,
                   STRIDE: tl.constexpr, LSEL: tl.constexpr, NBJ: tl.constexpr, SL: tl.constexpr,
                   LOGSL: tl.constexpr, NSL: tl.constexpr, LOGNSL: tl.constexpr, NSEL: tl.constexpr,
                   KR: tl.constexpr, LOGKR: tl.constexpr,
                   CK: tl.constexpr, NCAND: tl.constexpr, NCP: tl.constexpr, LOGNCP: tl.constexpr,
                   NB_P2: tl.constexpr, NCH_P2: tl.constexpr, FSTEP: tl.constexpr, POS_PTR: tl.constexpr,
-                  PDL: tl.constexpr, FUSE: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr):
+                  PDL: tl.constexpr):
     """Group scores and comparison keys of one slice of SL blocks, its best CK keys as candidates;
-    the last slice program of the (row, kv head) to finish picks the top n_sel (see module doc).
-    FUSE: slice s also merges the compressed chunks' partials of heads s, s + NSL, ... into OCM [R, HQ, DV]
-    (o_cmp, fp32), which the selection / window kernel's tail then combines (no combine launch)."""
+    the last slice program of the (row, kv head) to finish picks the top n_sel (see module doc)."""
     R: tl.constexpr = LSEL // STRIDE
     LC: tl.constexpr = L_CMP // STRIDE
     s_id = tl.program_id(0)
@@ -246,15 +241,6 @@ def _score_kernel(POS, SP, MS, CM, CL, CO, OCM, CAND, CNT, SEL, BI, spos, pos_ba
     st = (j // NBJ).to(tl.int64)
     cidx = tl.arange(0, NCH_P2)
     _pdl_wait(PDL)
-    if FUSE:
-        dvc = tl.arange(0, BDV)
-        for g in range(s_id, G, NSL):
-            crow = (row * NCH + cidx).to(tl.int64) * HQ + h * G + g
-            c_ok = cidx < NCH
-            o_cmp = _merge(tl.load(CM + crow, mask=c_ok, other=float("-inf")), tl.load(CL + crow, mask=c_ok, other=0.0),
-                           tl.load(CO + crow[:, None] * DV + dvc[None, :], mask=c_ok[:, None] & (dvc[None, :] < DV),
-                                   other=0.0), c_ok)
-            tl.store(OCM + (row * HQ + h * G + g).to(tl.int64) * DV + dvc, o_cmp, mask=dvc < DV)
     ssum = tl.zeros([SL], tl.float32)
     for g0 in tl.static_range(0, GP, GC):                  # GC heads at a time (register budget)
         gg = g0 + tl.arange(0, GC)
@@ -326,20 +312,15 @@ def _score_kernel(POS, SP, MS, CM, CL, CO, OCM, CAND, CNT, SEL, BI, spos, pos_ba
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, OCM, CNT,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    sgb, sgt, sgh, sgk, sob, sot, soh,
                     spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
-                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr,
-                    FUSE: tl.constexpr, NP2_P2: tl.constexpr):
+                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
     """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
-    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers).
-    FUSE: the last of the NP2 programs of a (row, kv head) to finish (a split-K semaphore, as in
-    _score_kernel) merges the partials and writes o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for
-    the G heads (_combine_kernel's work, o_cmp from _score_kernel's OCM): one launch fewer."""
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -399,38 +380,6 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, OCM, C
     tl.store(XM + part, m_run, mask=g_ok)
     tl.store(XL + part, l_run, mask=g_ok)
     tl.store(XO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
-    if FUSE:
-        tl.debug_barrier()   # every thread's partials stored before the release below
-        done = tl.atomic_add(CNT + rh, 1, sem="acq_rel", scope="gpu")
-        if done == NP2 - 1:
-            tl.atomic_xchg(CNT + rh, 0, sem="relaxed", scope="gpu")
-            _pdl_wait(PDL)   # a window program did not wait for _score_kernel's o_cmp yet
-            _combine_tail(GT, O, OCM, XM, XL, XO, b, iq, row, h, HQ, sgb, sgt, sgh, sgk, sob, sot, soh, NSS, NP2,
-                          G, DV, BDV, NP2_P2)
-
-
-@triton.jit
-def _combine_tail(GT, O, OCM, XM, XL, XO, b, iq, row, h, HQ, sgb, sgt, sgh, sgk, sob, sot, soh, NSS, NP2,
-                  G: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NP2_P2: tl.constexpr):
-    """_combine_kernel for the G heads of (row, kv head h), o_cmp already merged (OCM); the partials of the
-    other programs are read past L1 (.cg: written by other multiprocessors)."""
-    x = tl.arange(0, NP2_P2)
-    x_ok = x < NP2
-    offs_dv = tl.arange(0, BDV)
-    dv_ok = offs_dv < DV
-    for g in range(G):   # not unrolled: the tail's registers are the whole kernel's
-        hq = h * G + g
-        xrow = (row * NP2 + x).to(tl.int64) * HQ + hq
-        xm = tl.load(XM + xrow, mask=x_ok, other=float("-inf"), cache_modifier=".cg")
-        xl = tl.load(XL + xrow, mask=x_ok, other=0.0, cache_modifier=".cg")
-        xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok[None, :], other=0.0,
-                     cache_modifier=".cg")
-        o_cmp = tl.load(OCM + (row * HQ + hq).to(tl.int64) * DV + offs_dv, mask=dv_ok, other=0.0, cache_modifier=".cg")
-        gp = GT + b * sgb + iq * sgt + hq * sgh
-        o = tl.load(gp).to(tl.float32) * o_cmp
-        o += tl.load(gp + sgk).to(tl.float32) * _merge(xm, xl, xo, x_ok & (x < NSS))
-        o += tl.load(gp + 2 * sgk).to(tl.float32) * _merge(xm, xl, xo, x_ok & (x >= NSS))
-        tl.store(O + b * sob + iq * sot + hq * soh + offs_dv, o.to(O.dtype.element_ty), mask=dv_ok)
 
 
 @triton.jit
@@ -540,10 +489,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
     cand = torch.empty(R * H, plan["NCAND"], device=dev, dtype=torch.int64)   # per-slice best keys
     sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
-    fuse = bool(tn.fuse_combine)
-    # zeros, left at zero: the score kernel's semaphores, then (fuse) the selection / window kernel's
-    cnt = _counters(dev, 2 * R * H if fuse else R * H)
-    ocm = torch.empty(R, HQ, dv, **f32) if fuse else cm   # fuse: o_cmp merged by the score kernel
+    cnt = _counters(dev, R * H)                                                # zeros, left at zero
     bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
     o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
@@ -561,32 +507,30 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
         gc //= 2
-    score_args = (pos_t, sp, ms, cm, cl, co, ocm, cand, cnt, sel, bi, spos, pos_base, bi.stride(0), bi.stride(1),
+    score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base, bi.stride(0), bi.stride(1),
                   bi.stride(2), Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
     score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, NSL=plan["NSL"],
                     LOGNSL=plan["NSL"].bit_length() - 1, NSEL=n_sel, KR=plan["NSEL_P2"],
                     LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
                     LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
-                    FUSE=fuse, DV=dv, BDV=bdv, num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
-    np2_p2 = max(2, next_pow2(NP2))
-    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo, gates, o, ocm, cnt[R * H:] if fuse else cnt,
+                    num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
-               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), gates.stride(0), gates.stride(1),
-               gates.stride(2), gates.stride(3), o.stride(0), o.stride(1), o.stride(2), spos, swin, pos_base,
+               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
                win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
                sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                  SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
-                 FUSE=fuse, NP2_P2=np2_p2, num_warps=tn.slc_warps, num_stages=tn.slc_stages)
+                 num_warps=tn.slc_warps, num_stages=tn.slc_stages)
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
                  gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
+    np2_p2 = max(2, next_pow2(NP2))
     comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
                    num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
-    specs = [("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
-             ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-             ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw)]
-    if not fuse:
-        specs.append(("combine", _combine_kernel, (HQ, R), comb_args, comb_kw))
-    _launch_with_pdl_fallback(specs, bool(tn.pdl) and q.is_cuda, launch_info)
+    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
+                               ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
+                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
+                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
+                              bool(tn.pdl) and q.is_cuda, launch_info)
     return o, bi
