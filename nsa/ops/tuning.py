@@ -269,6 +269,8 @@ class TileTuning:
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
     # the Gluon forward also writes the op's output (the gated sum of the three branches) from its tile's
     # rows, where the branches' outputs exist before the selection's: no separate combine pass over them
+    # (H100, paper shape, captured selections: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k;
+    # bench/RESULTS.md table 18)
     gluon_combine: bool = False
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4

@@ -7,7 +7,8 @@ the Triton kernels', bench/RESULTS.md tables 16 and 17), written at the level Tr
 K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
 by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
 shared-memory slots filled a step ahead; the tile kernels keep q (and dO) in registers as wgmma's A
-operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two).
+operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two). The
+forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine; table 18).
 
 Eligible (gluon_tile_ok / gluon_walk_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128,
 l_sel = 64, 64 rows of whole tokens' heads (the paper shape's m=4 at G=16), K / V addressable as 2-D
