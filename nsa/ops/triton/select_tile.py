@@ -91,14 +91,16 @@ def _tile_unions_torch(block_idx: torch.Tensor, m: int) -> TileUnion:
 
 
 @triton.jit
-def _union_kernel(BI, UB, UBITS, USZ, FIRST, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
-                  M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr, RC: tl.constexpr,
-                  SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
-    """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S.
-    Pass 1 flags each entry that is the first occurrence of its block (pairwise compare against all
-    entries, RC rows at a time; flags go through FIRST because a register tensor cannot be sliced);
-    pass 2 puts each first entry at its rank among the distinct blocks (= count of smaller first
-    entries) with the OR of its tokens' bits (a token lists a block once, so OR = sum).
+def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
+                         M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr,
+                         SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
+    """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S. The
+    entries become keys block * 32 + token (tokens < MAX_M = 32), sorted ascending, so each block's entries
+    form one run of at most M keys in token order. Through KEYS (this program's LP int32 slots) every entry
+    sees its predecessor and the M - 1 keys after it: it is the run's first iff its block differs from its
+    predecessor's, a first entry's bits are its run's tokens, and its rank among the distinct blocks is the
+    prefix count of first entries (a register tensor cannot be shifted or sliced, hence KEYS). One sort
+    instead of all-pairs compares of the entries: 4-5x faster at 64k (bench/RESULTS.md table 18).
     Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
     STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
     if GUARD != 0:
@@ -109,37 +111,31 @@ def _union_kernel(BI, UB, UBITS, USZ, FIRST, FLAG, sbb, sbt, sbh, T, H, NT, STRI
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     out = (pid_bh.to(tl.int64) * NT + n) * UW
-    ej = tl.arange(0, LP)
-    tokj = (n * M + ej // S).to(tl.int64)
-    okj = (ej < UW) & (tokj < T)
-    xj = tl.load(BI + b * sbb + tokj * sbt + h * sbh + ej % S, mask=okj, other=-1).to(tl.int32)
-    okj = okj & (xj >= 0)
-    xj = tl.where(okj, xj, 2147483647)
-    bitj = tl.where(okj, tl.full([LP], 1, tl.int32) << tl.where(okj, ej // S, 0), 0)
-    for c in tl.static_range(LP // RC):
-        ei = c * RC + tl.arange(0, RC)
-        xi = tl.load(BI + b * sbb + (n * M + ei // S).to(tl.int64) * sbt + h * sbh + ei % S,
-                     mask=(ei < UW) & (n * M + ei // S < T), other=-1).to(tl.int32)
-        eq = xi[:, None] == xj[None, :]
-        earlier = tl.sum((eq & (ej[None, :] < ei[:, None])).to(tl.int32), 1)
-        tl.store(FIRST + out + ei, ((earlier == 0) & (xi >= 0)).to(tl.int8), mask=ei < UW)
-    tl.debug_barrier()
-    firstj = tl.load(FIRST + out + ej, mask=ej < UW, other=0) != 0
-    size = tl.sum(firstj.to(tl.int32), 0)
+    e = tl.arange(0, LP)
+    tok = (n * M + e // S).to(tl.int64)
+    ok = (e < UW) & (tok < T)
+    x = tl.load(BI + b * sbb + tok * sbt + h * sbh + e % S, mask=ok, other=-1).to(tl.int32)
+    key = tl.sort(tl.where(ok & (x >= 0), x * 32 + e // S, 2147483647))
+    kbase = KEYS + (pid_bh.to(tl.int64) * NS + tl.program_id(0)) * LP
+    tl.store(kbase + e, key)
+    tl.debug_barrier()    # every key stored before any thread reads its neighbours
+    valid = key != 2147483647
+    blk = key >> 5
+    prev = tl.load(kbase + e - 1, mask=e > 0, other=-1)
+    first = valid & ((prev >> 5) != blk)
+    size = tl.sum(first.to(tl.int32), 0)
     tl.store(USZ + pid_bh.to(tl.int64) * NS + tl.program_id(0), size)
     if not SIZE_ONLY:
-        for c in tl.static_range(LP // RC):
-            ei = c * RC + tl.arange(0, RC)
-            xi = tl.load(BI + b * sbb + (n * M + ei // S).to(tl.int64) * sbt + h * sbh + ei % S,
-                         mask=(ei < UW) & (n * M + ei // S < T), other=-1).to(tl.int32)
-            firsti = tl.load(FIRST + out + ei, mask=ei < UW, other=0) != 0
-            rank = tl.sum(((xj[None, :] < xi[:, None]) & firstj[None, :]).to(tl.int32), 1)
-            bits = tl.sum(tl.where(xi[:, None] == xj[None, :], bitj[None, :], 0), 1)
-            tl.store(UB + out + rank, xi, mask=firsti)
-            tl.store(UBITS + out + rank, bits, mask=firsti)
-        tail = (ej >= size) & (ej < UW)
-        tl.store(UB + out + ej, tl.full([LP], -1, tl.int32), mask=tail)
-        tl.store(UBITS + out + ej, tl.zeros([LP], tl.int32), mask=tail)
+        bits = tl.full([LP], 1, tl.int32) << (key & 31)
+        for d in tl.static_range(1, M):   # the run's later entries: the same block, other tokens
+            nxt = tl.load(kbase + e + d, mask=e + d < LP, other=2147483647)
+            bits += tl.where((nxt != 2147483647) & ((nxt >> 5) == blk), 1 << (nxt & 31), 0)
+        rank = tl.cumsum(first.to(tl.int32), 0) - 1
+        tl.store(UB + out + rank, blk, mask=first)
+        tl.store(UBITS + out + rank, bits, mask=first)
+        tail = (e >= size) & (e < UW)
+        tl.store(UB + out + e, tl.full([LP], -1, tl.int32), mask=tail)
+        tl.store(UBITS + out + e, tl.zeros([LP], tl.int32), mask=tail)
 
 
 def _check_m(m: int) -> None:
@@ -155,15 +151,14 @@ def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1
     ns = triton.cdiv(nt, stride)
     dev = block_idx.device
     size = torch.empty(B, H, ns, device=dev, dtype=torch.int32)
-    first = torch.empty(B, H, nt, uw, device=dev, dtype=torch.int8)     # scratch of pass 1
-    blocks = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
-    bits = first if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
+    blocks = size if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
+    bits = size if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
     lp = max(16, next_pow2(uw))
+    keys = torch.empty(B * H * ns * lp, device=dev, dtype=torch.int32)   # scratch: each program's sorted entries
     flag, mode = guard if guard is not None else (size, 0)
-    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, first, flag, block_idx.stride(0), block_idx.stride(1),
+    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, keys, flag, block_idx.stride(0), block_idx.stride(1),
                                block_idx.stride(2), T, H, nt, stride, ns, M=m, S=S, UW=uw, LP=lp,
-                               RC=max(1, min(lp, 4096 // lp)), SIZE_ONLY=size_only or stride > 1, GUARD=mode,
-                               num_warps=4)
+                               SIZE_ONLY=size_only or stride > 1, GUARD=mode, num_warps=2)
     return blocks, bits, size
 
 
