@@ -92,11 +92,11 @@ def _tile_unions_torch(block_idx: torch.Tensor, m: int) -> TileUnion:
 
 @triton.jit
 def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
-                         M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr,
-                         SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
+                  M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr,
+                  SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
     """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S. The
-    entries become keys block * 32 + token (tokens < MAX_M = 32), sorted ascending, so each block's entries
-    form one run of at most M keys in token order. Through KEYS (this program's LP int32 slots) every entry
+    entries become int32 keys block * 32 + token (tokens < MAX_M = 32, blocks < 2**26), sorted ascending,
+    so each block's entries form one run of at most M keys in token order. Through KEYS (this program's LP int32 slots) every entry
     sees its predecessor and the M - 1 keys after it: it is the run's first iff its block differs from its
     predecessor's, a first entry's bits are its run's tokens, and its rank among the distinct blocks is the
     prefix count of first entries (a register tensor cannot be shifted or sliced, hence KEYS). One sort
