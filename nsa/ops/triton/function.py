@@ -210,14 +210,17 @@ class Combine(NamedTuple):
     slot: torch.Tensor
     n_per_b: int
     s_rows: int
-    rows: bool
     cmp_rows: cmp_dense.CmpMaps | None
+
+    @property
+    def rows(self) -> bool:
+        return self.cmp_rows is not None
 
     @staticmethod
     def of(o_cmp, o_win, gates, cmp_rows: cmp_dense.CmpMaps | None) -> "Combine":
         out = torch.empty_like(o_win)
         slot, n_per_b = _rows_args(cmp_rows, out)
-        return Combine(gates, o_cmp, o_win, out, slot, n_per_b, o_cmp.shape[1], cmp_rows is not None, cmp_rows)
+        return Combine(gates, o_cmp, o_win, out, slot, n_per_b, o_cmp.shape[1], cmp_rows)
 
     def run(self, o_slc: torch.Tensor, guard: Guard | None) -> None:
         """The combine kernel into out (what the fused epilogue would have written), under guard."""

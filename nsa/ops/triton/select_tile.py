@@ -96,11 +96,12 @@ def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRID
                   SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
     """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S. The
     entries become int32 keys block * 32 + token (tokens < MAX_M = 32, blocks < 2**26), sorted ascending,
-    so each block's entries form one run of at most M keys in token order. Through KEYS (this program's LP int32 slots) every entry
-    sees its predecessor and the M - 1 keys after it: it is the run's first iff its block differs from its
-    predecessor's, a first entry's bits are its run's tokens, and its rank among the distinct blocks is the
-    prefix count of first entries (a register tensor cannot be shifted or sliced, hence KEYS). One sort
-    instead of all-pairs compares of the entries: 4-5x faster at 64k (bench/RESULTS.md table 18).
+    so each block's entries form one run of at most M keys in token order. Through KEYS (this program's LP
+    int32 slots) every entry sees its predecessor and the M - 1 keys after it: it is the run's first iff
+    its block differs from its predecessor's, a first entry's bits are its run's tokens, and its rank among
+    the distinct blocks is the prefix count of first entries (a register tensor cannot be shifted or
+    sliced, hence KEYS). One sort instead of all-pairs compares of the entries: 4-5x faster at 64k
+    (bench/RESULTS.md table 18).
     Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
     STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
     if GUARD != 0:
@@ -428,8 +429,9 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
     when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
     preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's.
-    combine: a function.Combine whose out then holds the op's output under the same guard: written by
-    the Gluon forward's epilogue (tuning.gluon_combine) or, when that does not run, by combine.run."""
+    combine: a function.Combine (the caller passes one under TileTuning.gluon_combine) whose out then holds
+    the op's output under the same guard: written by the Gluon forward's epilogue or, when that does not
+    run, by combine.run."""
     tn = tuning or tuning_for(q.device).tile
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -438,11 +440,8 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     nt = un.size.shape[2]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    fuse = combine if tn.gluon_combine else None
     if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
-            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=fuse):
-        if combine is not None and fuse is None:
-            combine.run(o, guard)
+            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
