@@ -242,12 +242,14 @@ def with_flash(**modes):
 
 
 @pytest.mark.parametrize("case", ["g16_nsel1", "t_below_l", "fp16_g2"])
-@pytest.mark.parametrize("modes", [dict(win="reference"), dict(win="reference", cmp="reference")],
-                         ids=["win", "win+cmp"])
+@pytest.mark.parametrize("modes", [dict(win="reference"), dict(win="reference", cmp="reference"),
+                                   dict(win="reference", win_split_min_t=0)],
+                         ids=["win", "win+cmp", "win_split"])
 def test_flash_branches_match_reference(case, modes):
     """The window branch (and the compressed one) computed outside the Function on a dense kernel
-    ("reference" stands in for flash-attn on the CPU; FA4 in tests/test_triton_gpu.py): the op's
-    output, blocks and every gradient still match the fp64 reference."""
+    ("reference" stands in for flash-attn on the CPU; FA4 in tests/test_triton_gpu.py), also with the
+    window's backward on grouped views (nsa/ops/window_split.py; B = 1 cases): the op's output, blocks
+    and every gradient still match the fp64 reference."""
     check_case(case, with_flash(**modes))
 
 

@@ -378,6 +378,9 @@ class FlashBranchTuning:
     win: str = "off"
     cmp: str = "off"
     min_t: int = 0
+    # from this T, the window branch on FA4 / reference takes its backward with each KV head's query heads as
+    # batches (nsa/ops/window_split.py: FA4's GQA backward slows where its fp32 dK / dV buffers leave L2); None: off
+    win_split_min_t: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":
@@ -391,6 +394,8 @@ class FlashBranchTuning:
         return cls(**{p: "auto" for p in parts})
 
     def __post_init__(self) -> None:
+        if self.win_split_min_t is not None and self.win_split_min_t < 0:
+            raise ValueError(f"FlashBranchTuning.win_split_min_t must be >= 0 or None, got {self.win_split_min_t}")
         for f in ("win", "cmp"):
             if getattr(self, f) not in FLASH_BRANCH_MODES:
                 raise ValueError(f"FlashBranchTuning.{f} must be one of {FLASH_BRANCH_MODES}, "
@@ -516,7 +521,9 @@ class KernelTuning:
 # Scores + top-n: block scores relaid out before ranking, on 256-row tiles capped at 128 registers (H100,
 # --branch select, table 13): G=16, d=128 at 8k / 16k / 64k 0.32 / 0.79 / 9.02 -> 0.31 / 0.66 / 7.75 ms;
 # G=6, d=64 0.17 / 0.28 / 2.60 -> 0.10 / 0.25 / 1.79 ms.
-HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192),
+# The window's backward on grouped views from 16k (nsa/ops/window_split.py; H100, paper shape, random inputs, op
+# device ms f+b: 8k 7.67 -> 7.71, 16k 19.78 -> 19.40, 32k 43.57 -> 42.52, 64k 103.85 -> 101.89; table 19).
+HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192, win_split_min_t=16384),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..fallbacks import count_fallback
 from ..flash import branch_flash_backend, dense_attention
+from .. import window_split
 from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
 from . import cmp_dense
 from ._utils import next_pow2
@@ -418,7 +419,10 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             o_cmp = lse_cmp = cmp_rows = None
     if wbe is not None:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
-            o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
+            if wbe in ("fa4", "reference") and window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t):
+                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe)
+            else:
+                o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise

@@ -1,0 +1,144 @@
+"""The sliding-window branch on flash-attn, with a backward that sees no grouped-query heads.
+
+FlashAttention-4's Hopper backward serves GQA (HQ = G * H query heads) by adding each query head's dK / dV
+into fp32 buffers of the KV heads ([B, H, T, d] each) and converting them afterwards. For the window branch at
+long T that path is much slower than the same problem without GQA: H100, paper shape (HQ=64, H=4, d=128), w=512,
+the main backward kernel 8.83 ms at 64k against 6.06 ms with one query head per KV head, at 8k 0.81 against
+0.77 ms (bench/RESULTS.md table 19). The factor of the grouping does not matter (G / nb = 8, 4 or 2 query
+heads per KV head in nb batches all take 8.83 ms); only G = 1 is fast.
+
+So the forward is flash-attn's own GQA call (its fastest), and the backward calls the same backward kernel on
+views that make the G query heads of each KV head G batches of H heads: batch g, head h is query head h*G + g,
+and K / V are broadcast over the batches (batch stride 0). q, o, dO and dq are strided views of the [1, T, HQ, d]
+tensors, never copied. Each batch writes its own dK / dV (in the input dtype); their sum over the G batches,
+in fp32 and in a fixed order, is K's and V's gradient (one pass over G * T * H * d elements each).
+
+Rounding: each batch's partial is rounded to the input dtype before the sum, so dK / dV carry G roundings
+instead of one: against fp32 math, relative RMS 2.9e-3 instead of 2.4e-3 (bf16, 8k, H100). dq is unchanged.
+
+Taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a batch dimension
+would need two strides), G > 1, q contiguous. The backward goes through flash-attn's private backward entry
+(flash_attn.cute.interface._flash_attn_bwd); where that is missing or raises, the call runs the public
+GQA backward instead (counted and warned once per device).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from .fallbacks import count_fallback
+
+_OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
+
+
+def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
+    """Whether the window branch of these inputs takes the split backward (cheap, host-side only)."""
+    return (min_t is not None and q.shape[1] >= min_t and q.shape[0] == 1 and q.shape[2] > k.shape[2]
+            and q.is_contiguous() and str(q.device) not in _OFF)
+
+
+def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
+                           backend: str) -> torch.Tensor:
+    """Causal attention over the `window` most recent keys, q [1,T,HQ,d], k/v [1,T,H,*] -> o [1,T,HQ,dv];
+    differentiable in q, k, v, with the split backward (module doc). backend: "fa4", or "reference" (fp32
+    math in both passes: the CPU tests of the views and the batch sum)."""
+    return _WindowSplit.apply(q, k, v, window, scale, backend)
+
+
+class _WindowSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, window, scale, backend):
+        from .flash import _flash, reference_attention
+        if backend == "reference":
+            o, lse = reference_attention(q, k, v, True, window, scale)
+        else:   # grad mode is off here: flash-attn's own autograd node is not recorded
+            o, lse = _flash(backend, q, k, v, True, window, scale, True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window, ctx.scale, ctx.backend = window, scale, backend
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        _, T, HQ, d = q.shape
+        H, dv = k.shape[2], v.shape[3]
+        G = HQ // H
+
+        def grouped(x: torch.Tensor, dx: int) -> torch.Tensor:
+            """[1, T, HQ, dx] (contiguous) -> the [G, T, H, dx] view: batch g, head h = query head h*G + g."""
+            return x.contiguous().view(T, H, G, dx).permute(2, 0, 1, 3)
+
+        args = (grouped(q, d), k.expand(G, T, H, d), v.expand(G, T, H, dv), grouped(o, dv), grouped(do, dv),
+                lse.contiguous().view(H, G, T).permute(1, 0, 2))
+        dev = str(q.device)
+        dqb = None
+        if dev not in _OFF:
+            try:
+                dqb, dkb, dvb = _grouped_bwd(ctx.backend, *args, ctx.window, ctx.scale)
+            except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
+                if q.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                count_fallback(f"win_split:{ctx.backend}->gqa")
+                warnings.warn(f"window branch: split backward failed ({_OFF[dev]}); flash-attn's GQA backward "
+                              "from now on", RuntimeWarning, stacklevel=2)
+        if dqb is None:
+            return (*_gqa_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None)
+        # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d]): back to [1, T, HQ, d]
+        dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
+        return dq, batch_sum(dkb), batch_sum(dvb), None, None, None
+
+
+def _grouped_bwd(backend: str, qb, kb, vb, ob, dob, lseb, window: int, scale: float):
+    """(dq [G,T,H,d] with qb's strides, dK [G,T,H,d], dV [G,T,H,dv] per batch) of the grouped problem."""
+    if backend == "reference":
+        from .flash import reference_attention
+        x = [qb.detach().clone().requires_grad_(), kb.contiguous().requires_grad_(),
+             vb.contiguous().requires_grad_()]
+        with torch.enable_grad():
+            out = reference_attention(x[0], x[1], x[2], True, window, scale)[0]
+            return torch.autograd.grad(out, x, dob)
+    from flash_attn.cute.interface import _flash_attn_bwd
+    dq, dk, dv = _flash_attn_bwd(qb, kb, vb, ob, dob, lseb, softmax_scale=scale, causal=True,
+                                 window_size_left=window - 1, window_size_right=0)[:3]
+    return dq, dk, dv
+
+
+def _gqa_bwd(backend: str, q, k, v, do, window: int, scale: float):
+    """The same gradients through the public path (flash-attn's own autograd node, GQA)."""
+    from .flash import dense_attention
+    x = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = dense_attention(x[0], x[1], x[2], causal=True, window=window, scale=scale, backend=backend)
+        return torch.autograd.grad(out, x, do)
+
+
+@triton.jit
+def _batch_sum_kernel(X, Y, n, G: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr):
+    """Y[i] = sum over g = 0 .. G-1 of X[g * n + i], accumulated in ACC (fp32; fp64 for fp64) in that order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    ptr = X + offs
+    acc = tl.zeros([BLOCK], ACC)
+    for _ in range(G):
+        acc += tl.load(ptr, mask=ok, other=0.0).to(ACC)
+        ptr += n
+    tl.store(Y + offs, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def batch_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [G, T, H, d] -> [1, T, H, d] in x's dtype: the sum over the G batches in order, in fp32 (fp64 for fp64)."""
+    x = x.contiguous()
+    G, n = x.shape[0], x[0].numel()
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":   # no Triton device here
+        return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32).sum(0, keepdim=True).to(x.dtype)
+    y = torch.empty((1, *x.shape[1:]), device=x.device, dtype=x.dtype)
+    if n:
+        block = 1024
+        acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+        _batch_sum_kernel[(triton.cdiv(n, block),)](x, y, n, G=G, BLOCK=block, ACC=acc, num_warps=4)
+    return y

@@ -1,0 +1,139 @@
+"""The window branch's backward with each KV head's query heads as batches (nsa/ops/window_split.py).
+
+On the CPU "reference" (fp32 / fp64 math) stands in for FlashAttention-4 in both passes, so these tests check
+what the module adds: the grouped views, the way back to q's layout, the batch sum of dK / dV, the policy and
+the fallback. On a GPU with FA4 the split backward is compared with the GQA one against fp32 math."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+from nsa.ops import dispatch, flash, window_split  # noqa: E402
+from nsa.ops.testing import rel_rms  # noqa: E402
+
+
+def _inputs(T, HQ, H, d, dv, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype).requires_grad_()  # noqa: E731
+    return mk(1, T, HQ, d), mk(1, T, H, d), mk(1, T, H, dv), torch.randn(1, T, HQ, dv, generator=g).to(device, dtype)
+
+
+@pytest.mark.parametrize("HQ,H,w", [(4, 2, 7), (32, 2, 5), (6, 3, 64)], ids=["G2", "G16", "G2_w_over_T"])
+def test_split_backward_equals_the_gqa_backward_fp64(HQ, H, w):
+    """Same output and the same dq / dk / dv (fp64: to rounding) as the plain GQA call, odd T, d_k != d_v."""
+    q, k, v, do = _inputs(37, HQ, H, 16, 8, torch.float64)
+    o = window_split.window_attention_split(q, k, v, w, 0.3, "reference")
+    g = torch.autograd.grad(o, (q, k, v), do)
+    ro = flash.dense_attention(q, k, v, causal=True, window=w, scale=0.3, backend="reference")
+    rg = torch.autograd.grad(ro, (q, k, v), do)
+    torch.testing.assert_close(o, ro, rtol=0, atol=0)
+    for name, a, b in zip("qkv", g, rg):
+        assert a.shape == b.shape and a.is_contiguous(), name
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+
+
+def test_batch_sum_adds_the_batches_in_fp32():
+    """bf16 partials whose sum is exact in bf16 too (multiples of 1/4, |sum| <= 32), so no conversion
+    rounds: the kernel's result equals the fp32 sum bit for bit; T * H * d not a multiple of the block."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randint(-8, 9, (16, 19, 3, 24), generator=g).float() / 4).to(torch.bfloat16)
+    y = window_split.batch_sum(x)
+    assert y.shape == (1, 19, 3, 24) and y.dtype == torch.bfloat16
+    assert torch.equal(y, x.float().sum(0, keepdim=True).to(torch.bfloat16))
+
+
+def test_split_ok_policy():
+    """Only B == 1, G > 1, contiguous q, from win_split_min_t on, and not after a failure on the device."""
+    q, k = torch.zeros(1, 64, 8, 16), torch.zeros(1, 64, 2, 16)
+    assert window_split.split_ok(q, k, 0) and window_split.split_ok(q, k, 64)
+    assert not window_split.split_ok(q, k, None) and not window_split.split_ok(q, k, 65)
+    assert not window_split.split_ok(torch.zeros(2, 64, 8, 16), torch.zeros(2, 64, 2, 16), 0)   # B > 1
+    assert not window_split.split_ok(q[:, :, :2], k, 0)                                          # G = 1
+    assert not window_split.split_ok(torch.zeros(1, 8, 64, 16).transpose(1, 2), k, 0)            # strided q
+
+
+def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):
+    """The private backward raising: the same gradients from the public path, counted, warned, and the
+    device off the split path from then on."""
+    def boom(*a, **k):
+        raise RuntimeError("private API changed")
+
+    monkeypatch.setattr(window_split, "_grouped_bwd", boom)
+    monkeypatch.setattr(window_split, "_OFF", {})
+    dispatch.reset_fallback_counts()
+    q, k, v, do = _inputs(21, 4, 2, 16, 16, torch.float32)
+    o = window_split.window_attention_split(q, k, v, 5, 0.25, "reference")
+    with pytest.warns(RuntimeWarning, match="split backward failed"):
+        g = torch.autograd.grad(o, (q, k, v), do)
+    rg = torch.autograd.grad(flash.dense_attention(q, k, v, window=5, scale=0.25, backend="reference"), (q, k, v), do)
+    for a, b in zip(g, rg):
+        torch.testing.assert_close(a, b)
+    assert dispatch.fallback_counts() == {"win_split:reference->gqa": 1}
+    assert not window_split.split_ok(q, k, 0)
+
+
+def test_the_op_takes_the_split_backward_where_the_policy_says(monkeypatch):
+    """nsa_triton_apply with the window on "reference": the split path from win_split_min_t on (B = 1),
+    the plain one below it, with the same output and gradients."""
+    from nsa.ops.testing import make_inputs
+    from nsa.ops.triton.function import nsa_triton_apply
+    from nsa.ops.tuning import FlashBranchTuning, tuning_for
+
+    calls = []
+    real = window_split.window_attention_split
+    monkeypatch.setattr(window_split, "window_attention_split", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=4)
+    res = []
+    for min_t in (46, 45):
+        tuning = tuning_for("cpu").replace(flash=FlashBranchTuning(win="reference", win_split_min_t=min_t))
+        args = [t.detach().clone().requires_grad_() for t in x]
+        o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25, tuning=tuning)
+        res.append((o, torch.autograd.grad(o, args, torch.ones_like(o))))
+    assert calls == [45]
+    assert rel_rms(res[0][0], res[1][0]) == 0
+    for a, b in zip(res[0][1], res[1][1]):
+        assert rel_rms(a, b) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [8192, 65536])
+def test_gpu_split_backward_against_fp32_math(T):
+    """FA4, paper shape (HQ=64, H=4, d=128), bf16, w=512: the split backward's dq / dk / dv on KV head 0
+    within the bf16 bound of fp32 math and close to the GQA backward's own error (dK / dV carry G
+    roundings instead of one); the output is the GQA forward's, bit for bit."""
+    be, why = flash.branch_flash_backend("win", flash_tuning(), torch.zeros(1, 1, 1, 128, device="cuda",
+                                                                             dtype=torch.bfloat16), 128)
+    if be != "fa4":
+        pytest.skip(f"fa4 not usable here: {why}")
+    q, k, v, do = _inputs(T, 64, 4, 128, 128, torch.bfloat16, "cuda")
+    sc, w, G = 128 ** -0.5, 512, 16
+    o = window_split.window_attention_split(q, k, v, w, sc, "fa4")
+    got = torch.autograd.grad(o, (q, k, v), do)
+    ro = flash.dense_attention(q, k, v, window=w, scale=sc, backend="fa4")
+    gqa = torch.autograd.grad(ro, (q, k, v), do)
+    assert torch.equal(o, ro)
+    n = min(T - w, 8192)   # fp32 math on the last n queries of KV head 0 (their keys: the last n + w)
+    qs = q[0, -n:, :G].detach().float().transpose(0, 1).requires_grad_()
+    ks, vs = (t[0, -(n + w):, 0].detach().float().requires_grad_() for t in (k, v))
+    i = torch.arange(n, device="cuda")[:, None] + w
+    j = torch.arange(n + w, device="cuda")[None, :]
+    p = torch.softmax(((qs @ ks.T) * sc).masked_fill(~((j <= i) & (j > i - w)), float("-inf")), -1)
+    dqs, dks, dvs = torch.autograd.grad(p @ vs, (qs, ks, vs), do[0, -n:, :G].float().transpose(0, 1))
+    # keys before the slice's first query also get gradients from earlier queries: compare the last n keys
+    truth = (dqs.transpose(0, 1), dks[w:], dvs[w:])
+    for name, a, b in zip("qkv", got, gqa):
+        pick = (lambda t: t[0, -n:, :G]) if name == "q" else (lambda t: t[0, -n:, 0])
+        ea = rel_rms(pick(a).float(), truth["qkv".index(name)])
+        eb = rel_rms(pick(b).float(), truth["qkv".index(name)])
+        assert ea <= 5e-3 and ea <= 1.3 * eb + 1e-4, f"d{name}: split {ea:.2e}, gqa {eb:.2e}"
+
+
+def flash_tuning():
+    from nsa.ops.tuning import FlashBranchTuning
+    return FlashBranchTuning(win="auto")
