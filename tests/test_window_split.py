@@ -55,6 +55,9 @@ def test_split_ok_policy():
     assert not window_split.split_ok(torch.zeros(2, 64, 8, 16), torch.zeros(2, 64, 2, 16), 0)   # B > 1
     assert not window_split.split_ok(q[:, :, :2], k, 0)                                          # G = 1
     assert not window_split.split_ok(torch.zeros(1, 8, 64, 16).transpose(1, 2), k, 0)            # strided q
+    from nsa.ops.tuning import FlashBranchTuning
+    with pytest.raises(ValueError, match="win_split_min_t"):
+        FlashBranchTuning(win="auto", win_split_min_t=-1)
 
 
 def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):

@@ -15,6 +15,7 @@ in fp32 and in a fixed order, is K's and V's gradient (one pass over G * T * H *
 
 Rounding: each batch's partial is rounded to the input dtype before the sum, so dK / dV carry G roundings
 instead of one: against fp32 math, relative RMS 2.9e-3 instead of 2.4e-3 (bf16, 8k, H100). dq is unchanged.
+Memory: the partials hold G times K's and V's size during the backward (2 x 1 GB at 64k for the paper shape).
 
 Taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a batch dimension
 would need two strides), G > 1, q contiguous. The backward goes through flash-attn's private backward entry
