@@ -4,6 +4,7 @@
     python bench/bench_profile.py kernels --T 8192 65536 [--iters 5] [--ops]
     python bench/bench_profile.py kernels --T 16384 --HQ 12 --H 2 --dk 64 --dv 64 --compare "" select.prefetch=true
     python bench/bench_profile.py kernels --T 65536 --inputs captured:bench/captured_paper --layer 3 --compare "" tile.m=1
+    python bench/bench_profile.py kernels --T 65536 --fwd --compare ""          # the forward alone
     python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
     ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
         python bench/bench_profile.py ncu-attention --T 65536 --calls 1
@@ -17,7 +18,8 @@ kernels: every kernel's device microseconds per call, calls per step and share o
   and the dense SDPA forward+backward of the same shapes for scale; --ops also lists the aten ops with
   the most own device time (names the producer of each glue kernel). JSON: profile_attention.
   --compare runs tuning variants instead and prints their kernels' device ms side by side, with the
-  registers and spills of the Triton kernels each one compiled. JSON: profile_compare.
+  registers and spills of the Triton kernels each one compiled. JSON: profile_compare. --fwd times the
+  forward alone (with autograd recording, as in training), for the NSA op and the dense side.
 step: a training step of the prod_50k model per step-mode variant (bare nsa.train step on synthetic
   tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
   means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
@@ -103,12 +105,13 @@ def op_table(fn, iters: int, top: int = 25) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms_per_iter"])[:top]
 
 
-def fwd_bwd(x: list[torch.Tensor], do: torch.Tensor, tuning, hp: dict | None = None):
+def fwd_bwd(x: list[torch.Tensor], do: torch.Tensor, tuning, hp: dict | None = None, fwd_only: bool = False):
     """One NSA forward+backward of the op's inputs x (hyperparameters hp, default HP) under tuning, as a
-    callable."""
+    callable returning the gradients; fwd_only: the forward alone, recorded for autograd as in training (the
+    saved tensors are freed with the returned output)."""
     def step():
         o, _ = common.nsa_op(x, tuning, hp)
-        return torch.autograd.grad(o, x, do)
+        return o if fwd_only else torch.autograd.grad(o, x, do)
     return step
 
 
@@ -178,7 +181,7 @@ def run_compare(a) -> None:
     """--compare: per-kernel device ms of each tuning variant side by side, and the registers / spills of
     the kernels each variant compiled."""
     variants = [v.strip() for v in a.compare]
-    result = {"hp": HP, "inputs": a.inputs, "variants": variants, "runs": {}, "compiled": {}}
+    result = {"hp": HP, "inputs": a.inputs, "variants": variants, "pass": _pass(a), "runs": {}, "compiled": {}}
     for T in a.T:
         x, hp, (B, HQ, H, dk, dv) = op_inputs(a, T)
         result.update(hp=hp, shape=dict(HQ=HQ, H=H, dk=dk, dv=dv))
@@ -187,7 +190,7 @@ def run_compare(a) -> None:
         for v in variants:
             tuning = common.changed_tuning(split_changes(v) + a.tuning)
             before = compiled_kernels()
-            nsa_step = fwd_bwd(x, do, tuning, hp)
+            nsa_step = fwd_bwd(x, do, tuning, hp, a.fwd)
             rows, ms = kernel_table(nsa_step, a.iters)
             new = [k for i, k in compiled_kernels().items() if i not in before]
             if new:
@@ -197,7 +200,7 @@ def run_compare(a) -> None:
             totals[v] = ms
         names = sorted({k for p in per.values() for k in p}, key=lambda k: -per[variants[0]].get(k, 0.0))[:a.top]
         result["runs"][str(T)] = {"device_ms": totals, "kernels_ms": per}
-        print(f"\nT={T}, device ms per fwd+bwd (HQ={HQ}, H={H}, dk={dk}, dv={dv}, inputs {a.inputs}"
+        print(f"\nT={T}, device ms per {_pass(a)} (HQ={HQ}, H={H}, dk={dk}, dv={dv}, inputs {a.inputs}"
               f"{'' if a.inputs == 'random' else f' layer {a.layer}'}):")
         common.print_table(["kernel"] + [v or "base" for v in variants],
                            [["TOTAL"] + [totals[v] for v in variants]]
@@ -215,19 +218,19 @@ def run_compare(a) -> None:
 def run_kernels(a) -> None:
     if a.compare:
         return run_compare(a)
-    result = {"hp": HP, "runs": {}, "tuning": a.tuning, "inputs": a.inputs}
+    result = {"hp": HP, "runs": {}, "tuning": a.tuning, "inputs": a.inputs, "pass": _pass(a)}
     tuning = common.changed_tuning(a.tuning)
     for T in a.T:
         x, hp, (B, HQ, H, dk, dv) = op_inputs(a, T)
         result["hp"] = hp
         do = torch.randn(B, T, HQ, dv, device="cuda", dtype=torch.bfloat16)
-        nsa_step = fwd_bwd(x, do, tuning, hp)
-        dense_step = _dense_fwd_bwd(B, T, HQ, H, dk, dv)
+        nsa_step = fwd_bwd(x, do, tuning, hp, a.fwd)
+        dense_step = _dense_fwd_bwd(B, T, HQ, H, dk, dv, a.fwd)
         rows, ms = kernel_table(nsa_step, a.iters)
         drows, dms = kernel_table(dense_step, a.iters)
         run = result["runs"][str(T)] = {"nsa_device_ms": round(ms, 3), "dense_device_ms": round(dms, 3),
                                         "kernels": rows, "dense_kernels": drows}
-        print(f"\nT={T}: NSA fwd+bwd device {ms:.2f} ms, dense {dms:.2f} ms (ratio {dms / ms:.2f}x)")
+        print(f"\nT={T}: NSA {_pass(a)} device {ms:.2f} ms, dense {dms:.2f} ms (ratio {dms / ms:.2f}x)")
         common.print_table(["kernel", "us/call", "calls", "ms", "share"],
                            [[r["kernel"][:70], r["us_per_call"], r["calls_per_iter"], r["ms_per_iter"],
                              f"{r['share']:.1%}"] for r in rows], [""] + [".1f", "g", ".3f", ""])
@@ -241,15 +244,21 @@ def run_kernels(a) -> None:
     common.write_result(result, "profile_attention", a)
 
 
-def _dense_fwd_bwd(B: int, T: int, HQ: int, H: int, dk: int, dv: int):
-    """A causal GQA SDPA forward+backward step on fresh bf16 inputs (the dense side of the kernel table)."""
+def _pass(a) -> str:
+    """What one timed call of `kernels` is: "fwd" (--fwd) or "fwd+bwd"."""
+    return "fwd" if getattr(a, "fwd", False) else "fwd+bwd"
+
+
+def _dense_fwd_bwd(B: int, T: int, HQ: int, H: int, dk: int, dv: int, fwd_only: bool = False):
+    """A causal GQA SDPA forward+backward step on fresh bf16 inputs (the dense side of the kernel table);
+    fwd_only: its forward alone, recorded for autograd."""
     bf = dict(device="cuda", dtype=torch.bfloat16, requires_grad=True)
     qd, kd, vd = torch.randn(B, HQ, T, dk, **bf), torch.randn(B, H, T, dk, **bf), torch.randn(B, H, T, dv, **bf)
     dod = torch.randn(B, HQ, T, dv, device="cuda", dtype=torch.bfloat16)
 
     def step():
         o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
-        return torch.autograd.grad(o, (qd, kd, vd), dod)
+        return o if fwd_only else torch.autograd.grad(o, (qd, kd, vd), dod)
     return step
 
 
@@ -482,6 +491,7 @@ def main() -> int:
                    help="tuning variants side by side (comma-separated changes, '' for the preset): device ms "
                         "per kernel, and registers / spills of what each compiled")
     k.add_argument("--top", type=int, default=12, help="kernels listed with --compare")
+    k.add_argument("--fwd", action="store_true", help="time the forward alone (autograd recording, as in training)")
     for name in ("HQ", "H", "dk", "dv"):
         k.add_argument(f"--{name}", type=int, default=common.SHAPE[name])
     k.add_argument("--inputs", default="random",

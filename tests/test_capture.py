@@ -227,6 +227,24 @@ def test_bench_profile_compare_adds_kernels_of_one_cut_name():
     assert bp.kernel_ms(rows) == {fa4[:60]: 3.5, "_slc_fwd_kernel": 0.25}
 
 
+def test_bench_profile_fwd_times_the_forward_alone():
+    """kernels --fwd: the NSA step returns the op's output, still recorded for autograd (the forward as training
+    runs it) and computes no gradient; without it the step returns one gradient per input."""
+    bp = load_bench("bench_profile")
+    common = load_bench("common")
+    T, N = 64, (64 - 32) // 16 + 1
+    shapes = [(1, T, 4, 16), (1, N, 2, 16), (1, N, 2, 16)] + [(1, T, 2, 16)] * 4
+    x = [torch.randn(*s).requires_grad_() for s in shapes] + [torch.rand(1, T, 4, 3).requires_grad_()]
+    do = torch.randn(1, T, 4, 16)
+    tuning = common.base_tuning("cpu")
+    o = bp.fwd_bwd(x, do, tuning, None, fwd_only=True)()
+    assert o.shape == (1, T, 4, 16) and o.grad_fn is not None and all(t.grad is None for t in x)
+    grads = bp.fwd_bwd(x, do, tuning, None)()
+    assert len(grads) == 8 and all(g.shape == t.shape for g, t in zip(grads, x))
+    ns = __import__("argparse").Namespace
+    assert bp._pass(ns(fwd=True)) == "fwd" and bp._pass(ns(fwd=False)) == "fwd+bwd"
+
+
 def test_inputs_flag_is_checked_once_for_both_benchmarks():
     """bench_attention's and bench_profile's --inputs: random or captured:DIR, else one clear exit."""
     common = load_bench("common")
