@@ -246,7 +246,7 @@ def run_kernels(a) -> None:
 
 def _pass(a) -> str:
     """What one timed call of `kernels` is: "fwd" (--fwd) or "fwd+bwd"."""
-    return "fwd" if getattr(a, "fwd", False) else "fwd+bwd"
+    return "fwd" if a.fwd else "fwd+bwd"
 
 
 def _dense_fwd_bwd(B: int, T: int, HQ: int, H: int, dk: int, dv: int, fwd_only: bool = False):

@@ -24,13 +24,13 @@ GQA backward instead (counted and warned once per device).
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from ..config import triton_interpreter
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
@@ -135,7 +135,7 @@ def batch_sum(x: torch.Tensor) -> torch.Tensor:
     """x [G, T, H, d] -> [1, T, H, d] in x's dtype: the sum over the G batches in order, in fp32 (fp64 for fp64)."""
     x = x.contiguous()
     G, n = x.shape[0], x[0].numel()
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":   # no Triton device here
+    if not x.is_cuda and not triton_interpreter():   # no Triton device here
         return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32).sum(0, keepdim=True).to(x.dtype)
     y = torch.empty((1, *x.shape[1:]), device=x.device, dtype=x.dtype)
     if n:
