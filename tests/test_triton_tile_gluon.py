@@ -11,7 +11,7 @@ import torch
 
 from nsa.ops.triton import select_tile as tt
 from nsa.ops.triton import tile_gluon as tg
-from nsa.ops.tuning import SelectTuning, TileTuning, tuning_for
+from nsa.ops.tuning import SelectTuning, TileLaunch, TileTuning, tuning_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,20 +141,23 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B,T,dtype", [(1, 8192, torch.bfloat16), (1, 65536, torch.bfloat16),
                                        (2, 4000, torch.bfloat16), (2, 4000, torch.float16)])
-def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
+@pytest.mark.parametrize("m", [4, 8])   # one warpgroup (64 rows) or two (128 rows)
+def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m):
     from test_triton_tile import make_block_idx
     if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon on a Hopper GPU")
     gen = torch.Generator(device="cuda").manual_seed(T)
-    HQ, H, d, m = 64, 4, 128, 4
+    HQ, H, d = 64, 4, 128
     qkv = torch.randn(B, T, HQ + 2 * H, d, generator=gen, device="cuda").to(dtype)   # k / v as strided views
     q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + H], qkv[:, :, HQ + H:]
     assert tg.gluon_tile_ok(q, k, v, m, 64)
+    # the Triton kernels on whole 64-key blocks, as the Gluon ones (the preset splits blocks at 128 rows)
+    same = dict(fwd=(TileLaunch(64, 4, 3), TileLaunch(64, 8, 3)), dq=(TileLaunch(64, 4, 2), TileLaunch(64, 8, 2)))
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
         un = tt.tile_unions(bi, m)
         run = {s: tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
-                                  tuning=TileTuning(m=m, gluon_fwd_stages=s)) for s in (0, 2, 3)}
+                                  tuning=TileTuning(m=m, gluon_fwd_stages=s, **same)) for s in (0, 2, 3)}
         for s in (2, 3):
             for name, a, b in zip(("o", "lse"), run[s], run[0]):
                 assert torch.equal(a, b), f"{mode} stages={s}: {name} differs from the Triton kernel"
@@ -166,7 +169,7 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype):
         for g, acc in ((gate, dq_in), (None, None)):
             got, want = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
                                     dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
-                                    tuning=TileTuning(m=m, gluon_dq_stages=s)) for s in (2, 0))
+                                    tuning=TileTuning(m=m, gluon_dq_stages=s, **same)) for s in (2, 0))
             assert torch.equal(got, want), f"{mode} gate={g is not None}: Gluon dq differs from the Triton kernel"
         # the op's output written by the forward's epilogue (TileTuning.gluon_combine), o_cmp in q's rows and
         # in the dense compressed problem's: bitwise the combine kernel's

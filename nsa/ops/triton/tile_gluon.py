@@ -11,7 +11,8 @@ operand, so the forward needs 64 KB of shared memory and three programs share an
 forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine; table 18).
 
 Eligible (gluon_tile_ok / gluon_walk_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128,
-l_sel = 64, 64 rows of whole tokens' heads (the paper shape's m=4 at G=16), K / V addressable as 2-D
+l_sel = 64, 64 rows of whole tokens' heads for the walk, 64 or 128 for the tile kernels (the paper shape's
+m=4 or m=8 at G=16: one warpgroup, or two in step), K / V addressable as 2-D
 [B*T, H*d] (heads adjacent, rows evenly strided) and, for the walk, q / dO as [B*T*HQ, d], all 16-byte
 aligned. Everything else, and every call on a device where a Gluon kernel once failed to build or launch
 (_launch: Gluon is experimental), runs the Triton kernels. Gluon has no interpreter:
@@ -28,7 +29,10 @@ import torch
 from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 
-ROWS = 64          # wgmma rows of one warpgroup: m * G (tile kernels) or a walk step's rows must be exactly this
+ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
+# m * G of the tile kernels: one warpgroup (4 warps) per 64 rows; 128 rows (8 warps) load each block of the union
+# of twice the tokens once (the forward is L2-bandwidth bound at 64k: bench/RESULTS.md table 20)
+TILE_ROWS = (64, 128)
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
@@ -67,7 +71,7 @@ def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_s
             and k.dtype == q.dtype == v.dtype and (do is None or do.stride(3) == 1)):
         return False
     G = q.shape[2] // k.shape[2]
-    if (m * G != ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
+    if (m * G not in TILE_ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
             or q.stride(3) != 1 or not (_rows_2d(k) and _rows_2d(v))):
         return False
     return _target_arch() // 10 == 9 and gluon_available()
@@ -117,10 +121,10 @@ def _kernel():
 
     @gluon.jit
     def _rows_a(X, b, h, n, T, sxb, sxt, sxh, G: gl.constexpr, M: gl.constexpr, D: gl.constexpr,
-                parent: gl.constexpr):
+                parent: gl.constexpr, NW: gl.constexpr):
         """The tile's [G*M, D] rows of X (token-major, row = ti * G + g, as select_tile._tile_rows; zeros past
         T) as wgmma's A operand in registers, for an accumulator of layout `parent`."""
-        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         r = gl.arange(0, G * M, layout=gl.SliceLayout(1, ld))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         t = (n * M + r // G).to(gl.int64)
@@ -199,9 +203,9 @@ def _kernel():
                 return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
         # S = q K^T [R, LS] and O [R, DV] accumulators: one warpgroup, 16-row wgmma atoms
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DV, 16])
-        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)     # the tile's q once, in registers
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, LS, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16])
+        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)     # the tile's q once, in registers
         k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
@@ -246,12 +250,16 @@ def _kernel():
                  + co[None, :], ob, mask=(to < T)[:, None])
         if COMBINE:   # the op's output: o's rows through K/V slot 0 (free now: every copy into it was waited
             # for, every wgmma that read it too) into 16-byte rows, the operands' loads coalesced
-            ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            stage = v_smem.index(0)
-            cta_barrier()
-            stage.store(ob)
-            cta_barrier()
-            _combine_rows(stage.load(ld), GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld)
+            ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            if R <= LS:
+                stage = v_smem.index(0)
+                cta_barrier()
+                stage.store(ob)
+                cta_barrier()
+                ob_ld = stage.load(ld)
+            else:   # 128 rows do not fit a [LS, DV] slot: the compiler's own staging (one CTA per SM has room)
+                ob_ld = gl.convert_layout(ob, ld)
+            _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld)
 
     @gluon.jit
     def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, sqb, sqt, sqh,
@@ -264,10 +272,10 @@ def _kernel():
             if skip_program(FLAG, GUARD):
                 return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
-        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s)
-        doa = _rows_a(DO, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s)
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, LS, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16])
+        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)
+        doa = _rows_a(DO, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s, num_warps)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
         tok = n * M + ti
@@ -494,7 +502,7 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
                               q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
                               NSTAGE=stages, GUARD=mode, COMBINE=combine is not None,
-                              CROWS=combine is not None and combine.rows, num_warps=4,
+                              CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
                               **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
 
 
@@ -527,7 +535,8 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
                               dq if dq_in is None else dq_in, flag, q.stride(0), q.stride(1), q.stride(2),
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
-                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, num_warps=4)
+                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode,
+                              num_warps=m * (HQ // H) // 16)
 
 
 def _rows_of_heads(x: torch.Tensor) -> bool:
