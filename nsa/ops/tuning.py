@@ -272,9 +272,6 @@ class TileTuning:
     # (H100, paper shape, captured selections: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k;
     # bench/RESULTS.md table 18)
     gluon_combine: bool = False
-    # the Gluon forward's walk with the next block's q K^T and this block's P V in flight during the softmax
-    # (tile_gluon._fwd_pipelined; needs gluon_fwd_stages >= 3): the same bits, two S tiles in registers
-    gluon_fwd_pipe: bool = False
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -291,9 +288,6 @@ class TileTuning:
             raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
         for f in ("gluon_fwd_stages", "gluon_dq_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
-        if self.gluon_fwd_pipe and self.gluon_fwd_stages < 3:
-            raise ValueError(f"TileTuning.gluon_fwd_pipe needs gluon_fwd_stages >= 3 (two blocks resident while a "
-                             f"third loads), got {self.gluon_fwd_stages}")
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""

@@ -441,8 +441,7 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
-            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine,
-                      pipe=tn.gluon_fwd_pipe):
+            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))

@@ -39,8 +39,7 @@ LSEL = 64          # keys per selection block (one TMA box of K or V)
 # before the token-id prefetch, which adds 16 B)
 _DQC = 2
 # the forward that also writes the op's output: three 4-warp programs per SM need <= 168 registers (Triton 3.6
-# allocates 164 for it, 3.9 171 uncapped). Not for the pipelined walk (gluon_fwd_pipe): its third K/V slot
-# leaves room for two programs per SM anyway, and its second S tile needs ~195 registers
+# allocates 164 for it, 3.9 171 uncapped)
 FWD_MAX_REGS = 168
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
@@ -94,7 +93,7 @@ def _kernel():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_init, warpgroup_mma_wait)
+                                                                  warpgroup_mma_wait)
     # Gluon is experimental: the TMA load was async_copy_global_to_shared up to Triton 3.6, async_load later
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
@@ -166,52 +165,6 @@ def _kernel():
         return slot, gl.load(UB + ubase + it), gl.load(UBITS + ubase + it)
 
     @gluon.jit
-    def _fwd_pipelined(qa, k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, nu, row0, h, ti, tok, kk, m_i, l_i,
-                       acc, s_zero, scale_log2, mma_o: gl.constexpr, NSTAGE: gl.constexpr, LS: gl.constexpr,
-                       D: gl.constexpr, DV: gl.constexpr):
-        """_gtile_fwd's union walk with the next block's q K^T and this block's P V in flight while the CUDA cores
-        run this block's softmax (wgmma groups retire in issue order: S(it+1) is issued before P(it) V(it), so
-        waiting for one leaves the other running). The same operations on every row as the plain walk, so the
-        same bits. NSTAGE >= 3: entries it and it+1 resident, the slot P(it-1) V(it-1) read refilled."""
-        if nu > 0:
-            mbarrier.wait(bars.index(0), phase=0)
-        s_cur = warpgroup_mma(qa, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_cur, ))
-        acc = warpgroup_mma_init(acc)   # carried through the loop as an in-flight accumulator
-        for it in range(nu):
-            slot = it % NSTAGE
-            j = gl.load(UB + ubase + it)
-            bits = gl.load(UBITS + ubase + it)
-            more = (it + 1 < nu).to(gl.int32)
-            if it + 1 < nu:
-                mbarrier.wait(bars.index((it + 1) % NSTAGE), phase=((it + 1) // NSTAGE) & 1)
-            # past the last entry: a harmless product on this slot (never read)
-            s_next = warpgroup_mma(qa, k_smem.index((it + more) % NSTAGE).permute((1, 0)), s_zero, use_acc=False,
-                                   is_async=True)
-            kp = j * LS + kk
-            vis = (((bits >> ti) & 1) != 0)[:, None] & (kp[None, :] <= tok[:, None])
-            sc = gl.where(vis, s_cur * scale_log2, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, 1))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(sc - m_safe[:, None])
-            alpha = gl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            acc_t = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # P(it-1) V(it-1) retired
-            nxt = it + NSTAGE - 1
-            if nxt < nu:   # into the slot that product read (every warp past its wait first)
-                cta_barrier()
-                s2 = nxt % NSTAGE
-                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0, h,
-                            LS, D, DV)
-            acc_t = acc_t * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-            pa = gl.convert_layout(p.to(k_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2))
-            acc = warpgroup_mma(pa, v_smem.index(slot), acc_t, is_async=True)
-            s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_next, ))   # S(it+1) retired, P V may run
-            m_i = m_new
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        return m_i, l_i, acc
-
-    @gluon.jit
     def _combine_rows(ob, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G: gl.constexpr, M: gl.constexpr,
                       DV: gl.constexpr, CROWS: gl.constexpr, lay: gl.constexpr):
         """o = g_cmp * o_cmp + g_slc * ob + g_win * o_win into O2 for the tile's rows, ob [G*M, DV] (layout lay)
@@ -243,7 +196,7 @@ def _kernel():
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot, soh,
                    T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
                    D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
-                   COMBINE: gl.constexpr, CROWS: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
+                   COMBINE: gl.constexpr, CROWS: gl.constexpr, num_warps: gl.constexpr):
         R: gl.constexpr = G * M
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -262,10 +215,7 @@ def _kernel():
         l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, mma_s))
         acc = gl.zeros([R, DV], gl.float32, layout=mma_o)
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
-        if PIPE:
-            m_i, l_i, acc = _fwd_pipelined(qa, k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, nu, row0, h,
-                                           ti, tok, kk, m_i, l_i, acc, s_zero, scale_log2, mma_o, NSTAGE, LS, D, DV)
-        for it in range(0 if PIPE else nu):
+        for it in range(nu):
             slot, j, bits = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE,
                                      LS, D, DV)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -529,16 +479,15 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None, pipe: bool = False) -> bool:
+              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
     gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
     function.Combine whose out also gets the gated sum of the three branches. False (nothing written)
-    when the Gluon kernel failed to build or launch (_launch). pipe: TileTuning.gluon_fwd_pipe (stages >= 3)."""
-    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine,
-                                                             pipe))
+    when the Gluon kernel failed to build or launch (_launch)."""
+    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine))
 
 
-def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine, pipe) -> None:
+def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
@@ -553,8 +502,8 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine, pipe) -> None:
                               q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
                               NSTAGE=stages, GUARD=mode, COMBINE=combine is not None,
-                              CROWS=combine is not None and combine.rows, PIPE=pipe, num_warps=m * (HQ // H) // 16,
-                              **({"maxnreg": FWD_MAX_REGS} if combine is not None and not pipe else {}))
+                              CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
+                              **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
