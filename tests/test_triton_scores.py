@@ -59,14 +59,14 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False, two_pass=False) -> ScoreTuning:
+def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
     return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout,
-                       head_pairs=head_pairs, two_pass_min_t=0 if two_pass else None)
+                       head_pairs=head_pairs)
 
 
 def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, relayout=False,
-             head_pairs=False, two_pass=False, **kw):
+             head_pairs=False, **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -79,8 +79,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, sk
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, scale=scale,
-                            tuning=None if tile is None and not relayout and not head_pairs and not two_pass
-                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs, two_pass), **kw).cpu()
+                            tuning=None if tile is None and not relayout and not head_pairs
+                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -142,25 +142,6 @@ def test_relayout_picks_the_same_blocks(case):
     B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
     for skip in (False, True):
         run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 3, tile=tile, relayout=True, skip_merge=skip)
-
-
-@pytest.mark.parametrize("case", ["g1_dot_many_chunks", "g16_paper_geometry", "g2_f16_map", "nsel_above_blocks",
-                                  "t_below_l"])
-def test_two_pass_ranking_picks_the_same_blocks(case):
-    """Every chunk's scores stored first, ranked after the score loop (ScoreTuning.two_pass_min_t): the
-    reference's blocks, with and without skipped merges and the relay, and bitwise the one-pass kernel's."""
-    B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
-    for skip, relay in ((False, False), (True, True)):
-        got = run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 5, tile=tile, relayout=relay,
-                       skip_merge=skip, two_pass=True)
-        one = run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 5, tile=tile or F16, relayout=relay,
-                       skip_merge=skip)
-        assert torch.equal(got, one)
-
-
-def test_two_pass_threshold_is_validated():
-    with pytest.raises(ValueError, match="two_pass_min_t must be >= 0"):
-        ScoreTuning(two_pass_min_t=-1)
 
 
 @pytest.mark.parametrize("relayout", [False, True])

@@ -333,19 +333,10 @@ class ScoreTuning:
     # (H100, paper shape) but the op stayed within noise, and the block scores are not bitwise the default's
     # (bench/RESULTS.md table 14)
     head_pairs: bool = False
-    # from this T (None: never) the kernel ranks after its score loop: each chunk's block scores go to a
-    # per-program scratch ([chunks, tile tokens, blocks] fp32, 1.2 GB at T=64k for the paper shape), the loop has
-    # no barrier, so its K loads stay asynchronous; then one barrier and the ranking of the stored chunks in order
-    # (the same blocks bit for bit; scores._rank_stored)
-    two_pass_min_t: int | None = None
     # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
     # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows
     small_group: ScoreTile | None = None
     small_group_max_g: int = 8
-
-    def __post_init__(self) -> None:
-        if self.two_pass_min_t is not None and self.two_pass_min_t < 0:
-            raise ValueError(f"ScoreTuning.two_pass_min_t must be >= 0 or None, got {self.two_pass_min_t}")
 
     def tile_for(self, big: bool, G: int = 16) -> ScoreTile:
         """The tile for padded head dims > 128 (big) or not, with G query heads per KV head."""

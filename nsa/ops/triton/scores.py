@@ -184,10 +184,9 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
           BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr,
           LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr, KEY64: tl.constexpr,
           MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr, SKIP: tl.constexpr,
-          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr, PAIRH: tl.constexpr, PASS1: tl.constexpr):
+          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr, PAIRH: tl.constexpr):
     """Chunks c_lo .. c_hi-1. MASKED=False only for chunks whose loaded tokens all exist (>= 0, < N)
-    and are visible to every token of the tile. PASS1: chunk c's scores go to SCR[c] ([BT, NBJ_PAD] each)
-    for the ranking loop after all chunks (_rank_stored), none is ranked here."""
+    and are visible to every token of the tile."""
     offs_dk = tl.arange(0, BDK)
     for c in range(c_lo, c_hi):
         j0 = c * NBJ
@@ -202,27 +201,8 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
         else:
             p = tl.exp2(x)
         s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC, PAIRH)
-        if PASS1:   # no barrier in this loop: Triton's pipeliner keeps the K loads asynchronous
-            r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
-            tl.store(SCR + c * (BT * NBJ_PAD) + r_, s)
-        else:
-            run = _merge_chunk(run, s, j0, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                               G, L_CMP, STRIDE, SKIP, SCR, RELAY)
-    return run
-
-
-@triton.jit
-def _rank_stored(run, SCR, n_ch, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
-                 KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
-                 KEY64: tl.constexpr, G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
-                 SKIP: tl.constexpr):
-    """The ranking of the chunks PASS1 stored, in chunk order (the one-pass kernel's order, so the same
-    blocks bit for bit); loaded back spread over the threads as RELAY's are."""
-    r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
-    for c in range(0, n_ch):
-        s = tl.load(SCR + c * (BT * NBJ_PAD) + r_)
-        run = _merge_chunk(run, s, c * NBJ, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                           G, L_CMP, STRIDE, SKIP, SCR, False)
+        run = _merge_chunk(run, s, j0, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
+                           G, L_CMP, STRIDE, SKIP, SCR, RELAY)
     return run
 
 
@@ -232,13 +212,13 @@ def _rank_stored(run, SCR, n_ch, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_P
 
 @triton.jit
 def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
-                   T, N, H, n_tiles, scale_log2, scr_stride,
+                   T, N, H, n_tiles, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
                    LSEL: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
                    BLOCK_R: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                    KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                    KEY64: tl.constexpr, MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKIP: tl.constexpr, RELAY: tl.constexpr, PAIRH: tl.constexpr, TWO: tl.constexpr):
+                   SKIP: tl.constexpr, RELAY: tl.constexpr, PAIRH: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     R: tl.constexpr = LSEL // STRIDE       # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE     # stride chunks per compression block
@@ -263,24 +243,20 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
     ov = tl.minimum(r_, c_ * R + R - 1) - tl.maximum(r_ - (LC - 1), c_ * R) + 1
     cnt = tl.where((ov > 0) & (c_ < NBJ), ov, 0).to(tl.float32)
     kc_base = KC + b * skb + h * skh
-    scr = SCRATCH + (pid_bh * n_tiles + pid_m).to(tl.int64) * scr_stride if RELAY or TWO else SCRATCH
+    scr = SCRATCH + (pid_bh * n_tiles + pid_m).to(tl.int64) * (BT * NBJ_PAD) if RELAY else SCRATCH
     if KEY64:
         run = tl.full([BT, KR], -1, tl.int64)
     else:
         run = tl.full([BT, KR], -1, tl.int32)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH, TWO)
+                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, False, scr, RELAY, PAIRH, TWO)
+                MAP, P_PREC, DOT_PREC, SKIP, False, scr, RELAY, PAIRH)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH, TWO)
-    if TWO:   # every chunk's scores stored: one barrier, then their ranking
-        tl.debug_barrier()
-        run = _rank_stored(run, scr, n_ch, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64, G, L_CMP, STRIDE,
-                           SKIP)
+                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
     # forced blocks by priority (cur, 0, cur-1; min(cur+1, 3) distinct), then the best others
     pos = tl.arange(0, KR)[None, :]
     nf = tl.minimum(cur + 1, 3)[:, None]
@@ -335,19 +311,16 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     mode = tile.map_small if bt <= 16 and bt * bn * nbj_pad <= 16384 else tile.map_big
     bi = torch.empty(B, T, H, n_sel, device=q.device, dtype=torch.int64)
     n_tiles = triton.cdiv(T, bt)
-    # RELAY: one [bt, nbj_pad] fp32 scratch per program (T * H * 64 B at the default tiles); two passes: one
-    # per chunk (T * H * 64 B * chunks: 1.2 GB at T=64k, H=4, 70 chunks)
-    two = tuning.two_pass_min_t is not None and T >= tuning.two_pass_min_t
-    stride = bt * nbj_pad * ((triton.cdiv(nsb, nbj) + 1) if two else 1)
-    scratch = torch.empty(n_tiles * B * H * stride if tuning.relayout or two else 1, device=q.device,
+    # RELAY: one [bt, nbj_pad] fp32 scratch per program (T * H * 64 B at the default tiles)
+    scratch = torch.empty(n_tiles * B * H * bt * nbj_pad if tuning.relayout else 1, device=q.device,
                           dtype=torch.float32)
     _select_kernel[(n_tiles, B * H)](
         q, k_cmp, lse_cmp.contiguous(), bi, scratch, q.stride(0), q.stride(1), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), bi.stride(0), bi.stride(1), bi.stride(2),
-        T, N, H, n_tiles, scale * LOG2E, stride, G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, DK=dk,
+        T, N, H, n_tiles, scale * LOG2E, G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, DK=dk,
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=tuning.skip_merge, RELAY=tuning.relayout, PAIRH=tuning.head_pairs, TWO=two, num_warps=warps, num_stages=stages,
+        SKIP=tuning.skip_merge, RELAY=tuning.relayout, PAIRH=tuning.head_pairs, num_warps=warps, num_stages=stages,
         **reg_cap(tile.max_regs, q.is_cuda))
     return bi
