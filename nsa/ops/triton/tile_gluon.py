@@ -30,8 +30,9 @@ from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 
 ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
-# m * G of the tile kernels: one warpgroup (4 warps) per 64 rows; 128 rows (8 warps) load each block of the union
-# of twice the tokens once (the forward is L2-bandwidth bound at 64k: bench/RESULTS.md table 20)
+# m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
+# of the union of twice the tokens once, but both warpgroups compute all of it in step: slower than 64 rows at the
+# paper shape (bench/RESULTS.md table 20), faster than the Triton kernels at m=8
 TILE_ROWS = (64, 128)
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
@@ -202,9 +203,11 @@ def _kernel():
             if skip_program(FLAG, GUARD):
                 return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
-        # S = q K^T [R, LS] and O [R, DV] accumulators: one warpgroup, 16-row wgmma atoms
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, LS, 16])
-        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, DV, 16])
+        # S = q K^T [R, LS] and O [R, DV] accumulators: a warpgroup per 64 rows, 16-row wgmma atoms
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, LS, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, DV, 16])
         qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)     # the tile's q once, in registers
         k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
@@ -272,8 +275,10 @@ def _kernel():
             if skip_program(FLAG, GUARD):
                 return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, LS, 16])
-        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, D, 16])
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, LS, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, D, 16])
         qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)
         doa = _rows_a(DO, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s, num_warps)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
