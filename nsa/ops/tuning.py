@@ -333,10 +333,18 @@ class ScoreTuning:
     # (H100, paper shape) but the op stayed within noise, and the block scores are not bitwise the default's
     # (bench/RESULTS.md table 14)
     head_pairs: bool = False
+    # from this T (None: never) calls of the paper's geometry (G=16, d_k=128, l=32, d=16, l_sel=64) take the score
+    # pass in Gluon on Hopper: warp-specialized, K~ on a TMA ring, each chunk's scores stored, then ranked by a
+    # Triton kernel (nsa/ops/triton/scores_gluon.py; the same blocks bit for bit)
+    gluon_min_t: int | None = None
     # head dims <= 128 with G <= small_group_max_g query heads per KV head (None: `tile`). Rows hold
     # next_pow2(G) heads of a token, so few heads mean more tokens per tile for the same rows
     small_group: ScoreTile | None = None
     small_group_max_g: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gluon_min_t is not None and self.gluon_min_t < 0:
+            raise ValueError(f"ScoreTuning.gluon_min_t must be >= 0 or None, got {self.gluon_min_t}")
 
     def tile_for(self, big: bool, G: int = 16) -> ScoreTile:
         """The tile for padded head dims > 128 (big) or not, with G query heads per KV head."""
@@ -529,7 +537,8 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                                           ids_in_regs=True, pair_max_regs=128, chunk_min_items=512,
                                           walk_loop_stages=3, dq_walk_loop_stages=2, dq_walk_loop_min_g=16,
                                           gluon_walk_stages=2, gluon_dq_walk_stages=2),
-                      scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True),
+                      scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True,
+                                         gluon_min_t=32768),
                       tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
                                       gluon_dq_stages=2, gluon_combine=True))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per

@@ -284,15 +284,22 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     compressed token is visible) -> block_idx int64 [B,T,H,n_sel], ascending, -1 padded.
 
     tuning: tiles and skip_merge (None: the preset of q's device); wide_keys forces int64 (True) or
-    int32 (False, only if the block count fits) ranking keys (tests and benchmarks)."""
+    int32 (False, only if the block count fits) ranking keys (tests and benchmarks). From
+    tuning.gluon_min_t, eligible calls take the score pass in Gluon (scores_gluon.py: the same blocks)."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
+    tuning = tuning or tuning_for(q.device).scores
+    if tuning.gluon_min_t is not None and T >= tuning.gluon_min_t and wide_keys is None:
+        from .scores_gluon import gluon_scores_ok, select_blocks_gluon
+        if gluon_scores_ok(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel):
+            bi = select_blocks_gluon(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
+            if bi is not None:
+                return bi
     G = HQ // H
     GP = next_pow2(G)
     R, LC = l_sel // d, l // d
     nsb = triton.cdiv(T, l_sel)
     bdk = max(16, next_pow2(dk))
-    tuning = tuning or tuning_for(q.device).scores
     tile = tuning.tile_for(bdk > 128, G)
     rows, bn_min, warps, stages = tile.rows, tile.min_keys, tile.warps, tile.stages
     block_r = row_block(GP, rows)
