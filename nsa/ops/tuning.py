@@ -531,6 +531,9 @@ class KernelTuning:
 # G=6, d=64 0.17 / 0.28 / 2.60 -> 0.10 / 0.25 / 1.79 ms.
 # The window's backward on grouped views from 16k (nsa/ops/window_split.py; H100, paper shape, random inputs, op
 # device ms f+b: 8k 7.67 -> 7.71, 16k 19.78 -> 19.40, 32k 43.57 -> 42.52, 64k 103.85 -> 101.89; table 19).
+# The block scores' pass from 32k in Gluon, warp-specialized, each chunk's scores stored and ranked by a Triton kernel
+# (nsa/ops/triton/scores_gluon.py; the same blocks bit for bit; H100, paper shape, random: select_blocks 7.89 -> 6.48 ms
+# at 64k, 0.68 either way at 16k; op forward 15.39 -> 15.20 ms at 32k, 38.47 -> 37.19 at 64k; table 21).
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192, win_split_min_t=16384),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
                                           block_dkdv_rows=64, pair_chunk=128, pack_heads=True, prefetch=True,

@@ -17,7 +17,7 @@ runs in two kernels:
 
 The scores are the Triton kernel's operation for operation (the same products, the same head-sum order in the
 same accumulator layout), so block_idx is the same bit for bit (GPU test). H100, paper shape, random inputs,
-select_blocks alone: 64k 7.89 -> 6.48 ms, 16k 0.68 -> 0.68 (table 20); ScoreTuning.gluon_min_t chooses where.
+select_blocks alone: 64k 7.89 -> 6.48 ms, 16k 0.68 -> 0.68 (tables 20, 21); ScoreTuning.gluon_min_t chooses where.
 
 Eligible (gluon_scores_ok): CUDA compute capability 9.x with Gluon, bf16 / fp16, the paper's geometry (G = 16
 query heads per KV head, d_k = 128, l = 32, d = 16, l_sel = 64, n_sel <= 16), K~ addressable as 2-D [B*N, H*d_k]
