@@ -206,6 +206,26 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
     return run
 
 
+@triton.jit
+def store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL: tl.constexpr, BT: tl.constexpr,
+                 KR: tl.constexpr, LOGKR: tl.constexpr, IB: tl.constexpr):
+    """Each token's row of block_idx from its running best keys run [BT, KR]: the forced blocks by priority (cur,
+    0, cur-1; min(cur+1, 3) distinct), then the best others, sorted ascending and -1 padded."""
+    pos = tl.arange(0, KR)[None, :]
+    nf = tl.minimum(cur + 1, 3)[:, None]
+    base = tl.maximum(NSEL - nf, 0)
+    kf = pos - base
+    jrun = (((1 << IB) - 1) - (run & ((1 << IB) - 1))).to(tl.int32)
+    big = 2147483647
+    val = tl.where((pos < base) & (run >= 0), jrun, big)
+    forced = tl.where(kf == 0, cur[:, None], tl.where(kf == 1, 0, cur[:, None] - 1))
+    val = tl.where((kf >= 0) & (kf < tl.minimum(nf, NSEL)), forced, val)
+    val = _bitonic_sort(val, BT, KR, LOGKR, 0)
+    out = tl.where(val == big, -1, val).to(tl.int64)
+    tl.store(BI + b * sbb + ttok.to(tl.int64)[:, None] * sbt + h * sbh + pos, out,
+             mask=(ttok < T)[:, None] & (pos < NSEL))
+
+
 # ----------------------------------------------------------------------------------------------
 # kernel
 
@@ -257,20 +277,7 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
                 MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
-    # forced blocks by priority (cur, 0, cur-1; min(cur+1, 3) distinct), then the best others
-    pos = tl.arange(0, KR)[None, :]
-    nf = tl.minimum(cur + 1, 3)[:, None]
-    base = tl.maximum(NSEL - nf, 0)
-    kf = pos - base
-    jrun = (((1 << IB) - 1) - (run & ((1 << IB) - 1))).to(tl.int32)
-    big = 2147483647
-    val = tl.where((pos < base) & (run >= 0), jrun, big)
-    forced = tl.where(kf == 0, cur[:, None], tl.where(kf == 1, 0, cur[:, None] - 1))
-    val = tl.where((kf >= 0) & (kf < tl.minimum(nf, NSEL)), forced, val)
-    val = _bitonic_sort(val, BT, KR, LOGKR, 0)
-    out = tl.where(val == big, -1, val).to(tl.int64)
-    tl.store(BI + b * sbb + ttok.to(tl.int64)[:, None] * sbt + h * sbh + pos, out,
-             mask=(ttok < T)[:, None] & (pos < NSEL))
+    store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
 
 
 # ----------------------------------------------------------------------------------------------

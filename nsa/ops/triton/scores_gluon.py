@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..common import LOG2E
 from ..fallbacks import count_fallback
-from .scores import GRID_BITS, _bitonic_sort, _merge_chunk
+from .scores import GRID_BITS, _merge_chunk, store_blocks
 from .tile_gluon import _target_arch, gluon_available
 
 GEOMETRY = dict(G=16, dk=128, l=32, d=16, l_sel=64)   # the shape the score pass is written for
@@ -145,19 +145,7 @@ def _rank_kernel(SCR, BI, sbb, sbt, sbh, T, H, n_tiles, nchmax, G: tl.constexpr,
         s = tl.load(scr + c * (BT * NBJ_PAD) + r_)
         run = _merge_chunk(run, s, c * NBJ, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
                            G, L_CMP, STRIDE, False, scr, False)
-    pos = tl.arange(0, KR)[None, :]
-    nf = tl.minimum(cur + 1, 3)[:, None]
-    base = tl.maximum(NSEL - nf, 0)
-    kf = pos - base
-    jrun = (((1 << IB) - 1) - (run & ((1 << IB) - 1))).to(tl.int32)
-    big = 2147483647
-    val = tl.where((pos < base) & (run >= 0), jrun, big)
-    forced = tl.where(kf == 0, cur[:, None], tl.where(kf == 1, 0, cur[:, None] - 1))
-    val = tl.where((kf >= 0) & (kf < tl.minimum(nf, NSEL)), forced, val)
-    val = _bitonic_sort(val, BT, KR, LOGKR, 0)
-    out = tl.where(val == big, -1, val).to(tl.int64)
-    tl.store(BI + b * sbb + ttok.to(tl.int64)[:, None] * sbt + h * sbh + pos, out,
-             mask=(ttok < T)[:, None] & (pos < NSEL))
+    store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
 
 
 @functools.lru_cache(maxsize=None)
