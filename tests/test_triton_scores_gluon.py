@@ -56,8 +56,8 @@ def test_ranking_of_stored_chunks_is_the_unfused_top_n(B, T, H, n_sel):
     sc = torch.nan_to_num(sc)
     want = tsu.select_topn(sc, G=G, l=L, d=D, l_sel=LSEL, n_sel=n_sel).cpu()
     scr, n_tiles, nchmax = stored_chunks(sc, T)
-    got = sg.rank_stored(scr.to(DEV), B, T, H, n_sel, l=L, d=D, l_sel=LSEL, n_tiles=n_tiles, nchmax=nchmax,
-                         device=DEV).cpu()
+    got = tsc.rank_stored(scr.to(DEV), B, T, H, G, n_sel, l=L, d=D, l_sel=LSEL, n_tiles=n_tiles, nchmax=nchmax,
+                          tile=sg.TILE, nbj=sg.NBJ, nbj_pad=sg.NBJ_PAD, device=DEV).cpu()
     assert torch.equal(got, want)
 
 
@@ -78,12 +78,15 @@ from test_pipeline_bench import load_bench
 br = load_bench("bench_regs")
 seen = br.compile_only(90)
 torch.Tensor.is_cuda = property(lambda self: True)
-from nsa.ops.triton.scores_gluon import gluon_scores_ok, select_blocks_gluon
+from nsa.ops.triton import scores_gluon as sg
+from nsa.ops.triton.scores import rank_stored
 T, HQ, H, D = 2048, 64, 4, 128
 q = torch.randn(1, T, HQ, D).bfloat16()
 kc = torch.randn(1, (T - 32) // 16 + 1, H, D).bfloat16()
-assert gluon_scores_ok(q, kc, l=32, d=16, l_sel=64, n_sel=16)
-select_blocks_gluon(q, kc, torch.zeros(1, T, HQ), l=32, d=16, l_sel=64, n_sel=16, scale=D ** -0.5)
+assert sg.gluon_scores_ok(q, kc, l=32, d=16, l_sel=64, n_sel=16)
+scr, n_tiles, nchmax = sg.score_pass(q, kc, torch.zeros(1, T, HQ), l_sel=64, scale=D ** -0.5)
+rank_stored(scr, 1, T, H, 16, 16, l=32, d=16, l_sel=64, n_tiles=n_tiles, nchmax=nchmax, tile=sg.TILE, nbj=sg.NBJ,
+            nbj_pad=sg.NBJ_PAD, device="cpu")
 for name, _, _, kern in seen:
     rep = br.ptxas_report(kern.asm["ptx"], 90)
     print("REPORT", name, rep["regs"], rep["spill_stores"], kern.metadata.shared)
@@ -100,10 +103,10 @@ def test_gluon_score_pass_compiles_for_sm90():
     lines = {x.split()[1]: [int(v) for v in x.split()[2:]] for x in r.stdout.splitlines() if x.startswith("REPORT")}
     if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
         pytest.skip("no ptxas in this Triton")
-    assert set(lines) == {"_score_pass", "_rank_kernel"}, r.stderr[-2000:]
+    assert set(lines) == {"_score_pass", "_rank_stored_kernel"}, r.stderr[-2000:]
     regs, spills, shared = lines["_score_pass"]
     assert spills <= 64 and shared <= 228 * 1024 - 1024, (regs, spills, shared)
-    assert lines["_rank_kernel"][1] == 0
+    assert lines["_rank_stored_kernel"][1] == 0
 
 
 @pytest.mark.gpu

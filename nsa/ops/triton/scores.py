@@ -297,11 +297,13 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     N, H = k_cmp.shape[1], k_cmp.shape[2]
     tuning = tuning or tuning_for(q.device).scores
     if tuning.gluon_min_t is not None and T >= tuning.gluon_min_t and wide_keys is None:
-        from .scores_gluon import gluon_scores_ok, select_blocks_gluon
-        if gluon_scores_ok(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel):
-            bi = select_blocks_gluon(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale)
-            if bi is not None:
-                return bi
+        from . import scores_gluon as sg
+        if sg.gluon_scores_ok(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel):
+            stored = sg.score_pass(q, k_cmp, lse_cmp, l_sel=l_sel, scale=scale)
+            if stored is not None:
+                scr, n_tiles, nchmax = stored
+                return rank_stored(scr, B, T, H, HQ // H, n_sel, l=l, d=d, l_sel=l_sel, n_tiles=n_tiles,
+                                   nchmax=nchmax, tile=sg.TILE, nbj=sg.NBJ, nbj_pad=sg.NBJ_PAD, device=q.device)
     G = HQ // H
     GP = next_pow2(G)
     R, LC = l_sel // d, l // d
@@ -338,3 +340,48 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         SKIP=tuning.skip_merge, RELAY=tuning.relayout, PAIRH=tuning.head_pairs, num_warps=warps, num_stages=stages,
         **reg_cap(tile.max_regs, q.is_cuda))
     return bi
+
+
+def rank_stored(scr: torch.Tensor, B: int, T: int, H: int, G: int, n_sel: int, *, l: int, d: int, l_sel: int,
+                n_tiles: int, nchmax: int, tile: int, nbj: int, nbj_pad: int, device) -> torch.Tensor:
+    """block_idx [B,T,H,n_sel] from stored chunk scores (scores_gluon.score_pass): scr [B*H, n_tiles, nchmax,
+    tile, nbj_pad] fp32, flat (chunk c of a tile holds blocks c*nbj ... c*nbj + nbj - 1); G query heads per KV head."""
+    nsb = triton.cdiv(T, l_sel)
+    kr = triton.next_power_of_2(max(n_sel, 2))
+    ib = max(1, (nsb - 1).bit_length())
+    bi = torch.empty(B, T, H, n_sel, device=device, dtype=torch.int64)
+    if B * T * H == 0:
+        return bi
+    _rank_stored_kernel[(n_tiles, B * H)](
+        scr, bi, bi.stride(0), bi.stride(1), bi.stride(2), T, H, n_tiles, nchmax, G=G, L_CMP=l, STRIDE=d, LSEL=l_sel,
+        NSEL=n_sel, BT=tile, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
+        LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=GRID_BITS + ib > 31, num_warps=1)
+    return bi
+
+
+@triton.jit
+def _rank_stored_kernel(SCR, BI, sbb, sbt, sbh, T, H, n_tiles, nchmax, G: tl.constexpr, L_CMP: tl.constexpr,
+                 STRIDE: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr, BT: tl.constexpr, NBJ: tl.constexpr,
+                 NBJ_PAD: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
+                 KEY64: tl.constexpr):
+    """One program per (tile of BT tokens, b*H + h): the stored chunks ranked in chunk order (as the one-pass
+    kernel merges them), then the forced blocks placed and the row sorted: scores._select_kernel's tail."""
+    pid_m = n_tiles - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    ttok = pid_m * BT + tl.arange(0, BT)
+    cur = ttok // LSEL
+    t_last = tl.minimum(pid_m * BT + BT - 1, T - 1)
+    n_ch = tl.cdiv(tl.maximum(t_last // LSEL - 1, 0), NBJ)      # candidates are blocks <= cur - 2
+    scr = SCR + (pid_bh.to(tl.int64) * n_tiles + pid_m) * (nchmax * BT * NBJ_PAD)
+    r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
+    if KEY64:
+        run = tl.full([BT, KR], -1, tl.int64)
+    else:
+        run = tl.full([BT, KR], -1, tl.int32)
+    for c in range(0, n_ch):
+        s = tl.load(scr + c * (BT * NBJ_PAD) + r_)
+        run = _merge_chunk(run, s, c * NBJ, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
+                           G, L_CMP, STRIDE, False, scr, False)
+    store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)

@@ -12,8 +12,8 @@ runs in two kernels:
   Triton kernel's three loops), the head sum in the wgmma accumulator's own layout. Each chunk's block scores
   [16 tokens, 16 blocks] fp32 go to a per-program scratch (chunks x 1 KB: 1.2 GB at T=64k, H=4; calls that would
   need more than MAX_SCRATCH_BYTES keep the Triton kernel);
-- the ranking (Triton): one program per tile ranks the stored chunks in order with scores._merge_chunk and
-  places the forced blocks as scores._select_kernel does.
+- the ranking (Triton, scores.rank_stored): one program per tile ranks the stored chunks in order with
+  scores._merge_chunk and places the forced blocks as scores._select_kernel does (scores.store_blocks).
 
 The scores are the Triton kernel's operation for operation (the same products, the same head-sum order in the
 same accumulator layout), so block_idx is the same bit for bit (GPU test). H100, paper shape, random inputs,
@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import functools
 import warnings
+from types import MappingProxyType
 
 import torch
 import triton
-import triton.language as tl
 
 from ..common import LOG2E
 from ..fallbacks import count_fallback
-from .scores import GRID_BITS, _merge_chunk, store_blocks
 from .tile_gluon import _target_arch, gluon_available
 
-GEOMETRY = dict(G=16, dk=128, l=32, d=16, l_sel=64)   # the shape the score pass is written for
+# the shape the score pass is written for (read-only: ops keep no public mutable module state)
+GEOMETRY = MappingProxyType(dict(G=16, dk=128, l=32, d=16, l_sel=64))
 TILE = 16          # tokens per program: four consumer warpgroups of 4 tokens
 CHUNK = 64         # compressed tokens per chunk (one TMA box)
 NBJ = 15           # selection blocks a chunk covers: (CHUNK - l/d + 1) // (l_sel/d)
@@ -74,15 +74,15 @@ def gluon_scores_ok(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, l_s
     return rows_2d and _target_arch() // 10 == 9 and gluon_available()
 
 
-def select_blocks_gluon(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
-                        l_sel: int, n_sel: int, scale: float) -> torch.Tensor | None:
-    """scores.select_blocks' block_idx [B,T,H,n_sel] for a call gluon_scores_ok accepts, or None when the Gluon
-    kernel failed to build or launch (then the Triton kernel takes this device from now on)."""
+def score_pass(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l_sel: int,
+               scale: float) -> tuple[torch.Tensor, int, int] | None:
+    """For a call gluon_scores_ok accepts: every chunk's block scores (scr [B*H, tiles, chunks, TILE, NBJ_PAD] fp32,
+    flat), the tile count and the chunks per tile, for scores.rank_stored; None when the Gluon kernel failed to
+    build or launch (then the Triton kernel takes this device from now on)."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
-    nsb = triton.cdiv(T, l_sel)
     n_tiles = triton.cdiv(T, TILE)
-    nchmax = triton.cdiv(nsb, NBJ) + 1
+    nchmax = triton.cdiv(triton.cdiv(T, l_sel), NBJ) + 1
     scr = torch.empty(scratch_bytes(B, T, H, l_sel) // 4, device=q.device, dtype=torch.float32)
     try:
         from triton.experimental.gluon import language as gl
@@ -98,54 +98,9 @@ def select_blocks_gluon(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Ten
         why = f"the Gluon score pass failed: {type(exc).__name__}: {str(exc)[:160]}"
         _OFF[str(q.device)] = why
         count_fallback("scores_gluon->triton")
-        warnings.warn(f"block selection: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"block selection: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=4)
         return None
-    return rank_stored(scr, B, T, H, n_sel, l=l, d=d, l_sel=l_sel, n_tiles=n_tiles, nchmax=nchmax, device=q.device)
-
-
-def rank_stored(scr: torch.Tensor, B: int, T: int, H: int, n_sel: int, *, l: int, d: int, l_sel: int, n_tiles: int,
-                nchmax: int, device) -> torch.Tensor:
-    """block_idx [B,T,H,n_sel] from stored chunk scores: scr [B*H, n_tiles, nchmax, TILE, NBJ_PAD] fp32 (program
-    (b*H + h, tile) at ((b*H + h) * n_tiles + tile) * nchmax * TILE * NBJ_PAD; chunk c holds blocks c*NBJ ...)."""
-    nsb = triton.cdiv(T, l_sel)
-    kr = triton.next_power_of_2(max(n_sel, 2))
-    ib = max(1, (nsb - 1).bit_length())
-    bi = torch.empty(B, T, H, n_sel, device=device, dtype=torch.int64)
-    if B * T * H == 0:
-        return bi
-    _rank_kernel[(n_tiles, B * H)](scr, bi, bi.stride(0), bi.stride(1), bi.stride(2), T, H, n_tiles, nchmax,
-                                   G=GEOMETRY["G"], L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, BT=TILE, NBJ=NBJ,
-                                   NBJ_PAD=NBJ_PAD, KR=kr, LOGKR=kr.bit_length() - 1,
-                                   LOGNB=NBJ_PAD.bit_length() - 1, IB=ib, KEY64=GRID_BITS + ib > 31, num_warps=1)
-    return bi
-
-
-@triton.jit
-def _rank_kernel(SCR, BI, sbb, sbt, sbh, T, H, n_tiles, nchmax, G: tl.constexpr, L_CMP: tl.constexpr,
-                 STRIDE: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr, BT: tl.constexpr, NBJ: tl.constexpr,
-                 NBJ_PAD: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
-                 KEY64: tl.constexpr):
-    """One program per (tile of BT tokens, b*H + h): the stored chunks ranked in chunk order (as the one-pass
-    kernel merges them), then the forced blocks placed and the row sorted: scores._select_kernel's tail."""
-    pid_m = n_tiles - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    ttok = pid_m * BT + tl.arange(0, BT)
-    cur = ttok // LSEL
-    t_last = tl.minimum(pid_m * BT + BT - 1, T - 1)
-    n_ch = tl.cdiv(tl.maximum(t_last // LSEL - 1, 0), NBJ)      # candidates are blocks <= cur - 2
-    scr = SCR + (pid_bh.to(tl.int64) * n_tiles + pid_m) * (nchmax * BT * NBJ_PAD)
-    r_ = tl.arange(0, BT)[:, None] * NBJ_PAD + tl.arange(0, NBJ_PAD)[None, :]
-    if KEY64:
-        run = tl.full([BT, KR], -1, tl.int64)
-    else:
-        run = tl.full([BT, KR], -1, tl.int32)
-    for c in range(0, n_ch):
-        s = tl.load(scr + c * (BT * NBJ_PAD) + r_)
-        run = _merge_chunk(run, s, c * NBJ, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                           G, L_CMP, STRIDE, False, scr, False)
-    store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
+    return scr, n_tiles, nchmax
 
 
 @functools.lru_cache(maxsize=None)
