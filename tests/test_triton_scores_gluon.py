@@ -6,9 +6,6 @@ GPU select_blocks through it must return the Triton kernel's block_idx bit for b
 """
 import dataclasses
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +21,9 @@ from nsa.ops.triton import scores_gluon as sg  # noqa: E402
 from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.triton import tile_gluon as tg  # noqa: E402
 from nsa.ops.tuning import ScoreTuning  # noqa: E402
+from test_triton_tile_gluon import sm90_reports  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-ROOT = Path(__file__).resolve().parents[1]
 L, D, LSEL = 32, 16, 64
 
 
@@ -73,11 +70,6 @@ def test_gluon_score_pass_policy_and_field():
 
 
 COMPILE = r"""
-import torch
-from test_pipeline_bench import load_bench
-br = load_bench("bench_regs")
-seen = br.compile_only(90)
-torch.Tensor.is_cuda = property(lambda self: True)
 from nsa.ops.triton import scores_gluon as sg
 from nsa.ops.triton.scores import rank_stored
 T, HQ, H, D = 2048, 64, 4, 128
@@ -97,13 +89,11 @@ for name, _, _, kern in seen:
 def test_gluon_score_pass_compiles_for_sm90():
     """The warp-specialized score pass builds for sm_90 (a few spilled words at most; Triton 3.6, the device's,
     spills none) in one program's share of an SM's 228 KB, and its ranking kernel beside it."""
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-                       timeout=600)
-    lines = {x.split()[1]: [int(v) for v in x.split()[2:]] for x in r.stdout.splitlines() if x.startswith("REPORT")}
-    if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+    reports, err = sm90_reports(COMPILE)
+    if reports is None:
         pytest.skip("no ptxas in this Triton")
-    assert set(lines) == {"_score_pass", "_rank_stored_kernel"}, r.stderr[-2000:]
+    lines = {x.split()[1]: [int(v) for v in x.split()[2:]] for x in reports}
+    assert set(lines) == {"_score_pass", "_rank_stored_kernel"}, err[-2000:]
     regs, spills, shared = lines["_score_pass"]
     assert spills <= 64 and shared <= 228 * 1024 - 1024, (regs, spills, shared)
     assert lines["_rank_stored_kernel"][1] == 0

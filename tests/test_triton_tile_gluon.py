@@ -14,6 +14,28 @@ from nsa.ops.triton import tile_gluon as tg
 from nsa.ops.tuning import SelectTuning, TileLaunch, TileTuning, tuning_for
 
 ROOT = Path(__file__).resolve().parents[1]
+# the start of a compile-only snippet: every Triton launch compiles for sm_90 and returns (bench_regs.compile_only),
+# into `seen`; the launchers see CUDA tensors so they make the GPU's choices
+SM90_PREAMBLE = r"""
+import torch
+from test_pipeline_bench import load_bench
+br = load_bench("bench_regs")
+seen = br.compile_only(90)
+torch.Tensor.is_cuda = property(lambda self: True)
+"""
+
+
+def sm90_reports(snippet: str) -> tuple[list[str] | None, str]:
+    """(the REPORT lines a compile-only snippet prints, its stderr), run compiled in a subprocess from tests/; None
+    for the lines when this Triton has no ptxas. Compiled, not interpreted: the suite's TRITON_INTERPRET would turn
+    the kernels' helpers into Python (0, not unset: conftest, imported with load_bench, sets it only when absent)."""
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", SM90_PREAMBLE + snippet], cwd=ROOT / "tests", env=env,
+                       capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
+    if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+        return None, r.stderr
+    return lines, r.stderr
 
 
 def test_rows_2d_views():
@@ -76,11 +98,6 @@ def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
 
 
 COMPILE = r"""
-import torch
-from test_pipeline_bench import load_bench
-br = load_bench("bench_regs")
-seen = br.compile_only(90)
-torch.Tensor.is_cuda = property(lambda self: True)
 from nsa.ops.triton.select_tile import _tile_unions_torch
 from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd, gwalk_dkdv
 T, HQ, H, D = 1024, 64, 4, 128
@@ -111,15 +128,10 @@ for _, _, _, kern in seen:
 
 @pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
 def test_gluon_kernels_compile_for_sm90_without_spills():
-    # compiled, not interpreted: the suite's TRITON_INTERPRET would turn the kernels' helpers into Python
-    # (0, not unset: conftest, imported with test_pipeline_bench's load_bench, sets it only when absent)
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
-                       timeout=600)
-    lines = [x for x in r.stdout.splitlines() if x.startswith("REPORT")]
-    if not lines and ("ptxas" in r.stderr.lower() and "not found" in r.stderr.lower()):
+    lines, err = sm90_reports(COMPILE)
+    if lines is None:
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 6, r.stderr[-2000:]
+    assert len(lines) == 6, err[-2000:]
     (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), (wregs, wspills, wshared), (_, qspills, _) = (
         [int(x) for x in ln.split()[1:]] for ln in lines)
     # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
