@@ -103,6 +103,44 @@ def test_the_op_takes_the_split_backward_where_the_policy_says(monkeypatch):
         assert rel_rms(a, b) <= 1e-6
 
 
+def test_the_op_hands_row_sums_to_both_flash_branches(monkeypatch):
+    """FlashBranchTuning.row_sums: the compressed branch and the split window (both on "reference") get D
+    from the NSA backward's gate gradients (nsa/ops/branch_sums.py) and never read o (NaN here when D
+    came); output and every gradient equal the op without it to rounding, so D's layouts ([B, HQ', N]
+    through the dense problem's lse slots; [1, HQ, T] -> [G, H, T]) are right. B = 1, odd T, G = 2."""
+    from nsa.ops import branch_sums
+    from nsa.ops.testing import make_inputs
+    from nsa.ops.triton.function import nsa_triton_apply
+    from nsa.ops.tuning import FlashBranchTuning, tuning_for
+
+    seen = []
+    real = branch_sums.flash_bwd
+
+    def spy(backend, q, k, v, o, do, lse, d_rows, **kw):
+        seen.append((tuple(q.shape), d_rows is not None))
+        if d_rows is not None:
+            o = torch.full_like(o, float("nan"))
+        return real(backend, q, k, v, o, do, lse, d_rows, **kw)
+
+    monkeypatch.setattr(branch_sums, "flash_bwd", spy)
+    monkeypatch.setattr(window_split, "flash_bwd", spy)
+    x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=5)
+    res = []
+    for on in (True, False):
+        seen.clear()
+        flash_t = FlashBranchTuning(win="reference", cmp="reference", win_split_min_t=0, row_sums=on)
+        args = [t.detach().clone().requires_grad_() for t in x]
+        o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25,
+                                tuning=tuning_for("cpu").replace(flash=flash_t))
+        res.append((o, torch.autograd.grad(o, args, torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))))
+        # the window's grouped problem [G, T, H, d], and with row sums the compressed one [1, N, HQ', d]
+        # through branch_sums (without: its autograd as before)
+        assert sorted(seen) == sorted([((2, 45, 2, 16), on)] + [((1, 10, 16, 16), on)] * on), seen
+    assert rel_rms(res[0][0], res[1][0]) == 0
+    for name, a, b in zip("q k_cmp v_cmp k_slc v_slc k_win v_win gates".split(), res[0][1], res[1][1]):
+        assert torch.isfinite(a).all() and rel_rms(a, b) <= 1e-6, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])

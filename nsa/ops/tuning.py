@@ -389,6 +389,9 @@ class FlashBranchTuning:
     # from this T, the window branch on FA4 / reference takes its backward with each KV head's query heads as
     # batches (nsa/ops/window_split.py: FA4's GQA backward slows where its fp32 dK / dV buffers leave L2); None: off
     win_split_min_t: int | None = None
+    # the flash branches whose backward we call ourselves (FA4's entry, or reference) take D = rowsum(o * dO)
+    # from the gate gradients instead of reading o again (nsa/ops/branch_sums.py)
+    row_sums: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..config import triton_interpreter
+from .branch_sums import RowSums, flash_bwd
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
@@ -43,23 +44,26 @@ def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
 
 
 def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
-                           backend: str) -> torch.Tensor:
+                           backend: str, sums: RowSums | None = None) -> torch.Tensor:
     """Causal attention over the `window` most recent keys, q [1,T,HQ,d], k/v [1,T,H,*] -> o [1,T,HQ,dv];
     differentiable in q, k, v, with the split backward (module doc). backend: "fa4", or "reference" (fp32
-    math in both passes: the CPU tests of the views and the batch sum)."""
-    return _WindowSplit.apply(q, k, v, window, scale, backend)
+    math in both passes: the CPU tests of the views and the batch sum). sums: the op call's RowSums, whose
+    win slot [1, HQ, T] the NSA backward may fill (branch_sums.py: then o is not read again)."""
+    return _WindowSplit.apply(q, k, v, window, scale, backend, sums)
 
 
 class _WindowSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window, scale, backend):
+    def forward(ctx, q, k, v, window, scale, backend, sums):
         from .flash import _flash, reference_attention
         if backend == "reference":
             o, lse = reference_attention(q, k, v, True, window, scale)
         else:   # grad mode is off here: flash-attn's own autograd node is not recorded
             o, lse = _flash(backend, q, k, v, True, window, scale, True)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale, ctx.backend = window, scale, backend
+        ctx.window, ctx.scale, ctx.backend, ctx.sums = window, scale, backend, sums
+        if sums is not None:
+            sums.wants.add("win")
         return o
 
     @staticmethod
@@ -73,8 +77,13 @@ class _WindowSplit(torch.autograd.Function):
             """[1, T, HQ, dx] (contiguous) -> the [G, T, H, dx] view: batch g, head h = query head h*G + g."""
             return x.contiguous().view(T, H, G, dx).permute(2, 0, 1, 3)
 
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            """[1, HQ, T] (lse's layout) -> the [G, H, T] view of the same batches."""
+            return x.contiguous().view(H, G, T).permute(1, 0, 2)
+
+        d_rows = ctx.sums.take("win") if ctx.sums is not None else None
         args = (grouped(q, d), k.expand(G, T, H, d), v.expand(G, T, H, dv), grouped(o, dv), grouped(do, dv),
-                lse.contiguous().view(H, G, T).permute(1, 0, 2))
+                heads(lse), None if d_rows is None else heads(d_rows))
         dev = str(q.device)
         dqb = None
         if dev not in _OFF:
@@ -88,25 +97,18 @@ class _WindowSplit(torch.autograd.Function):
                 warnings.warn(f"window branch: split backward failed ({_OFF[dev]}); flash-attn's GQA backward "
                               "from now on", RuntimeWarning, stacklevel=2)
         if dqb is None:
-            return (*_gqa_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None)
+            return (*_gqa_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None, None)
         # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d]): back to [1, T, HQ, d]
         dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
-        return dq, batch_sum(dkb), batch_sum(dvb), None, None, None
+        return dq, batch_sum(dkb), batch_sum(dvb), None, None, None, None
 
 
-def _grouped_bwd(backend: str, qb, kb, vb, ob, dob, lseb, window: int, scale: float):
-    """(dq [G,T,H,d] with qb's strides, dK [G,T,H,d], dV [G,T,H,dv] per batch) of the grouped problem."""
+def _grouped_bwd(backend: str, qb, kb, vb, ob, dob, lseb, db, window: int, scale: float):
+    """(dq [G,T,H,d] with qb's strides, dK [G,T,H,d], dV [G,T,H,dv] per batch) of the grouped problem;
+    db: D of its rows [G,H,T] (branch_sums.py) or None (read from ob)."""
     if backend == "reference":
-        from .flash import reference_attention
-        x = [qb.detach().clone().requires_grad_(), kb.contiguous().requires_grad_(),
-             vb.contiguous().requires_grad_()]
-        with torch.enable_grad():
-            out = reference_attention(x[0], x[1], x[2], True, window, scale)[0]
-            return torch.autograd.grad(out, x, dob)
-    from flash_attn.cute.interface import _flash_attn_bwd
-    dq, dk, dv = _flash_attn_bwd(qb, kb, vb, ob, dob, lseb, softmax_scale=scale, causal=True,
-                                 window_size_left=window - 1, window_size_right=0)[:3]
-    return dq, dk, dv
+        kb, vb = kb.contiguous(), vb.contiguous()
+    return flash_bwd(backend, qb, kb, vb, ob, dob, lseb, db, scale=scale, window=window)
 
 
 def _gqa_bwd(backend: str, q, k, v, do, window: int, scale: float):

@@ -158,16 +158,20 @@ def cmp_maps(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, bnhd: bool
 
 
 def cmp_attention_rows(q_rows: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, maps: CmpMaps, *,
-                       T: int, HQ: int, scale: float, backend: str, bnhd: bool, rows_out: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       T: int, HQ: int, scale: float, backend: str, bnhd: bool, rows_out: bool = False,
+                       sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed branch from q rows already in the dense problem's order (q_rows [B, HQ'*N, dk] =
     gather_rows(q, slot_src), differentiable): (o_cmp [B,T,HQ,dv], lse_cmp fp32 [B,T,HQ]) as
     cmp_attention_dense returns them; rows_out: o_cmp left in the dense problem's rows [B, HQ'*N, dv]
-    (for kernels that read it through row_slot, which saves the gather each way)."""
+    (for kernels that read it through row_slot, which saves the gather each way). sums: the op call's
+    branch_sums.RowSums (fa4 / reference on bnhd: the backward takes D from its cmp slot when filled)."""
     B, dk = q_rows.shape[0], q_rows.shape[2]
     N, dv = k_cmp.shape[1], v_cmp.shape[3]
     HQd = q_rows.shape[1] // N
-    if bnhd and backend in ("fa4", "fa2"):   # flash-attn on its own layout: no transposes, o rows come out in order
+    if bnhd and sums is not None and backend in ("fa4", "reference"):
+        from nsa.ops.branch_sums import causal_flash
+        o, lse = causal_flash(q_rows.view(B, N, HQd, dk), k_cmp, v_cmp, scale, backend, sums)
+    elif bnhd and backend in ("fa4", "fa2"):   # flash-attn on its own layout: no transposes, o rows come out in order
         from nsa.ops.flash import flash_lse
         o, lse = flash_lse(q_rows.view(B, N, HQd, dk), k_cmp, v_cmp, scale, backend)
     else:

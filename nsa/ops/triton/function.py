@@ -27,6 +27,7 @@ import triton.language as tl
 from ..fallbacks import count_fallback
 from ..flash import branch_flash_backend, dense_attention
 from .. import window_split
+from ..branch_sums import RowSums
 from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
 from . import cmp_dense
 from ._utils import next_pow2
@@ -77,12 +78,13 @@ def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, FLAG, n_per_b, n_rows, s_rows, 
 
 
 @triton.jit
-def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr,
+def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, DLC, LSLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr,
                      BDV: tl.constexpr, BLOCK: tl.constexpr, WRITE_DOC: tl.constexpr, WRITE_DOW: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, WRITE_DLC: tl.constexpr):
     """dg[r, c] = sum_v dO[r, v] * o_c[r, v] (fp32); with WRITE_DOC also dO_cmp = g_cmp * dO (into o_cmp's
     row, _cmp_rows), with WRITE_DOW dO_win = g_win * dO (the gradients of branch outputs computed
-    outside, in dO's dtype), from the same read."""
+    outside, in dO's dtype), from the same read. WRITE_DLC (with ROWS): also D = g_cmp * dg_cmp at the
+    dense problem's lse index LSLOT[t*HQ + hq] of batch b in DLC [B, s_rows] (branch_sums.py)."""
     r = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     ok = r < n_rows
     c = tl.arange(0, BDV)
@@ -100,6 +102,11 @@ def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, n_per_b, n_rows, s_
         tl.store(DOW + off, (g2[:, None] * do).to(DOW.dtype.element_ty), mask=m)
     dg0 = tl.sum(do * tl.load(OC + oc, mask=oc_ok[:, None] & cm, other=0.0).to(tl.float32), 1)
     tl.store(DG + r * 3, dg0, mask=ok)
+    if WRITE_DLC:
+        b = r // n_per_b
+        ls = tl.load(LSLOT + (r - b * n_per_b), mask=ok, other=-1)
+        gd = tl.load(GT + r * 3, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DLC + b * s_rows + ls, gd * dg0, mask=ok & (ls >= 0))
     tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
 
@@ -230,24 +237,34 @@ class Combine(NamedTuple):
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,
                gates: torch.Tensor, ext_cmp: bool = False, ext_win: bool = False,
-               cmp_rows: cmp_dense.CmpMaps | None = None
+               cmp_rows: cmp_dense.CmpMaps | None = None, sums: RowSums | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """dgates fp32 [B,T,HQ,3] = rowsum(dO * o_c); inputs contiguous, gates [B,T,HQ,3]. Also returns
     g_cmp * dO (ext_cmp; shaped like o_cmp, in the dense problem's rows with cmp_rows, whose pad rows
     get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
-    outputs computed outside the Function."""
+    outputs computed outside the Function. sums: also D = g_c * dg_c of those branches into its slots, in
+    their lse layouts (cmp [B, HQ', N] with cmp_rows, win [B, HQ, T]; branch_sums.py)."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
     doc = torch.empty(o_cmp.shape, device=do.device, dtype=do.dtype) if ext_cmp else None
     dow = torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
     if ext_cmp and cmp_rows is not None and cmp_rows.pad_rows.numel():   # rows no query maps to: dO = 0
         doc.index_fill_(1, cmp_rows.pad_rows, 0)
-    if n_rows == 0:
-        return dg, doc, dow
-    nb, bdv, block = _rows_grid(n_rows, dv)
-    _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
-                            *_rows_args(cmp_rows, do), n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
-                            WRITE_DOC=ext_cmp, WRITE_DOW=ext_win, ROWS=cmp_rows is not None)
+    dlc = None
+    if sums is not None and "cmp" in sums.wants and ext_cmp and cmp_rows is not None:   # pad rows, t < l-1: D = 0
+        dlc = torch.zeros(o_cmp.shape[:2], device=do.device, dtype=torch.float32)
+    if n_rows:
+        nb, bdv, block = _rows_grid(n_rows, dv)
+        slot, n_per_b = _rows_args(cmp_rows, do)
+        _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
+                                slot, dg if dlc is None else dlc, cmp_rows.lse_slot if dlc is not None else slot,
+                                n_per_b, n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
+                                WRITE_DOC=ext_cmp, WRITE_DOW=ext_win, ROWS=cmp_rows is not None,
+                                WRITE_DLC=dlc is not None)
+    if dlc is not None:   # [B, HQ' * N]: the branch views it as its lse [B, HQ', N]
+        sums.cmp = dlc
+    if sums is not None and "win" in sums.wants and ext_win:   # [B, T, HQ] -> lse's [B, HQ, T]
+        sums.win = (dg[..., 2] * gates[..., 2].float()).transpose(1, 2).contiguous()
     return dg, doc, dow
 
 
@@ -256,8 +273,9 @@ class NSATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
-                l, d, l_sel, n_sel, w, scale, chunk, tuning):
+                l, d, l_sel, n_sel, w, scale, chunk, tuning, sums):
         ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
+        ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
         ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
         at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
@@ -315,7 +333,8 @@ class NSATritonFunction(torch.autograd.Function):
         l, d, l_sel, w, scale, chunk, tuning = ctx.hp
         do = do.contiguous()
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
-        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows)
+        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows,
+                                        ctx.sums)
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
         else:
@@ -360,7 +379,7 @@ class NSATritonFunction(torch.autograd.Function):
                                     stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
                                     tuning=tuning.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: float, chunk: int, tuning,
@@ -407,10 +426,13 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     bnhd = be is not None and cmp_dense.bnhd_layout(be)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
     q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None)
+    # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
+    sums = RowSums() if tuning.flash.row_sums and torch.is_grad_enabled() else None
     if be is not None:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
-                                                          scale=scale, backend=be, bnhd=bnhd, rows_out=True)
+                                                          scale=scale, backend=be, bnhd=bnhd, rows_out=True,
+                                                          sums=sums)
             lse_cmp, cmp_rows = lse_cmp.detach(), maps
         except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
             if q.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -420,7 +442,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     if wbe is not None:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
             if wbe in ("fa4", "reference") and window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t):
-                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe)
+                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe, sums)
             else:
                 o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
@@ -429,7 +451,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             _window_failed(q, v_win, wbe, exc)
     return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
                                    gates.contiguous(), o_cmp, lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale,
-                                   dkdv_chunk, tuning)
+                                   dkdv_chunk, tuning, sums)
 
 
 def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool):

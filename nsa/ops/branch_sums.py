@@ -1,0 +1,143 @@
+"""The row sums D = rowsum(o_c * dO_c) that the NSA backward hands to its flash-attn branches' backward.
+
+A flash-attention backward starts by reading the branch output o_c and its gradient dO_c ([T, heads, d]
+each) to form D = rowsum(o_c * dO_c) for every query row (dS = P * (dP - D)). The NSA backward already
+has it: dO_c = g_c * dO, so D = g_c * dg_c, where dg_c = rowsum(dO * o_c) is the gate gradient it
+computes while it reads o_c anyway. For the branches whose backward calls FlashAttention-4's backward
+entry itself (the compressed branch on FA4 here, the window on FA4 in window_split.py), o_c is passed as
+one broadcast zero row and D as dlse = -D (FA4 forms rowsum(o * dO) - dlse), so that backward no longer
+reads o_c: 1 GB per branch at 64k for the paper shape (HQ=64, d=128, bf16).
+
+Protocol: one RowSums per op call. The branch Functions keep it from their forward; the NSA Function,
+whose inputs are the branch outputs (so autograd runs its backward first), fills its slot with D in the
+branch's lse layout. A branch finding its slot empty (e.g. the NSA Function computed that branch itself)
+reads o_c as before. D differs from FA4's own in rounding only: g_c * rowsum(dO * o_c) in fp32 against
+rowsum(o_c * bf16(g_c * dO)).
+
+backend "reference" is fp32 math with the same protocol: the CPU tests of the layouts of D.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .fallbacks import count_fallback
+
+
+class RowSums:
+    """Slots cmp / win: D of that branch (fp32, in the branch's lse layout) or None; `wants` names the
+    slots a recorded branch will read (only those are filled)."""
+
+    __slots__ = ("cmp", "win", "wants")
+
+    def __init__(self) -> None:
+        self.cmp: torch.Tensor | None = None
+        self.win: torch.Tensor | None = None
+        self.wants: set[str] = set()
+
+    def take(self, name: str) -> torch.Tensor | None:
+        """The slot's D, emptied (its memory is free once the branch's backward has used it)."""
+        d = getattr(self, name)
+        setattr(self, name, None)
+        return d
+
+
+def zero_rows(like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `like` whose every row is one zero row (stride 0 but in the last dim)."""
+    return like.new_zeros(like.shape[-1]).expand(like.shape)
+
+
+def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale: float):
+    """(dq, dk, dv) of attention in fp32 math (fp64 for fp64) given D = d_rows [B, HQ, Tq]; q [B, Tq, HQ, dk],
+    k/v [B, Tk, H, *] (HQ = G * H, query head h*G + g on KV head h), dO [B, Tq, HQ, dv]. The flash
+    backward's formula, so a wrong D layout shows as wrong gradients in the CPU tests; P from a log-sum-exp
+    recomputed at this precision (the forward's lse is fp32)."""
+    from .flash import _mask
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    G = q.shape[2] // k.shape[2]
+    qf, dof = q.to(ct), do.to(ct)
+    kf, vf = (x.to(ct).repeat_interleave(G, dim=2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    mask = _mask(q.shape[1], k.shape[1], causal, window, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+    dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
+    ds = p * (dp - d_rows.to(ct)[..., None])
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, dof)
+    B, Tk, H = k.shape[:3]
+    dk = dk.view(B, Tk, H, G, -1).sum(3)
+    dv = dv.view(B, Tk, H, G, -1).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None):
+    """(dq, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
+    entry, or fp32 math for "reference"; with d_rows (D) given, o is not read."""
+    if backend == "reference":
+        if d_rows is None:
+            ct = torch.promote_types(o.dtype, torch.float32)
+            d_rows = (o.to(ct) * do.to(ct)).sum(-1).transpose(1, 2)
+        return reference_grads(q, k, v, do, d_rows, True, window, scale)
+    from flash_attn.cute.interface import _flash_attn_bwd
+    wl, wr = (window - 1, 0) if window is not None else (None, None)
+    out, dlse = (o, None) if d_rows is None else (zero_rows(o), -d_rows)
+    return _flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True, window_size_left=wl,
+                           window_size_right=wr, dlse=dlse)[:3]
+
+
+_OFF: dict[str, str] = {}   # device -> why the compressed branch's own backward failed: FA4's autograd from then on
+
+
+def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str,
+                 sums: RowSums | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over a square problem on flash-attn's layout, q [B,N,HQ',dk], k/v [B,N,H,*] ->
+    (o [B,N,HQ',dv], lse [B,HQ',N] fp32, not differentiable), whose backward takes D from sums.cmp when
+    the NSA backward filled it. backend "fa4" or "reference"."""
+    if backend != "reference" and str(q.device) in _OFF:
+        from .flash import flash_lse
+        return flash_lse(q, k, v, scale, backend)
+    return _CausalFlash.apply(q, k, v, scale, backend, sums)
+
+
+class _CausalFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, backend, sums):
+        from .flash import _flash, reference_attention
+        if backend == "reference":
+            o, lse = reference_attention(q, k, v, True, None, scale)
+        else:   # grad mode is off here: flash-attn's own autograd node is not recorded
+            o, lse = _flash(backend, q, k, v, True, None, scale, True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.scale, ctx.backend, ctx.sums = scale, backend, sums
+        if sums is not None:
+            sums.wants.add("cmp")
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        d_rows = ctx.sums.take("cmp") if ctx.sums is not None else None
+        d_rows = None if d_rows is None else d_rows.view(lse.shape)   # the gate kernel's [B, HQ' * N]
+        do = do.contiguous()
+        dev = str(q.device)
+        if ctx.backend == "reference" or dev not in _OFF:
+            try:
+                return (*flash_bwd(ctx.backend, q, k, v, o, do, lse, d_rows, scale=ctx.scale, window=None),
+                        None, None, None)
+            except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
+                if ctx.backend == "reference" or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+                    raise
+                _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                count_fallback(f"cmp_rowsums:{ctx.backend}->autograd")
+                warnings.warn(f"compressed branch: flash-attn's backward entry failed ({_OFF[dev]}); its "
+                              "public backward from now on", RuntimeWarning, stacklevel=2)
+        from .flash import _flash
+        x = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():
+            out = _flash(ctx.backend, x[0], x[1], x[2], True, None, ctx.scale, False)[0]
+            return (*torch.autograd.grad(out, x, do), None, None, None)
