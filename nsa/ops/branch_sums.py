@@ -74,6 +74,15 @@ def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def flash_fwd(backend: str, q, k, v, *, scale: float, window: int | None):
+    """(o, lse [B, HQ, Tq] fp32) of causal attention (window: the `window` most recent keys) on flash-attn,
+    or fp32 math for "reference"; no autograd node (the callers' Functions run it with grad mode off)."""
+    from .flash import _flash, reference_attention
+    if backend == "reference":
+        return reference_attention(q, k, v, True, window, scale)
+    return _flash(backend, q, k, v, True, window, scale, True)
+
+
 def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None):
     """(dq, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
     entry, or fp32 math for "reference"; with d_rows (D) given, o is not read."""
@@ -87,6 +96,16 @@ def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window
     out, dlse = (o, None) if d_rows is None else (zero_rows(o), -d_rows)
     return _flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True, window_size_left=wl,
                            window_size_right=wr, dlse=dlse)[:3]
+
+
+def public_bwd(backend: str, q, k, v, do, window: int | None, scale: float):
+    """(dq, dk, dv) of causal (window: windowed) GQA attention through the public path: flash-attn's own
+    autograd node, which reads o itself (where its backward entry failed once on the device)."""
+    from .flash import dense_attention
+    x = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        out = dense_attention(x[0], x[1], x[2], causal=True, window=window, scale=scale, backend=backend)
+        return torch.autograd.grad(out, x, do)
 
 
 _OFF: dict[str, str] = {}   # device -> why the compressed branch's own backward failed: FA4's autograd from then on
@@ -106,11 +125,7 @@ def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 class _CausalFlash(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, backend, sums):
-        from .flash import _flash, reference_attention
-        if backend == "reference":
-            o, lse = reference_attention(q, k, v, True, None, scale)
-        else:   # grad mode is off here: flash-attn's own autograd node is not recorded
-            o, lse = _flash(backend, q, k, v, True, None, scale, True)
+        o, lse = flash_fwd(backend, q, k, v, scale=scale, window=None)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.scale, ctx.backend, ctx.sums = scale, backend, sums
         if sums is not None:
@@ -136,8 +151,4 @@ class _CausalFlash(torch.autograd.Function):
                 count_fallback(f"cmp_rowsums:{ctx.backend}->autograd")
                 warnings.warn(f"compressed branch: flash-attn's backward entry failed ({_OFF[dev]}); its "
                               "public backward from now on", RuntimeWarning, stacklevel=2)
-        from .flash import _flash
-        x = [t.detach().requires_grad_() for t in (q, k, v)]
-        with torch.enable_grad():
-            out = _flash(ctx.backend, x[0], x[1], x[2], True, None, ctx.scale, False)[0]
-            return (*torch.autograd.grad(out, x, do), None, None, None)
+        return (*public_bwd(ctx.backend, q, k, v, do, None, ctx.scale), None, None, None)

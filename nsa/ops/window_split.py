@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from ..config import triton_interpreter
-from .branch_sums import RowSums, flash_bwd
+from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
@@ -55,11 +55,7 @@ def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
 class _WindowSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, window, scale, backend, sums):
-        from .flash import _flash, reference_attention
-        if backend == "reference":
-            o, lse = reference_attention(q, k, v, True, window, scale)
-        else:   # grad mode is off here: flash-attn's own autograd node is not recorded
-            o, lse = _flash(backend, q, k, v, True, window, scale, True)
+        o, lse = flash_fwd(backend, q, k, v, scale=scale, window=window)   # grad mode is off: no flash-attn node
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.window, ctx.scale, ctx.backend, ctx.sums = window, scale, backend, sums
         if sums is not None:
@@ -97,7 +93,7 @@ class _WindowSplit(torch.autograd.Function):
                 warnings.warn(f"window branch: split backward failed ({_OFF[dev]}); flash-attn's GQA backward "
                               "from now on", RuntimeWarning, stacklevel=2)
         if dqb is None:
-            return (*_gqa_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None, None)
+            return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None, None)
         # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d]): back to [1, T, HQ, d]
         dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
         return dq, batch_sum(dkb), batch_sum(dvb), None, None, None, None
@@ -106,18 +102,7 @@ class _WindowSplit(torch.autograd.Function):
 def _grouped_bwd(backend: str, qb, kb, vb, ob, dob, lseb, db, window: int, scale: float):
     """(dq [G,T,H,d] with qb's strides, dK [G,T,H,d], dV [G,T,H,dv] per batch) of the grouped problem;
     db: D of its rows [G,H,T] (branch_sums.py) or None (read from ob)."""
-    if backend == "reference":
-        kb, vb = kb.contiguous(), vb.contiguous()
     return flash_bwd(backend, qb, kb, vb, ob, dob, lseb, db, scale=scale, window=window)
-
-
-def _gqa_bwd(backend: str, q, k, v, do, window: int, scale: float):
-    """The same gradients through the public path (flash-attn's own autograd node, GQA)."""
-    from .flash import dense_attention
-    x = [t.detach().requires_grad_() for t in (q, k, v)]
-    with torch.enable_grad():
-        out = dense_attention(x[0], x[1], x[2], causal=True, window=window, scale=scale, backend=backend)
-        return torch.autograd.grad(out, x, do)
 
 
 @triton.jit

@@ -361,9 +361,9 @@ def rank_stored(scr: torch.Tensor, B: int, T: int, H: int, G: int, n_sel: int, *
 
 @triton.jit
 def _rank_stored_kernel(SCR, BI, sbb, sbt, sbh, T, H, n_tiles, nchmax, G: tl.constexpr, L_CMP: tl.constexpr,
-                 STRIDE: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr, BT: tl.constexpr, NBJ: tl.constexpr,
-                 NBJ_PAD: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
-                 KEY64: tl.constexpr):
+                        STRIDE: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr, BT: tl.constexpr,
+                        NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr, LOGKR: tl.constexpr,
+                        LOGNB: tl.constexpr, IB: tl.constexpr, KEY64: tl.constexpr):
     """One program per (tile of BT tokens, b*H + h): the stored chunks ranked in chunk order (as the one-pass
     kernel merges them), then the forced blocks placed and the row sorted: scores._select_kernel's tail."""
     pid_m = n_tiles - 1 - tl.program_id(0)
