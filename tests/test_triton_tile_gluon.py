@@ -114,6 +114,10 @@ for oc, rows in ((torch.randn_like(q), None), (torch.randn(1, maps.slot_src.nume
     gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2, combine=Combine.of(oc, o, gates, rows))
 dq = torch.empty(1, T, HQ, D)
 gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, dq, dq, 1, m=4, scale=D ** -0.5, stages=2, has_gate=True)
+from nsa.ops.triton.qsum import QAdd   # dq in q's dtype with the flash branches' gradients of q added (dq_fold)
+add = QAdd(torch.randn(1, maps.slot_src.numel(), D).bfloat16(), maps.row_slot, torch.randn_like(q))
+gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, q.clone(), None, 1, m=4, scale=D ** -0.5, stages=2,
+         has_gate=True, add=add)
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
 inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
 dk32 = torch.empty(1, T, H, D)
@@ -131,9 +135,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines, err = sm90_reports(COMPILE)
     if lines is None:
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 6, err[-2000:]
-    (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), (wregs, wspills, wshared), (_, qspills, _) = (
-        [int(x) for x in ln.split()[1:]] for ln in lines)
+    assert len(lines) == 7, err[-2000:]
+    (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), folded, (wregs, wspills, wshared), \
+        (_, qspills, _) = ([int(x) for x in ln.split()[1:]] for ln in lines)
     # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
     # still three programs per SM, no spill, with o_cmp in q's rows and in the dense problem's
     for cregs, cspills, cshared in combined:
@@ -141,10 +145,11 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     # the walk writing dq partials holds a third accumulator (in halves): a few spilled words at most
     assert qspills <= 64, qspills
     # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
-    # <= 255; both with two 32 KB K/V slots plus barriers. The walk (dK and dV held): two programs per SM,
+    # <= 255 (also adding the flash branches' gradients of q: `folded`); both with two 32 KB K/V slots plus
+    # barriers. The walk (dK and dV held): two programs per SM,
     # K / V, two q / dO slots and the P / dS operands within half an SM's 228 KB. None spills.
-    assert fregs <= 168 and dregs <= 255 and wregs <= 255, (fregs, dregs, wregs)
-    assert fspills == dspills == wspills == 0, (fspills, dspills, wspills)
+    assert fregs <= 168 and dregs <= 255 and folded[0] <= 255 and wregs <= 255, (fregs, dregs, folded, wregs)
+    assert fspills == dspills == folded[1] == wspills == 0, (fspills, dspills, folded, wspills)
     assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024 and wshared <= 228 * 1024 // 2 - 1024, \
         (fshared, dshared, wshared)
 

@@ -392,6 +392,9 @@ class FlashBranchTuning:
     # the flash branches whose backward we call ourselves (FA4's entry, or reference) take D = rowsum(o * dO)
     # from the gate gradients instead of reading o again (nsa/ops/branch_sums.py)
     row_sums: bool = True
+    # with both branches on flash-attn, the selection's dq kernels run in q's gradient node and add the
+    # branches' gradients of q in their epilogue, instead of a separate sum (nsa/ops/triton/qsum.py)
+    dq_fold: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":

@@ -14,7 +14,8 @@ compressed attention can run as one grouped-query causal SDPA call (cuDNN or fla
 its output (left in the dense problem's rows, read through row_slot) and log-sum-exp come in as
 o_cmp / lse_cmp, the Function returns g_cmp * dO in those rows as their gradient and autograd runs that
 kernel's backward. The window branch on flash-attn likewise. q reaches those branches through one
-_QFork node, whose backward sums the three branches' gradients of q in one pass.
+QFork node, whose backward sums the three branches' gradients of q in one pass, or runs the selection's
+dq kernels there with the other two added in their epilogue (qsum.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from .guard import Guard, pair, skip_program
 from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_dq, slc_fwd
 from .select_block import pair_buffer, pair_dq, slc_fwd_pairs
 from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
+from .qsum import DeferredDq, QFork
 
 
 @triton.jit
@@ -109,67 +111,6 @@ def _gate_bwd_kernel(DO, OC, OS, OW, DG, GT, DOC, DOW, SLOT, DLC, LSLOT, n_per_b
         tl.store(DLC + b * s_rows + ls, gd * dg0, mask=ok & (ls >= 0))
     tl.store(DG + r * 3 + 1, tl.sum(do * tl.load(OS + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
     tl.store(DG + r * 3 + 2, tl.sum(do * tl.load(OW + off, mask=m, other=0.0).to(tl.float32), 1), mask=ok)
-
-
-@triton.jit
-def _qgrad_kernel(GC, SLOT, GW, GS, DQ, n_rows, sgc, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                  HAS_C: tl.constexpr, HAS_W: tl.constexpr, HAS_S: tl.constexpr):
-    """dq[b, r] = gc[b, SLOT[r]] (0 where SLOT[r] < 0) + gw[b, r] + gs[b, r], summed in fp32; rows of
-    D contiguous elements, gw/gs/dq [B, n_rows, D], gc [B, *, D] (each term only where HAS_*)."""
-    r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    ok = r < n_rows
-    c = tl.arange(0, BD)
-    m = ok[:, None] & (c[None, :] < D)
-    off = b * n_rows * D + r[:, None] * D + c[None, :]
-    acc = tl.zeros([BR, BD], tl.float32)
-    if HAS_C:
-        src = tl.load(SLOT + r, mask=ok, other=-1)
-        acc += tl.load(GC + b * sgc + src[:, None] * D + c[None, :], mask=m & (src >= 0)[:, None],
-                       other=0.0).to(tl.float32)
-    if HAS_W:
-        acc += tl.load(GW + off, mask=m, other=0.0).to(tl.float32)
-    if HAS_S:
-        acc += tl.load(GS + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=m)
-
-
-class _QFork(torch.autograd.Function):
-    """q handed to the branches computed outside the Function: (q's rows gathered into the dense
-    compressed problem's order when slot_src is given, then n_alias <= 2 views of q). The backward
-    sums every branch's gradient of q in one pass (the compressed one gathered back through
-    row_slot), where autograd would gather it and then add the three pairwise in q's dtype (two more
-    passes over [B,T,HQ,dk], and two roundings)."""
-
-    @staticmethod
-    def forward(ctx, q, slot_src, row_slot, n_alias):
-        ctx.set_materialize_grads(False)   # a branch that fell back leaves its output unused: None
-        ctx.has_rows, ctx.shape = slot_src is not None, q.shape
-        ctx.save_for_backward(row_slot)
-        B, T, HQ, dk = q.shape
-        rows = (cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), slot_src),) if ctx.has_rows else ()
-        return (*rows, *(q.view_as(q) for _ in range(n_alias)))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        (row_slot,) = ctx.saved_tensors
-        gc = grads[0] if ctx.has_rows else None
-        rest = [g.contiguous() for g in grads[int(ctx.has_rows):] if g is not None]
-        if gc is None and len(rest) < 2:
-            return (rest[0] if rest else None), None, None, None
-        B, T, HQ, dk = ctx.shape
-        gc = gc.contiguous() if gc is not None else None
-        ref = gc if gc is not None else rest[0]
-        dq = torch.empty(ctx.shape, device=ref.device, dtype=ref.dtype)
-        n = T * HQ
-        if n and B:
-            bd = max(16, next_pow2(dk))
-            br = max(1, min(64, 4096 // bd))
-            gw, gs = (rest + [dq, dq])[:2]   # unused operands: any valid pointer
-            _qgrad_kernel[(triton.cdiv(n, br), B)](ref, row_slot if gc is not None else dq, gw, gs, dq, n,
-                                                   ref.stride(0), D=dk, BD=bd, BR=br, HAS_C=gc is not None,
-                                                   HAS_W=len(rest) > 0, HAS_S=len(rest) > 1)
-        return dq, None, None, None
 
 
 def _rows_grid(n_rows: int, dv: int) -> tuple[int, int, int]:
@@ -273,9 +214,10 @@ class NSATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
-                l, d, l_sel, n_sel, w, scale, chunk, tuning, sums):
+                l, d, l_sel, n_sel, w, scale, chunk, tuning, sums, deferred):
         ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
         ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
+        ctx.deferred = deferred   # QFork's DeferredDq (qsum.py): where the backward may leave the selection's dq
         ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
         at = tuning.attn
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
@@ -341,7 +283,10 @@ class NSATritonFunction(torch.autograd.Function):
             dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
                                     stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
                                     tuning=tuning.attn)
-        # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype
+        # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype. With both
+        # flash branches outside, the selection's dq kernels may wait for their gradients of q (QFork's
+        # backward adds them in those kernels' epilogue): `later` collects them
+        later = [] if ctx.deferred is not None and ctx.ext_cmp and ctx.ext_win else None
         slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
                       dq_dtype=q.dtype if ctx.ext_win else torch.float32)
         inv = ctx.inv
@@ -352,24 +297,31 @@ class NSATritonFunction(torch.autograd.Function):
             bw = (q, k_slc, v_slc)
             args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
             kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
-            buf = dq_buffer(q, dq, slc_kw["dq_dtype"])
+            if not ctx.dq_pairs:
+                later = None   # the per-token dq kernel has no epilogue terms: nothing deferred
+            buf = dq_buffer(q, dq, slc_kw["dq_dtype"]) if later is None else None
             if not ctx.dq_pairs:
                 slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
                 dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                     tuning=tuning.select, inv=inv)
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
                 _, dks, dvs = _slc_bwd_pairs(inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                             dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token)
-            dq = tile_dq(*bw, *args, TileUnion(*union[:3]), m=ctx.m, **kw, tuning=tuning.tile, dq_out=buf,
-                         guard=on_tile)
+                                             dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token, later=later)
+            un, m = TileUnion(*union[:3]), ctx.m
+            if later is None:
+                dq = tile_dq(*bw, *args, un, m=m, **kw, tuning=tuning.tile, dq_out=buf, guard=on_tile)
+            else:
+                later.append(lambda out, add: tile_dq(*bw, *args, un, m=m, **kw, tuning=tuning.tile, dq_out=out,
+                                                      guard=on_tile, add=add))
         elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=ctx.m, union=TileUnion(*union),
-                                        tuning=tuning.tile, select=tuning.select, **slc_kw)
+                                        tuning=tuning.tile, select=tuning.select, later=later, **slc_kw)
         elif ctx.dq_pairs:
             dq, dks, dvs = _slc_bwd_pairs(inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                          gates[..., 1], tuning=tuning.select, **slc_kw)
+                                          gates[..., 1], tuning=tuning.select, later=later, **slc_kw)
         else:
+            later = None
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                    gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
         if ctx.ext_win:
@@ -378,8 +330,10 @@ class NSATritonFunction(torch.autograd.Function):
             dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
                                     stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
                                     tuning=tuning.attn)
+        if later:   # q's gradient comes from QFork's backward, which runs these
+            ctx.deferred.tasks, dq = later, None
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
-                None, None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: float, chunk: int, tuning,
@@ -393,14 +347,18 @@ def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: f
 
 
 def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int,
-                   dq_in, tuning, dq_dtype=None, buf=None, guard=None):
+                   dq_in, tuning, dq_dtype=None, buf=None, guard=None, later: list | None = None):
     """(dq, dK, dV) of the selection block by block: one dK/dV walk that also writes each (token, block)
-    pair's dq partial, then their per-token sum (+ dq_in) into buf (default dq_buffer's)."""
+    pair's dq partial, then their per-token sum (+ dq_in) into buf (default dq_buffer's); with `later`
+    that sum is appended there as a task (qsum.DeferredDq) and dq is None."""
     H, n_sel = k.shape[2], block_idx.shape[3]
-    buf = buf if buf is not None else dq_buffer(q, dq_in, dq_dtype)
     dqp = pair_buffer(q, n_sel, H, q.shape[-1], tuning, dq=True)
     dks, dvs = slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
                         tuning=tuning, inv=inv, dq_pairs=dqp, guard=guard)
+    if later is not None:
+        later.append(lambda out, add: pair_dq(q, dqp, inv, n_sel, H, dq=out, dq_in=dq_in, guard=guard, add=add))
+        return None, dks, dvs
+    buf = buf if buf is not None else dq_buffer(q, dq_in, dq_dtype)
     return pair_dq(q, dqp, inv, n_sel, H, dq=buf, dq_in=dq_in, guard=guard), dks, dvs
 
 
@@ -425,7 +383,8 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     wbe = window_flash_backend(q, v_win, tuning)
     bnhd = be is not None and cmp_dense.bnhd_layout(be)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
-    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None)
+    deferred = DeferredDq() if tuning.flash.dq_fold else None
+    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None, deferred)
     # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
     sums = RowSums() if tuning.flash.row_sums and torch.is_grad_enabled() else None
     if be is not None:
@@ -451,19 +410,20 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             _window_failed(q, v_win, wbe, exc)
     return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
                                    gates.contiguous(), o_cmp, lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale,
-                                   dkdv_chunk, tuning, sums)
+                                   dkdv_chunk, tuning, sums, deferred if q_slc is not q else None)
 
 
-def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool):
+def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: DeferredDq | None = None):
     """(q rows for the dense compressed branch or None, q for the flash window branch, q for the
-    Function). With q's gradient wanted, one _QFork node hands them out, so q's gradient is one
-    fused sum of the branches' (plain tensors, and no node, otherwise)."""
+    Function). With q's gradient wanted, one QFork node hands them out, so q's gradient is one
+    fused sum of the branches' (plain tensors, and no node, otherwise); deferred: where the NSA
+    backward may leave its dq kernels for that node (qsum.py)."""
     B, T, HQ, dk = q.shape
     if not (torch.is_grad_enabled() and q.requires_grad) or (maps is None and not win):
         rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps.slot_src) if maps is not None else None
         return rows, q, q
-    out = list(_QFork.apply(q, maps.slot_src if maps is not None else None,
-                            maps.row_slot if maps is not None else None, 1 + int(win)))
+    out = list(QFork.apply(q, maps.slot_src if maps is not None else None,
+                           maps.row_slot if maps is not None else None, 1 + int(win), deferred))
     rows = out.pop(0) if maps is not None else None
     return rows, (out[0] if win else q), out[-1]
 

@@ -27,6 +27,7 @@ from ..tuning import SelectTuning, tuning_for
 from ._utils import dot_precision, next_pow2, reg_cap
 from .guard import Guard, skip_program
 from .inversion import work_items
+from .qsum import QAdd, add_q_terms, q_add_args
 from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
 
 
@@ -147,10 +148,12 @@ def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, FLAG, srb, srt, srh, sob, sot, 
 
 
 @triton.jit
-def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
+def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc, srb, srt, srh, T, H,
                     G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr,
-                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr):
-    """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in)."""
+                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr,
+                    HAS_GW: tl.constexpr):
+    """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in, + the flash
+    branches' gradients of q: qsum.add_q_terms)."""
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
@@ -165,6 +168,7 @@ def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, srb, srt, srh, T, H,
     off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     if ACC_DQ:
         acc += tl.load(DQ_IN + off, mask=row_ok[:, None] & dk_ok, other=0.0)
+    acc = add_q_terms(acc, GC, SLOT, GW, sgc, b, t64 * (H * G) + hq, row_ok, off, offs_dk, DK, HAS_GC, HAS_GW)
     tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok)
 
 
@@ -180,17 +184,18 @@ def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTun
 
 
 def pair_dq(q: torch.Tensor, dq_pairs: torch.Tensor, inv: dict, n_sel: int, H: int, *, dq: torch.Tensor,
-            dq_in: torch.Tensor | None, guard: Guard | None = None) -> torch.Tensor:
+            dq_in: torch.Tensor | None, guard: Guard | None = None, add: QAdd | None = None) -> torch.Tensor:
     """dq [B,T,HQ,dk] (contiguous, written) = the sum of each token's pair partials (from the dK/dV
-    kernel, select.slc_dkdv(dq_pairs=)) + dq_in; guard: the device's per-call choice."""
+    kernel, select.slc_dkdv(dq_pairs=)) + dq_in + add's terms; guard: the device's per-call choice."""
     B, T, HQ, dk = q.shape
     G = HQ // H
     rank = inv["rank"]
     flag, mode = guard if guard is not None else (rank, 0)
-    _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, flag,
+    add_args, add_kw = q_add_args(add, dq)
+    _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, flag, *add_args,
                                 rank.stride(0), rank.stride(2), rank.stride(1), T, H, G=G,
                                 GR=max(16, next_pow2(G)), NSEL=n_sel, DK=dk, BDK=max(16, next_pow2(dk)),
-                                ACC_DQ=dq_in is not None, GUARD=mode, num_warps=2)
+                                ACC_DQ=dq_in is not None, GUARD=mode, num_warps=2, **add_kw)
     return dq
 
 

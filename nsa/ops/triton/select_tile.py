@@ -38,6 +38,7 @@ from .attn import online_softmax_step
 from .guard import Guard, skip_program
 from .inversion import segment_lists
 from .select import _bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_dkdv, work_item
+from .qsum import QAdd, add_q_terms, q_add_args
 from .tile_gluon import gluon_tile_ok, gtile_dq, gtile_fwd
 
 LOG2E = 1.4426950408889634
@@ -275,13 +276,13 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, 
 
 
 @triton.jit
-def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG,
+def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                         T, H, NT, scale_log2, scale,
                         G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                         LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr):
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
@@ -329,6 +330,7 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN
     dq_mask = row_ok[:, None] & (offs_dk[None, :] < DK)
     if ACC_DQ:
         dq += tl.load(DQ_IN + dq_off, mask=dq_mask, other=0.0)
+    dq = add_q_terms(dq, GC, SLOT, GW, sgc, b, tok * (H * G) + hq, row_ok, dq_off, offs_dk, DK, HAS_GC, HAS_GW)
     tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=dq_mask)
 
 
@@ -470,9 +472,9 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             delta: torch.Tensor, gate: torch.Tensor | None, un: TileUnion, *, l_sel: int, scale: float, m: int,
             dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
             tuning: TileTuning | None = None, dq_out: torch.Tensor | None = None,
-            guard: Guard | None = None) -> torch.Tensor:
-    """dq of slc_fwd_tile (plus dq_in) on query tiles of m tokens walking the union `un`; dq_out /
-    guard as select.slc_dq's."""
+            guard: Guard | None = None, add: QAdd | None = None) -> torch.Tensor:
+    """dq of slc_fwd_tile (plus dq_in and add's terms, qsum.py) on query tiles of m tokens walking the
+    union `un`; dq_out / guard as select.slc_dq's."""
     tn = tuning or tuning_for(q.device).tile
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -482,14 +484,15 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
     if tn.gluon_dq_stages and gluon_tile_ok(q, k, v, m, l_sel, do) and \
             gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                     stages=tn.gluon_dq_stages, has_gate=gate is not None, guard=guard):
+                     stages=tn.gluon_dq_stages, has_gate=gate is not None, guard=guard, add=add):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
     flag, mode = guard if guard is not None else (lse, 0)
+    add_args, add_kw = q_add_args(add, dq)
     _tile_bwd_dq_kernel[(nt, B * H)](
         q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, dq, dq if dq_in is None else dq_in, flag,
-        *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows, HAS_GATE=gate is not None, ACC_DQ=dq_in is not None,
-        GUARD=mode, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
+        *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows, HAS_GATE=gate is not None,
+        ACC_DQ=dq_in is not None, GUARD=mode, **add_kw, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
     return dq
 
 
@@ -497,17 +500,23 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
                  lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
                  m: int, chunk: int = 1024, dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
                  union: TileUnion | None = None, tuning: TileTuning | None = None,
-                 select: SelectTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 select: SelectTuning | None = None, later: list | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Gradients of slc_fwd_tile with select.slc_bwd's contract: do is the op's dO (gate applied to p
     inside), delta = rowsum(dO * o_slc) fp32 [B,T,HQ], gate [B,T,HQ] view or None, dq_in accumulated
     (in place when dq_dtype is fp32), chunk = queries per dK/dV program (rounded to whole tiles).
     tuning / select: launch parameters of the tile kernels / of select.py's dK/dV kernel (the
-    dkdv_by="token" walk); None: the preset of q's device."""
+    dkdv_by="token" walk); None: the preset of q's device. later: append the dq kernel there as a task
+    (qsum.DeferredDq) and return None for dq."""
     preset = tuning_for(q.device)
     tn = tuning or preset.tile
     un = _union(block_idx, m, union)
-    dq = tile_dq(q, k, v, do, lse, delta, gate, un, l_sel=l_sel, scale=scale, m=m, dq_in=dq_in,
-                 dq_dtype=dq_dtype, tuning=tn)
+    kw = dict(l_sel=l_sel, scale=scale, m=m, dq_in=dq_in, dq_dtype=dq_dtype, tuning=tn)
+    if later is None:
+        dq = tile_dq(q, k, v, do, lse, delta, gate, un, **kw)
+    else:
+        later.append(lambda out, add: tile_dq(q, k, v, do, lse, delta, gate, un, **kw, dq_out=out, add=add))
+        dq = None
     if tn.dkdv_by == "token":
         return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
                               tuning=select or preset.select))

@@ -28,6 +28,7 @@ import torch
 
 from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
+from .qsum import q_add_args
 
 ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
 # m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
@@ -265,10 +266,11 @@ def _kernel():
             _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld)
 
     @gluon.jit
-    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, sqb, sqt, sqh,
-                  sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
+    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+                  sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
                   LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
-                  HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
+                  HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, HAS_GC: gl.constexpr,
+                  HAS_GW: gl.constexpr, num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
         if GUARD != 0:
@@ -315,9 +317,16 @@ def _kernel():
         ro = gl.arange(0, R, layout=gl.SliceLayout(1, mma_q))
         co = gl.arange(0, D, layout=gl.SliceLayout(0, mma_q))
         to = n * M + ro // G
-        off = ((b.to(gl.int64) * T + to) * (H * G) + h * G + ro % G)[:, None] * D + co[None, :]   # contiguous dq
+        rb = to.to(gl.int64) * (H * G) + h * G + ro % G   # the row within its batch
+        off = (b.to(gl.int64) * T * (H * G) + rb)[:, None] * D + co[None, :]   # contiguous dq
         if ACC_DQ:
             dq += gl.load(DQ_IN + off, mask=(to < T)[:, None], other=0.0)
+        if HAS_GC:   # the flash branches' gradients of q (qsum.add_q_terms, written out for Gluon's layouts)
+            src = gl.load(SLOT + rb, mask=to < T, other=-1)
+            dq += gl.load(GC + b.to(gl.int64) * sgc + src[:, None] * D + co[None, :],
+                          mask=((to < T) & (src >= 0))[:, None], other=0.0).to(gl.float32)
+        if HAS_GW:
+            dq += gl.load(GW + off, mask=(to < T)[:, None], other=0.0).to(gl.float32)
         gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
 
     @gluon.jit
@@ -522,25 +531,26 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
-             has_gate: bool, guard: Guard | None = None) -> bool:
+             has_gate: bool, guard: Guard | None = None, add=None) -> bool:
     """select_tile.tile_dq's kernel for inputs gluon_tile_ok accepts (do with a unit last stride): writes
-    dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given); lse / delta
-    contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
+    dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given, + add's terms: a
+    qsum.QAdd); lse / delta contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
     return _launch("the Gluon tile dq", q, lambda: _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m,
-                                                         scale, stages, has_gate, guard))
+                                                         scale, stages, has_gate, guard, add))
 
 
-def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard) -> None:
+def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard, add) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
+    add_args, add_kw = q_add_args(add, dq)
     _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, dq,
-                              dq if dq_in is None else dq_in, flag, q.stride(0), q.stride(1), q.stride(2),
+                              dq if dq_in is None else dq_in, flag, *add_args, q.stride(0), q.stride(1), q.stride(2),
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
-                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode,
+                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, **add_kw,
                               num_warps=m * (HQ // H) // 16)
 
 
