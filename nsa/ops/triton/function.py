@@ -297,8 +297,7 @@ class NSATritonFunction(torch.autograd.Function):
             bw = (q, k_slc, v_slc)
             args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
             kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
-            if not ctx.dq_pairs:
-                later = None   # the per-token dq kernel has no epilogue terms: nothing deferred
+            later = later if ctx.dq_pairs else None   # the per-token dq kernel has no epilogue terms
             buf = dq_buffer(q, dq, slc_kw["dq_dtype"]) if later is None else None
             if not ctx.dq_pairs:
                 slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
