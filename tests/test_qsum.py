@@ -77,3 +77,26 @@ def test_deferred_kernels_are_skipped_when_q_needs_no_gradient(monkeypatch):
     assert not ran
     for a, b in zip(*res):
         assert rel_rms(a, b) == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_folded_q_gradient_under_activation_checkpointing(reentrant):
+    """The model checkpoints each block (non-reentrant): the recomputed forward makes new QFork / NSA nodes
+    and a new DeferredDq, and the backward must still meet the deferred kernels in the node that runs them."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = make_inputs(1, 40, 4, 2, 16, 16, l=8, d=4, seed=11)
+    tuning = {fold: tuning_for("cpu").replace(
+        flash=FlashBranchTuning(win="reference", cmp="reference", dq_fold=fold), select=SelectTuning(loop="block"))
+        for fold in (True, False)}
+    res = []
+    for fold, ckpt in ((True, True), (False, False)):
+        args = [t.detach().clone().requires_grad_() for t in x]
+
+        def op(*a, tn=tuning[fold]):
+            return nsa_triton_apply(*a, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25, tuning=tn)[0].square().sum()
+
+        (checkpoint(op, *args, use_reentrant=reentrant) if ckpt else op(*args)).backward()
+        res.append([a.grad for a in args])
+    for name, a, b in zip("q k_cmp v_cmp k_slc v_slc k_win v_win gates".split(), *res):
+        assert torch.isfinite(a).all() and rel_rms(a, b) <= 1e-6, name
