@@ -1,7 +1,9 @@
 """A/B lanes (lanes/ab_grid.py -> nsa/launch/lanes/, lanes/lanes.yaml): the lanes file, lane configs, effective
 configs (every lane changes something on both base profiles, duplicates refused before Ray), hang verdicts, the
-lane checks, and one real Ray Tune grid of the SHIPPED lanes (plus a crashing lane) with MLflow runs, the
-deterministic lane's repeat comparison, the prefill check, the summary files and the figures."""
+lane checks, one real Ray Tune grid of the shipped lanes whose trials do something of their own (the baseline, the
+deterministic lane's repeat comparison, the prefill check, a crashing lane, skipped lanes) with MLflow runs, the
+summary files and the figures, and every other shipped lane trained in process on its resolved config with the
+grid's verdict and MLflow params."""
 from __future__ import annotations
 
 import json
@@ -236,21 +238,31 @@ SMALL = ["data.source=synthetic", "train.seq_len=64", "train.batch_size=2", "tra
          "train.eval_every=3", "train.warmup_steps=1"]
 
 
+# The lanes whose trial does more than fit the lane's config (nsa/launch/lanes/tuner.py lane_trial): the repeat
+# run, the prefill check, a failure; the baseline as the reference; two lanes skipped for each of the two reasons.
+# Every other shipped lane differs from the baseline only in its resolved config, which this grid shows reaching
+# the trial and its MLflow run: test_other_shipped_lanes_train_in_process trains each of them on that config.
+TUNE_LANES = ("baseline", "deterministic", "prefill", "crash")
+TUNE_SKIPPED = ("fp16", "fp32")
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
-    """The shipped lanes.yaml (plus one crashing lane) on the tiny profile, 3 steps each, as one Tune grid:
-    every lane completes but the crash, each MLflow run carries its own effective params, the deterministic
-    lane's two runs agree step for step, the prefill check ran, skipped lanes say why, the summary run holds
-    the figures."""
+    """The shipped lanes.yaml (plus one crashing lane) on the tiny profile, 3 steps each, as one Tune grid of
+    TUNE_LANES: every lane completes but the crash, each MLflow run carries its own effective params, the
+    deterministic lane's two runs agree step for step, the prefill check ran, skipped lanes say why, the summary
+    run holds the figures."""
     lanes = _write(tmp_path, (REPO / "lanes" / "lanes.yaml").read_text() + CRASH_LANE)
     root = tmp_path / "runs"
-    args = lanes_cli.build_parser().parse_args(["--lanes", str(lanes), *SMALL, f"logging.root={root}"])
+    only = ["--only", ",".join(TUNE_LANES + TUNE_SKIPPED)]
+    args = lanes_cli.build_parser().parse_args(["--lanes", str(lanes), *only, *SMALL, f"logging.root={root}"])
     plan = plan_grid(args)
+    assert sorted(lc.lane.name for lc in plan.lanes) == sorted(TUNE_LANES)
     with pytest.raises(LaneError, match=r"--max-concurrent=1000: each lane holds up to 0.26 CPU"):
         size_concurrency(plan, 1000)          # refused before fit(): Ray would wait forever
     assert 1 <= size_concurrency(plan, None) <= 2
-    code = lanes_cli.main(["--lanes", str(lanes), "--name", "g1", "--steps", "3", "--stall-seconds", "300",
+    code = lanes_cli.main(["--lanes", str(lanes), *only, "--name", "g1", "--steps", "3", "--stall-seconds", "300",
                            "--hang-grace", "0", *SMALL, f"logging.root={root}"])
     out = capsys.readouterr().out
     assert code == 1, out[-3000:]                       # a lane failed -> non-zero exit
@@ -274,7 +286,7 @@ def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
     pre = rec["prefill"]["checks"]["prefill"]
     assert pre["ok"] and pre["tokens"] == 64 and 0.0 <= pre["max_abs_diff"] <= pre["bound"], pre
     assert all(not r["checks"] for n_, r in rec.items() if n_ not in ("deterministic", "prefill"))
-    assert {s["lane"] for s in summary["skipped"]} == set(CPU_SKIPPED)
+    assert {s["lane"] for s in summary["skipped"]} == set(TUNE_SKIPPED)
     assert "| - | fp16 | SKIPPED |" in md and "skipped: needs a GPU" in md and "repeat: max loss diff 0 over 3" in md
     assert "mlflow ui --backend-store-uri" in out and "FAILED crash" in out and "SKIPPED" in out
 
@@ -309,3 +321,59 @@ def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
     assert {"lanes_loss.png", "lanes_toks_per_s.png", "lanes_summary.json", "lanes_summary.md"} <= arts
     assert parents[0].data.metrics["baseline.completed"] == 1.0 and parents[0].data.metrics["crash.completed"] == 0.0
 
+
+
+@pytest.mark.timeout(600)
+def test_other_shipped_lanes_train_in_process(tiny_data, tmp_path):
+    """Every shipped lane that runs on the CPU base and is not in TUNE_LANES (and the baseline, to compare with)
+    trains 2 steps on its resolved grid config with the loop the trial runs, in process (LocalEnv: no Ray, real
+    text): the grid's verdict (lane_record, MLflow histories) says COMPLETED with every metric, and the lane's
+    MLflow run (finalized by the grid's own code) carries its overrides and differs from every other lane's."""
+    import torch
+
+    from nsa.launch import builder
+    from nsa.launch.lanes.tracking import add_histories, finalize_mlflow
+    from nsa.train.local_env import LocalEnv
+    from nsa.train.loop import run_training
+    root = tmp_path / "runs"
+    args = lanes_cli.build_parser().parse_args(["--name", "g2", "--steps", "2", *SMALL[1:], f"data.path={tiny_data}",
+                                                f"logging.root={root}"])
+    plan = plan_grid(args)
+    assert {ln.name for ln, _ in plan.skipped} == set(CPU_SKIPPED)
+    local = [lc for lc in plan.lanes if lc.lane.name == "baseline" or lc.lane.name not in TUNE_LANES]
+    names = {lc.lane.name for lc in local}
+    assert set(RUNBOOK_LANES) - set(CPU_SKIPPED) - set(TUNE_LANES) <= names and "io_off" in names
+    assert names | set(TUNE_LANES) >= {lc.lane.name for lc in plan.lanes}           # every shipped lane runs
+    records, anomaly, threads = [], torch.is_anomaly_enabled(), torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for lc in local:
+            run_dir = builder.prepare_run(lc.cfg, lc.sources)
+            assert run_dir == plan.grid_dir / lc.lane.name
+            run_training(lc.cfg, run_dir, LocalEnv(lc.cfg, run_dir), mlflow_uri=plan.mlflow_uri)
+            torch.autograd.set_detect_anomaly(anomaly)        # the anomaly lane turns it on process-wide
+            records.append(lane_record(lc.lane.name, lc.lane.why, run_dir, None, 1.0))
+    finally:
+        torch.autograd.set_detect_anomaly(anomaly)
+        torch.set_num_threads(threads)
+    finalize_mlflow(plan, records)
+    add_histories(plan, records)
+    from mlflow import MlflowClient
+    client = MlflowClient(plan.mlflow_uri)
+    params = {}
+    for r, lc in zip(records, local):
+        name = lc.lane.name
+        assert r["status"] == "COMPLETED", (name, r["error"])
+        assert r["step"] == r["total_steps"] == 2 and math.isfinite(r["final_loss"]) and r["val_loss"] is not None
+        assert r["toks_per_s"] > 0 and r["peak_mem_mib"] > 0 and len(r["loss_curve"]) == 2 and r["stalls"] == []
+        run = client.get_run(r["mlflow_run_id"])
+        assert run.info.status == "FINISHED" and run.data.tags["lane"] == name, name
+        p = {k: v for k, v in run.data.params.items() if k != "logging.name"}
+        assert p["train.steps"] == "2" and p["lane.repeat"] == "1" and p["lane.checks"] == "-"
+        for key, want in lc.lane.overrides.items():
+            assert p[key] in (str(want), fmt_value(want)), (name, key, p[key], want)
+        params[name] = p
+    order = sorted(params)
+    for i, a in enumerate(order):            # each lane's run differs from every other in its params
+        for b in order[i + 1:]:
+            assert params[a] != params[b], (a, b)
