@@ -18,6 +18,55 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+
+def _skip_repeated_interpreter_patches() -> None:
+    """Triton's interpreter (triton/runtime/interpreter.py) patches triton.language for a kernel launch
+    (``GridExecutor.__call__``: ``_patch_lang``, restored when the grid is done) and then AGAIN on every call
+    of a nested @jit function (``InterpretedFunction.__call__``: tl.sum, our helpers), rebuilding identical
+    closures over the same interpreter builder and never restoring them: about 1 ms per call, more than half
+    of the kernel tests' time. Here a nested call whose language modules (tl / tl.core in its globals) the
+    running launch has already patched skips the repeat; the first call for modules not yet patched (the
+    standard library's tl.core) still patches them, as before. Kernel semantics are untouched: the patched
+    attributes are the same, only not rebuilt. A Triton without these internals is left as it is."""
+    import inspect
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+        orig_patch, orig_grid, empty_scope = ti._patch_lang, ti.GridExecutor.__call__, ti._LangPatchScope
+    except (ImportError, AttributeError):
+        return
+    active: list = []          # per launch in progress: ids of the language modules patched so far
+    langs: dict = {}
+
+    def langs_of(fn) -> frozenset:
+        key = id(fn.__globals__)
+        if key not in langs:
+            langs[key] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        return langs[key]
+
+    def patch_lang(fn):
+        if active and langs_of(fn) <= active[-1]:
+            return empty_scope()
+        scope = orig_patch(fn)
+        if active:
+            active[-1] = active[-1] | langs_of(fn)
+        return scope
+
+    def grid_call(self, *args, **kwargs):
+        active.append(frozenset())
+        try:
+            return orig_grid(self, *args, **kwargs)
+        finally:
+            active.pop()
+
+    ti._patch_lang, ti.GridExecutor.__call__ = patch_lang, grid_call
+    ti._patch_lang.skips_repeats = True           # tests/test_triton_kernels.py checks it is installed
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _skip_repeated_interpreter_patches()
+
+
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = REPO / "pipelines"
 TINY_PROFILE = str(PIPELINES / "configs" / "tiny_cpu.yaml")

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from nsa.ops import common  # noqa: E402
 from nsa.ops.reference import (nsa_reference, reference_block_scores,  # noqa: E402
@@ -375,3 +376,30 @@ def test_package_imports_without_triton():
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@triton.jit
+def _nested_row_sum(x):
+    return tl.sum(x, axis=0)            # tl.sum: a standard-library @jit whose globals hold tl.core, not tl
+
+
+@triton.jit
+def _row_sums_kernel(X, Y, N: tl.constexpr):
+    i = tl.program_id(0)
+    tl.store(Y + i, _nested_row_sum(tl.load(X + i * N + tl.arange(0, N))) + _nested_row_sum(tl.full([N], 1.0, tl.float32)))
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="interpreter only")
+def test_interpreter_skips_repeated_patches_exactly():
+    """conftest's interpreter speed-up is installed (a Triton without the internals it wraps leaves the
+    kernel tests correct but twice as slow: this says so), nested @jit calls (ours, tl.sum) give the
+    right values, and after the launch triton.language is restored to exactly what it was."""
+    from triton.runtime import interpreter as ti
+    assert getattr(ti._patch_lang, "skips_repeats", False), "tests/conftest.py: interpreter speed-up not installed"
+    before = dict(vars(tl))
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):                  # the second launch starts from the first one's leftovers
+        y = torch.full((5,), float("nan"))
+        _row_sums_kernel[(5,)](x, y, N=16)
+        assert torch.allclose(y, x.sum(1) + 16.0, atol=1e-5)
+    assert dict(vars(tl)) == before
