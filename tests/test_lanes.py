@@ -336,8 +336,8 @@ def test_other_shipped_lanes_train_in_process(tiny_data, tmp_path):
     from nsa.train.local_env import LocalEnv
     from nsa.train.loop import run_training
     root = tmp_path / "runs"
-    args = lanes_cli.build_parser().parse_args(["--name", "g2", "--steps", "2", *SMALL[1:], f"data.path={tiny_data}",
-                                                f"logging.root={root}"])
+    real_text = [o for o in SMALL if not o.startswith("data.source=")] + [f"data.path={tiny_data}"]
+    args = lanes_cli.build_parser().parse_args(["--name", "g2", "--steps", "2", *real_text, f"logging.root={root}"])
     plan = plan_grid(args)
     assert {ln.name for ln, _ in plan.skipped} == set(CPU_SKIPPED)
     local = [lc for lc in plan.lanes if lc.lane.name == "baseline" or lc.lane.name not in TUNE_LANES]
