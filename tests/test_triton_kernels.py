@@ -386,7 +386,8 @@ def _nested_row_sum(x):
 @triton.jit
 def _row_sums_kernel(X, Y, N: tl.constexpr):
     i = tl.program_id(0)
-    tl.store(Y + i, _nested_row_sum(tl.load(X + i * N + tl.arange(0, N))) + _nested_row_sum(tl.full([N], 1.0, tl.float32)))
+    ones = tl.full([N], 1.0, tl.float32)
+    tl.store(Y + i, _nested_row_sum(tl.load(X + i * N + tl.arange(0, N))) + _nested_row_sum(ones))
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="interpreter only")
