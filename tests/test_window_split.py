@@ -66,7 +66,7 @@ def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("private API changed")
 
-    monkeypatch.setattr(window_split, "_grouped_bwd", boom)
+    monkeypatch.setattr(window_split, "flash_bwd", boom)
     monkeypatch.setattr(window_split, "_OFF", {})
     dispatch.reset_fallback_counts()
     q, k, v, do = _inputs(21, 4, 2, 16, 16, torch.float32)

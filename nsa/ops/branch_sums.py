@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .fallbacks import count_fallback
+from .flash import _flash, _mask, dense_attention, flash_lse, reference_attention
 
 
 class RowSums:
@@ -53,7 +54,6 @@ def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale
     k/v [B, Tk, H, *] (HQ = G * H, query head h*G + g on KV head h), dO [B, Tq, HQ, dv]. The flash
     backward's formula, so a wrong D layout shows as wrong gradients in the CPU tests; P from a log-sum-exp
     recomputed at this precision (the forward's lse is fp32)."""
-    from .flash import _mask
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     G = q.shape[2] // k.shape[2]
     qf, dof = q.to(ct), do.to(ct)
@@ -77,7 +77,6 @@ def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale
 def flash_fwd(backend: str, q, k, v, *, scale: float, window: int | None):
     """(o, lse [B, HQ, Tq] fp32) of causal attention (window: the `window` most recent keys) on flash-attn,
     or fp32 math for "reference"; no autograd node (the callers' Functions run it with grad mode off)."""
-    from .flash import _flash, reference_attention
     if backend == "reference":
         return reference_attention(q, k, v, True, window, scale)
     return _flash(backend, q, k, v, True, window, scale, True)
@@ -101,7 +100,6 @@ def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window
 def public_bwd(backend: str, q, k, v, do, window: int | None, scale: float):
     """(dq, dk, dv) of causal (window: windowed) GQA attention through the public path: flash-attn's own
     autograd node, which reads o itself (where its backward entry failed once on the device)."""
-    from .flash import dense_attention
     x = [t.detach().requires_grad_() for t in (q, k, v)]
     with torch.enable_grad():
         out = dense_attention(x[0], x[1], x[2], causal=True, window=window, scale=scale, backend=backend)
@@ -117,7 +115,6 @@ def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     (o [B,N,HQ',dv], lse [B,HQ',N] fp32, not differentiable), whose backward takes D from sums.cmp when
     the NSA backward filled it. backend "fa4" or "reference"."""
     if backend != "reference" and str(q.device) in _OFF:
-        from .flash import flash_lse
         return flash_lse(q, k, v, scale, backend)
     return _CausalFlash.apply(q, k, v, scale, backend, sums)
 

@@ -84,7 +84,7 @@ class _WindowSplit(torch.autograd.Function):
         dqb = None
         if dev not in _OFF:
             try:
-                dqb, dkb, dvb = _grouped_bwd(ctx.backend, *args, ctx.window, ctx.scale)
+                dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window)
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
@@ -97,12 +97,6 @@ class _WindowSplit(torch.autograd.Function):
         # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d]): back to [1, T, HQ, d]
         dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
         return dq, batch_sum(dkb), batch_sum(dvb), None, None, None, None
-
-
-def _grouped_bwd(backend: str, qb, kb, vb, ob, dob, lseb, db, window: int, scale: float):
-    """(dq [G,T,H,d] with qb's strides, dK [G,T,H,d], dV [G,T,H,dv] per batch) of the grouped problem;
-    db: D of its rows [G,H,T] (branch_sums.py) or None (read from ob)."""
-    return flash_bwd(backend, qb, kb, vb, ob, dob, lseb, db, scale=scale, window=window)
 
 
 @triton.jit

@@ -319,8 +319,7 @@ class NSATritonFunction(torch.autograd.Function):
         elif ctx.dq_pairs:
             dq, dks, dvs = _slc_bwd_pairs(inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                           gates[..., 1], tuning=tuning.select, later=later, **slc_kw)
-        else:
-            later = None
+        else:   # the per-token dq kernel: nothing appended to later
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                    gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
         if ctx.ext_win:
@@ -382,7 +381,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     wbe = window_flash_backend(q, v_win, tuning)
     bnhd = be is not None and cmp_dense.bnhd_layout(be)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
-    deferred = DeferredDq() if tuning.flash.dq_fold else None
+    deferred = DeferredDq() if tuning.flash.dq_fold and torch.is_grad_enabled() else None
     q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None, deferred)
     # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
     sums = RowSums() if tuning.flash.row_sums and torch.is_grad_enabled() else None
