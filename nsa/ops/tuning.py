@@ -527,11 +527,13 @@ class KernelTuning:
 # forward 1.024 -> 0.991 ms at 16k, 6.18 -> 6.08 at 64k (96 was slower). G=16 runs the forward per token
 # but dq from the dK/dV walk's pair partials (64-row walk): paper-shape fwd+bwd 21.39 -> 20.65 ms at 16k,
 # 111.3 -> 109.2 at 64k, where the block-order forward was 4-9% slower (both table 11).
-# G=16 only: the selection on query tiles of 4 tokens (64 rows) when a strided sample of the call's tiles
-# has a union fraction <= 0.6. On a paper-shape TinyLM trained 150 steps at 64k (H100, table 12) op
-# fwd+bwd at 64k 108.0 -> 98.3 ms (union 0.42 at m=4) and 109.2 -> 105.5 (0.54), at 16k 20.4 -> 17.3 and
-# 20.7 -> 19.1, at 8k 9.9 -> 8.2 and 10.0 -> 8.7; random selections: 8k 9.85 -> 9.48, 16k and 64k (union
-# 0.78) stay per token at the same time. m=2 and m=8 were slower; tiles on random 64k selections too (table 5).
+# G=16 only: the selection on query tiles of 4 tokens (64 rows). On a paper-shape TinyLM trained 150 steps at
+# 64k (H100, table 12) op fwd+bwd at 64k 108.0 -> 98.3 ms (union 0.42 at m=4) and 109.2 -> 105.5 (0.54), at
+# 16k 20.4 -> 17.3 and 20.7 -> 19.1, at 8k 9.9 -> 8.2 and 10.0 -> 8.7; m=2 and m=8 were slower. Since the
+# Gluon tile kernels (tables 16-21) the tiles also win or tie on random selections, so every call takes them
+# (auto_union 0: no per-call choice, hence no dq partials for a per-token choice and no guarded launches).
+# H100, table 24, random f+b: 12k 14.36 -> 11.99 ms, 16k 19.13 -> 16.42, 32k 41.66 -> 39.11, 64k 99.09 ->
+# 99.23; captured 64k 80.48 -> 79.82 (layer 3), peak memory 27.41 -> 11.35 GiB (the partials, table 23).
 # Scores + top-n: block scores relaid out before ranking, on 256-row tiles capped at 128 registers (H100,
 # --branch select, table 13): G=16, d=128 at 8k / 16k / 64k 0.32 / 0.79 / 9.02 -> 0.31 / 0.66 / 7.75 ms;
 # G=6, d=64 0.17 / 0.28 / 2.60 -> 0.10 / 0.25 / 1.79 ms.
@@ -548,7 +550,7 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                                           gluon_walk_stages=2, gluon_dq_walk_stages=2),
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True,
                                          gluon_min_t=32768),
-                      tile=TileTuning(m=4, auto_union=0.6, min_g=16, gluon_fwd_stages=2,
+                      tile=TileTuning(m=4, auto_union=0.0, min_g=16, gluon_fwd_stages=2,
                                       gluon_dq_stages=2, gluon_combine=True))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
