@@ -118,6 +118,11 @@ from nsa.ops.triton.qsum import QAdd   # dq in q's dtype with the flash branches
 add = QAdd(torch.randn(1, maps.slot_src.numel(), D).bfloat16(), maps.row_slot, torch.randn_like(q))
 gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, q.clone(), None, 1, m=4, scale=D ** -0.5, stages=2,
          has_gate=True, add=add)
+from nsa.ops.fa4_accum import to_accum   # ... or as FA4's fp32 dq accumulators (fa4_accum.py)
+acc = QAdd(None, maps.row_slot, None, to_accum(torch.randn(1, maps.slot_src.numel() // (16 * HQ), 16 * HQ, D), 0.1, 1),
+           to_accum(torch.randn(1, T, HQ, D), 0.1, 1))
+gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, q.clone(), None, 1, m=4, scale=D ** -0.5, stages=2,
+         has_gate=True, add=acc)
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
 inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
 dk32 = torch.empty(1, T, H, D)
@@ -135,8 +140,8 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines, err = sm90_reports(COMPILE)
     if lines is None:
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 7, err[-2000:]
-    (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), folded, (wregs, wspills, wshared), \
+    assert len(lines) == 8, err[-2000:]
+    (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), folded, facc, (wregs, wspills, wshared), \
         (_, qspills, _) = ([int(x) for x in ln.split()[1:]] for ln in lines)
     # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
     # still three programs per SM, no spill, with o_cmp in q's rows and in the dense problem's
@@ -145,11 +150,13 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     # the walk writing dq partials holds a third accumulator (in halves): a few spilled words at most
     assert qspills <= 64, qspills
     # forward: three 4-warp programs per SM, <= 168 registers (65536 / 384); dq (q, dO and dq held): two,
-    # <= 255 (also adding the flash branches' gradients of q: `folded`); both with two 32 KB K/V slots plus
+    # <= 255 (also adding the flash branches' gradients of q: `folded`, from FA4's accumulators: `facc`); both
+    # with two 32 KB K/V slots plus
     # barriers. The walk (dK and dV held): two programs per SM,
     # K / V, two q / dO slots and the P / dS operands within half an SM's 228 KB. None spills.
-    assert fregs <= 168 and dregs <= 255 and folded[0] <= 255 and wregs <= 255, (fregs, dregs, folded, wregs)
-    assert fspills == dspills == folded[1] == wspills == 0, (fspills, dspills, folded, wspills)
+    assert fregs <= 168 and dregs <= 255 and folded[0] <= 255 and facc[0] <= 255 and wregs <= 255, \
+        (fregs, dregs, folded, facc, wregs)
+    assert fspills == dspills == folded[1] == facc[1] == wspills == 0, (fspills, dspills, folded, facc, wspills)
     assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024 and wshared <= 228 * 1024 // 2 - 1024, \
         (fshared, dshared, wshared)
 

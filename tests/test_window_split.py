@@ -80,24 +80,28 @@ def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):
     assert not window_split.split_ok(q, k, 0)
 
 
-def test_the_op_takes_the_split_backward_where_the_policy_says(monkeypatch):
+@pytest.mark.parametrize("accum", [True, False])
+def test_the_op_takes_the_split_backward_where_the_policy_says(monkeypatch, accum):
     """nsa_triton_apply with the window on "reference": the split path from win_split_min_t on (B = 1),
-    the plain one below it, with the same output and gradients."""
+    below it the unsplit one through the same Function (FlashBranchTuning.fa4_accum) or flash-attn's
+    public path, with the same output and gradients."""
     from nsa.ops.testing import make_inputs
     from nsa.ops.triton.function import nsa_triton_apply
     from nsa.ops.tuning import FlashBranchTuning, tuning_for
 
     calls = []
     real = window_split.window_attention_split
-    monkeypatch.setattr(window_split, "window_attention_split", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(window_split, "window_attention_split",
+                        lambda *a: calls.append((a[0].shape[1], a[7])) or real(*a))
     x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=4)
     res = []
     for min_t in (46, 45):
-        tuning = tuning_for("cpu").replace(flash=FlashBranchTuning(win="reference", win_split_min_t=min_t))
+        tuning = tuning_for("cpu").replace(flash=FlashBranchTuning(win="reference", win_split_min_t=min_t,
+                                                                   fa4_accum=accum))
         args = [t.detach().clone().requires_grad_() for t in x]
         o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25, tuning=tuning)
         res.append((o, torch.autograd.grad(o, args, torch.ones_like(o))))
-    assert calls == [45]
+    assert calls == ([(45, False)] if accum else []) + [(45, True)]
     assert rel_rms(res[0][0], res[1][0]) == 0
     for a, b in zip(res[0][1], res[1][1]):
         assert rel_rms(a, b) <= 1e-6

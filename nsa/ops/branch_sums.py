@@ -22,20 +22,26 @@ import warnings
 
 import torch
 
+from .fa4_accum import Accum, fa4_bwd, reference_a, to_accum
 from .fallbacks import count_fallback
 from .flash import _flash, _mask, dense_attention, flash_lse, reference_attention
 
 
 class RowSums:
     """Slots cmp / win: D of that branch (fp32, in the branch's lse layout) or None; `wants` names the
-    slots a recorded branch will read (only those are filled)."""
+    slots a recorded branch will read (only those are filled). keep_dq: the op's QFork node reads the
+    branches' gradients of q (qsum.py), so a branch on FA4 may leave its fp32 dq accumulator in slot
+    cmp_dq / win_dq (fa4_accum.Accum) and hand autograd a zero placeholder for q's gradient instead."""
 
-    __slots__ = ("cmp", "win", "wants")
+    __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq")
 
-    def __init__(self) -> None:
+    def __init__(self, keep_dq: bool = False) -> None:
         self.cmp: torch.Tensor | None = None
         self.win: torch.Tensor | None = None
         self.wants: set[str] = set()
+        self.keep_dq = keep_dq
+        self.cmp_dq: Accum | None = None
+        self.win_dq: Accum | None = None
 
     def take(self, name: str) -> torch.Tensor | None:
         """The slot's D, emptied (its memory is free once the branch's backward has used it)."""
@@ -82,19 +88,28 @@ def flash_fwd(backend: str, q, k, v, *, scale: float, window: int | None):
     return _flash(backend, q, k, v, True, window, scale, True)
 
 
-def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None):
+def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None,
+              keep_dq: bool = False):
     """(dq, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
-    entry, or fp32 math for "reference"; with d_rows (D) given, o is not read."""
+    entry (fa4_accum.py), or fp32 math for "reference"; with d_rows (D) given, o is not read; keep_dq: dq
+    may come as FA4's fp32 accumulator (an Accum; "reference" always gives one, its stand-in)."""
     if backend == "reference":
         if d_rows is None:
             ct = torch.promote_types(o.dtype, torch.float32)
             d_rows = (o.to(ct) * do.to(ct)).sum(-1).transpose(1, 2)
-        return reference_grads(q, k, v, do, d_rows, True, window, scale)
-    from flash_attn.cute.interface import _flash_attn_bwd
-    wl, wr = (window - 1, 0) if window is not None else (None, None)
-    out, dlse = (o, None) if d_rows is None else (zero_rows(o), -d_rows)
-    return _flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True, window_size_left=wl,
-                           window_size_right=wr, dlse=dlse)[:3]
+        dq, dk, dv = reference_grads(q, k, v, do, d_rows, True, window, scale)
+        return (to_accum(dq, scale, reference_a(q.shape[-1])) if keep_dq else dq), dk, dv
+    return fa4_bwd(q, k, v, o, do, lse, d_rows, scale=scale, window=window, keep_dq=keep_dq)
+
+
+def q_grad(dq, q: torch.Tensor, sums: "RowSums | None", slot: str) -> torch.Tensor:
+    """A branch backward's gradient of q: dq itself, or for an Accum (kept for QFork: sums.keep_dq) the
+    accumulator into sums' slot and a zero placeholder shaped like q (stride 0 but in the last dim, so
+    views of it stay views) in its place."""
+    if not isinstance(dq, Accum):
+        return dq
+    setattr(sums, slot, dq)
+    return zero_rows(q)
 
 
 def public_bwd(backend: str, q, k, v, do, window: int | None, scale: float):
@@ -139,8 +154,10 @@ class _CausalFlash(torch.autograd.Function):
         dev = str(q.device)
         if ctx.backend == "reference" or dev not in _OFF:
             try:
-                return (*flash_bwd(ctx.backend, q, k, v, o, do, lse, d_rows, scale=ctx.scale, window=None),
-                        None, None, None)
+                keep = ctx.sums is not None and ctx.sums.keep_dq
+                dq, dk, dv = flash_bwd(ctx.backend, q, k, v, o, do, lse, d_rows, scale=ctx.scale, window=None,
+                                       keep_dq=keep)
+                return q_grad(dq, q, ctx.sums, "cmp_dq"), dk, dv, None, None, None
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if ctx.backend == "reference" or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     raise

@@ -395,6 +395,11 @@ class FlashBranchTuning:
     # with both branches on flash-attn, the selection's dq kernels run in q's gradient node and add the
     # branches' gradients of q in their epilogue, instead of a separate sum (nsa/ops/triton/qsum.py)
     dq_fold: bool = True
+    # the FA4 branches' dq left in FA4's fp32 accumulator and read by q's gradient kernels, without FA4's
+    # postprocess converting it first (nsa/ops/fa4_accum.py); also routes the window below win_split_min_t
+    # through FA4's backward entry (GQA, unsplit) for it and for row_sums, which there replace FA4's preprocess
+    # by a rows kernel and a memset (H100, table 24: -2.15 ms of postprocess, +1.62 in the tile dq at 64k)
+    fa4_accum: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":

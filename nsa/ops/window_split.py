@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from ..config import triton_interpreter
-from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd
+from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd, q_grad
+from .fa4_accum import Accum
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
@@ -44,20 +45,22 @@ def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
 
 
 def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
-                           backend: str, sums: RowSums | None = None) -> torch.Tensor:
-    """Causal attention over the `window` most recent keys, q [1,T,HQ,d], k/v [1,T,H,*] -> o [1,T,HQ,dv];
-    differentiable in q, k, v, with the split backward (module doc). backend: "fa4", or "reference" (fp32
-    math in both passes: the CPU tests of the views and the batch sum). sums: the op call's RowSums, whose
-    win slot [1, HQ, T] the NSA backward may fill (branch_sums.py: then o is not read again)."""
-    return _WindowSplit.apply(q, k, v, window, scale, backend, sums)
+                           backend: str, sums: RowSums | None = None, split: bool = True) -> torch.Tensor:
+    """Causal attention over the `window` most recent keys, q [B,T,HQ,d], k/v [B,T,H,*] -> o [B,T,HQ,dv];
+    differentiable in q, k, v, with the split backward (module doc; split_ok must hold) or, split=False,
+    FA4's GQA backward through the same entry (for the row sums and the kept dq accumulator). backend:
+    "fa4", or "reference" (fp32 math in both passes: the CPU tests of the views and the batch sum). sums:
+    the op call's RowSums, whose win slot [B, HQ, T] the NSA backward may fill (branch_sums.py: then o is
+    not read again) and whose win_dq slot may take the dq accumulator (sums.keep_dq)."""
+    return _WindowSplit.apply(q, k, v, window, scale, backend, sums, split)
 
 
 class _WindowSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window, scale, backend, sums):
+    def forward(ctx, q, k, v, window, scale, backend, sums, split):
         o, lse = flash_fwd(backend, q, k, v, scale=scale, window=window)   # grad mode is off: no flash-attn node
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.window, ctx.scale, ctx.backend, ctx.sums = window, scale, backend, sums
+        ctx.window, ctx.scale, ctx.backend, ctx.sums, ctx.split = window, scale, backend, sums, split
         if sums is not None:
             sums.wants.add("win")
         return o
@@ -78,13 +81,17 @@ class _WindowSplit(torch.autograd.Function):
             return x.contiguous().view(H, G, T).permute(1, 0, 2)
 
         d_rows = ctx.sums.take("win") if ctx.sums is not None else None
-        args = (grouped(q, d), k.expand(G, T, H, d), v.expand(G, T, H, dv), grouped(o, dv), grouped(do, dv),
-                heads(lse), None if d_rows is None else heads(d_rows))
+        if ctx.split:
+            args = (grouped(q, d), k.expand(G, T, H, d), v.expand(G, T, H, dv), grouped(o, dv), grouped(do, dv),
+                    heads(lse), None if d_rows is None else heads(d_rows))
+        else:
+            args = (q, k, v, o, do.contiguous(), lse, d_rows)
         dev = str(q.device)
         dqb = None
+        keep = ctx.sums is not None and ctx.sums.keep_dq
         if dev not in _OFF:
             try:
-                dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window)
+                dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window, keep_dq=keep)
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
@@ -92,11 +99,18 @@ class _WindowSplit(torch.autograd.Function):
                 count_fallback(f"win_split:{ctx.backend}->gqa")
                 warnings.warn(f"window branch: split backward failed ({_OFF[dev]}); flash-attn's GQA backward "
                               "from now on", RuntimeWarning, stacklevel=2)
+        none = (None,) * 5
         if dqb is None:
-            return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), None, None, None, None)
-        # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d]): back to [1, T, HQ, d]
-        dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
-        return dq, batch_sum(dkb), batch_sum(dvb), None, None, None, None
+            return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), *none)
+        if isinstance(dqb, Accum):
+            dq = q_grad(dqb, q, ctx.sums, "win_dq")
+        elif ctx.split:   # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d])
+            dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
+        else:
+            dq = dqb
+        if not ctx.split:
+            return dq, dkb, dvb, *none
+        return dq, batch_sum(dkb), batch_sum(dvb), *none
 
 
 @triton.jit

@@ -382,9 +382,11 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     bnhd = be is not None and cmp_dense.bnhd_layout(be)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
     deferred = DeferredDq() if tuning.flash.dq_fold and torch.is_grad_enabled() else None
-    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None, deferred)
     # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
     sums = RowSums() if tuning.flash.row_sums and torch.is_grad_enabled() else None
+    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None, deferred, sums)
+    if sums is not None:   # QFork reads the branches' gradients of q: FA4's dq accumulators will do (fa4_accum.py)
+        sums.keep_dq = tuning.flash.fa4_accum and q_slc is not q
     if be is not None:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
@@ -398,8 +400,10 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             o_cmp = lse_cmp = cmp_rows = None
     if wbe is not None:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
-            if wbe in ("fa4", "reference") and window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t):
-                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe, sums)
+            split = window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t)
+            if wbe in ("fa4", "reference") and (split or (sums is not None and sums.keep_dq)):
+                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe, sums,
+                                                            split)
             else:
                 o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
@@ -411,17 +415,18 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
                                    dkdv_chunk, tuning, sums, deferred if q_slc is not q else None)
 
 
-def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: DeferredDq | None = None):
+def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: DeferredDq | None = None,
+          sums: RowSums | None = None):
     """(q rows for the dense compressed branch or None, q for the flash window branch, q for the
     Function). With q's gradient wanted, one QFork node hands them out, so q's gradient is one
     fused sum of the branches' (plain tensors, and no node, otherwise); deferred: where the NSA
-    backward may leave its dq kernels for that node (qsum.py)."""
+    backward may leave its dq kernels for that node (qsum.py); sums: the call's RowSums (its dq slots)."""
     B, T, HQ, dk = q.shape
     if not (torch.is_grad_enabled() and q.requires_grad) or (maps is None and not win):
         rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps.slot_src) if maps is not None else None
         return rows, q, q
     out = list(QFork.apply(q, maps.slot_src if maps is not None else None,
-                           maps.row_slot if maps is not None else None, 1 + int(win), deferred))
+                           maps.row_slot if maps is not None else None, 1 + int(win), deferred, sums))
     rows = out.pop(0) if maps is not None else None
     return rows, (out[0] if win else q), out[-1]
 

@@ -148,10 +148,11 @@ def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, FLAG, srb, srt, srh, sob, sot, 
 
 
 @triton.jit
-def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc, srb, srt, srh, T, H,
+def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
+                    srb, srt, srh, T, H,
                     G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr,
                     BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr,
-                    HAS_GW: tl.constexpr):
+                    HAS_GW: tl.constexpr, GC_ACC: tl.constexpr, GW_ACC: tl.constexpr):
     """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in, + the flash
     branches' gradients of q: qsum.add_q_terms)."""
     if GUARD != 0:
@@ -168,7 +169,8 @@ def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc, srb, srt, srh
     off = ((b * T + t64) * (H * G) + hq)[:, None] * DK + offs_dk[None, :]   # contiguous dq
     if ACC_DQ:
         acc += tl.load(DQ_IN + off, mask=row_ok[:, None] & dk_ok, other=0.0)
-    acc = add_q_terms(acc, GC, SLOT, GW, sgc, b, t64 * (H * G) + hq, row_ok, off, offs_dk, DK, HAS_GC, HAS_GW)
+    acc = add_q_terms(acc, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s, b, t64 * (H * G) + hq, row_ok,
+                      off, offs_dk, DK, HAS_GC, HAS_GW, GC_ACC, GW_ACC)
     tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok)
 
 

@@ -277,12 +277,14 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, 
 
 @triton.jit
 def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+                        gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                         T, H, NT, scale_log2, scale,
                         G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                         LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr):
+                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr,
+                        GC_ACC: tl.constexpr, GW_ACC: tl.constexpr):
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
@@ -330,7 +332,8 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN
     dq_mask = row_ok[:, None] & (offs_dk[None, :] < DK)
     if ACC_DQ:
         dq += tl.load(DQ_IN + dq_off, mask=dq_mask, other=0.0)
-    dq = add_q_terms(dq, GC, SLOT, GW, sgc, b, tok * (H * G) + hq, row_ok, dq_off, offs_dk, DK, HAS_GC, HAS_GW)
+    dq = add_q_terms(dq, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s, b, tok * (H * G) + hq, row_ok,
+                     dq_off, offs_dk, DK, HAS_GC, HAS_GW, GC_ACC, GW_ACC)
     tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=dq_mask)
 
 

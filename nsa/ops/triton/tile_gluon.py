@@ -28,7 +28,7 @@ import torch
 
 from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
-from .qsum import q_add_args
+from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper, called from Gluon too
 
 ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
 # m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
@@ -267,10 +267,12 @@ def _kernel():
 
     @gluon.jit
     def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+                  gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
                   LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
                   HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, HAS_GC: gl.constexpr,
-                  HAS_GW: gl.constexpr, num_warps: gl.constexpr):
+                  HAS_GW: gl.constexpr, GC_ACC: gl.constexpr, GW_ACC: gl.constexpr,
+                  num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
         if GUARD != 0:
@@ -321,12 +323,9 @@ def _kernel():
         off = (b.to(gl.int64) * T * (H * G) + rb)[:, None] * D + co[None, :]   # contiguous dq
         if ACC_DQ:
             dq += gl.load(DQ_IN + off, mask=(to < T)[:, None], other=0.0)
-        if HAS_GC:   # the flash branches' gradients of q (qsum.add_q_terms, written out for Gluon's layouts)
-            src = gl.load(SLOT + rb, mask=to < T, other=-1)
-            dq += gl.load(GC + b.to(gl.int64) * sgc + src[:, None] * D + co[None, :],
-                          mask=((to < T) & (src >= 0))[:, None], other=0.0).to(gl.float32)
-        if HAS_GW:
-            dq += gl.load(GW + off, mask=(to < T)[:, None], other=0.0).to(gl.float32)
+        # the flash branches' gradients of q: the Triton helper, on Gluon's layouts
+        dq = add_q_terms(dq, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s, b.to(gl.int64), rb, to < T,
+                         off, co, D, HAS_GC, HAS_GW, GC_ACC, GW_ACC)
         gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
 
     @gluon.jit
