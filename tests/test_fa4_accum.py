@@ -21,7 +21,7 @@ from nsa.ops import branch_sums, fa4_accum  # noqa: E402
 from nsa.ops.fa4_accum import acc_cols, acc_rows, accum_offsets, rows_pre  # noqa: E402
 from nsa.ops.testing import make_inputs, rel_rms  # noqa: E402
 from nsa.ops.triton.function import nsa_triton_apply  # noqa: E402
-from nsa.ops.tuning import FlashBranchTuning, SelectTuning, TileTuning, tuning_for  # noqa: E402
+from nsa.ops.tuning import FlashBranchTuning, TileTuning, tuning_for  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,32 +63,25 @@ def test_rows_pre_writes_what_fa4s_preprocess_writes_for_zero_o():
     assert torch.equal(lse2[..., :S], want) and torch.isinf(lse2[..., S:]).all() and (lse2[..., S:] > 0).all()
 
 
-CASES = {   # (B, T, select, tile, win_split_min_t)
-    "per-token selection: q's sum kernel reads both accumulators": (2, 45, SelectTuning(), TileTuning(), None),
-    "dq from pair partials (deferred), the window unsplit": (2, 45, SelectTuning(loop="block"), TileTuning(), None),
-    "query tiles (deferred), the window split into G batches": (1, 45, SelectTuning(), TileTuning(m=2), 0),
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_q_gradient_from_the_accumulators_equals_the_converted_one(case, monkeypatch):
-    """FlashBranchTuning.fa4_accum: both flash branches hand QFork their dq accumulator (every path that reads
-    q's terms: the sum kernel, the deferred pair / tile dq); output and all gradients equal the op where the
-    branches return dq (to 1e-6), and both accumulators were made."""
-    B, T, select, tile, split = CASES[case]
+def test_q_gradient_from_the_split_windows_accumulator_equals_the_converted_one(monkeypatch):
+    """FlashBranchTuning.fa4_accum with the window split into G batches (B = 1; the accumulator's batch g, head h
+    is query head h*G + g) and the selection on query tiles (its deferred dq reads both accumulators): output
+    and all gradients equal the op where the branches return dq (to 1e-6), and both accumulators were made.
+    tests/test_qsum.py runs every other path that reads q's terms (B = 2, the window unsplit) on the
+    accumulators against the fp64 oracle."""
     made = []
     real = branch_sums.to_accum
     monkeypatch.setattr(branch_sums, "to_accum", lambda *a: made.append(a[0].shape) or real(*a))
-    x = make_inputs(B, T, 4, 2, 16, 16, l=8, d=4, seed=5)
-    do = torch.randn(B, T, 4, 16, generator=torch.Generator().manual_seed(1))
+    x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=5)
+    do = torch.randn(1, 45, 4, 16, generator=torch.Generator().manual_seed(1))
     res = []
     for accum in (True, False):
-        flash_t = FlashBranchTuning(win="reference", cmp="reference", fa4_accum=accum, win_split_min_t=split)
-        tuning = tuning_for("cpu").replace(flash=flash_t, select=select, tile=tile)
+        flash_t = FlashBranchTuning(win="reference", cmp="reference", fa4_accum=accum, win_split_min_t=0)
+        tuning = tuning_for("cpu").replace(flash=flash_t, tile=TileTuning(m=2))
         args = [t.detach().clone().requires_grad_() for t in x]
         o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25, tuning=tuning)
         res.append((o, torch.autograd.grad(o, args, do)))
-    assert len(made) == 2, made   # the compressed branch's [B, N, HQ', d], the window's
+    assert len(made) == 2 and (2, 45, 2, 16) in made, made   # the split window's [G, T, H, d], the compressed one's
     assert rel_rms(res[0][0], res[1][0]) == 0
     for name, a, b in zip("q k_cmp v_cmp k_slc v_slc k_win v_win gates".split(), res[0][1], res[1][1]):
         assert torch.isfinite(a).all() and rel_rms(a, b) <= 1e-6, name

@@ -5,7 +5,9 @@ q's gradient reaches QFork from three places; with dq_fold the NSA backward leav
 they add the compressed branch's gradient (gathered back through row_slot) and the window's in their
 epilogue. Every selection path that has such an epilogue is taken once (the Triton kernels through the
 interpreter), at B = 2 so the batch offsets of the gathered rows count, odd T, G = 2, against the fp64 oracle
-(the unfolded sum shares the epilogue's helper, so it is no reference on its own)."""
+(the unfolded sum shares the epilogue's helper, so it is no reference on its own). The branches hand their
+gradients over as FA4's fp32 dq accumulators there (FlashBranchTuning.fa4_accum; "reference" writes a stand-in
+in FA4's tile layout), so this also checks the kernels' reading of that layout on every path."""
 from __future__ import annotations
 
 import os
@@ -16,6 +18,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
+from nsa.ops import branch_sums  # noqa: E402
 from nsa.ops.reference import nsa_reference  # noqa: E402
 from nsa.ops.testing import make_inputs, rel_rms  # noqa: E402
 from nsa.ops.triton import qsum  # noqa: E402
@@ -43,6 +46,9 @@ def test_folded_q_gradient_equals_the_separate_sum(path, monkeypatch):
         return real(self, *a)
 
     monkeypatch.setattr(qsum.DeferredDq, "run", spy)
+    made = []   # the flash branches' dq as FA4's fp32 accumulators (fa4_accum.py), the kernels' terms
+    real_acc = branch_sums.to_accum
+    monkeypatch.setattr(branch_sums, "to_accum", lambda *a: made.append(1) or real_acc(*a))
     x = make_inputs(2, 45, 4, 2, 16, 16, l=8, d=4, seed=7)
     do = torch.randn(2, 45, 4, 16, generator=torch.Generator().manual_seed(3))
     res = []
@@ -53,6 +59,7 @@ def test_folded_q_gradient_equals_the_separate_sum(path, monkeypatch):
         o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25, tuning=tuning)
         res.append((o, torch.autograd.grad(o, args, do)))
     assert ran == ([n_tasks] if n_tasks else []), ran
+    assert len(made) == 4   # both branches, both runs
     ref = [t.detach().double().requires_grad_() for t in x]
     ro, _ = nsa_reference(*ref, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
     rg = torch.autograd.grad(ro, ref, do.double())

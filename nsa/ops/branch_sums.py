@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from .fa4_accum import Accum, fa4_bwd, reference_a, to_accum
+from .fa4_accum import Accum, fa4_bwd, reference_a, to_accum, zero_rows
 from .fallbacks import count_fallback
 from .flash import _flash, _mask, dense_attention, flash_lse, reference_attention
 
@@ -35,24 +35,19 @@ class RowSums:
 
     __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq")
 
-    def __init__(self, keep_dq: bool = False) -> None:
+    def __init__(self) -> None:
         self.cmp: torch.Tensor | None = None
         self.win: torch.Tensor | None = None
         self.wants: set[str] = set()
-        self.keep_dq = keep_dq
+        self.keep_dq = False
         self.cmp_dq: Accum | None = None
         self.win_dq: Accum | None = None
 
-    def take(self, name: str) -> torch.Tensor | None:
-        """The slot's D, emptied (its memory is free once the branch's backward has used it)."""
+    def take(self, name: str) -> "torch.Tensor | Accum | None":
+        """The slot's D (or dq accumulator), emptied (its memory is free once its reader has used it)."""
         d = getattr(self, name)
         setattr(self, name, None)
         return d
-
-
-def zero_rows(like: torch.Tensor) -> torch.Tensor:
-    """A tensor shaped like `like` whose every row is one zero row (stride 0 but in the last dim)."""
-    return like.new_zeros(like.shape[-1]).expand(like.shape)
 
 
 def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale: float):

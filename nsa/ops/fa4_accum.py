@@ -132,6 +132,11 @@ def rows_pre(lse: torch.Tensor, dlse: torch.Tensor, dpsum: torch.Tensor, lse_log
                                                   BLOCK=1024, num_warps=4)
 
 
+def zero_rows(like: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like `like` whose every row is one zero row (stride 0 but in the last dim)."""
+    return like.new_zeros(like.shape[-1]).expand(like.shape)
+
+
 @contextlib.contextmanager
 def _swapped(mod, **fns):
     """Module functions replaced for the block (FA4's backward looks them up at call time)."""
@@ -154,7 +159,7 @@ def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, ke
     if d_rows is None:
         out, dlse = o, None
     else:
-        out, dlse = o.new_zeros(o.shape[-1]).expand(o.shape), -d_rows
+        out, dlse = zero_rows(o), -d_rows
     keep = keep_dq and accum_a(q.shape[-1]) is not None
     state: dict = {}
     orig_pre, orig_post = fi._bwd_preprocess, fi._bwd_postprocess_convert

@@ -17,7 +17,10 @@ Rounding: each batch's partial is rounded to the input dtype before the sum, so 
 instead of one: against fp32 math, relative RMS 2.9e-3 instead of 2.4e-3 (bf16, 8k, H100). dq is unchanged.
 Memory: the partials hold G times K's and V's size during the backward (2 x 1 GB at 64k for the paper shape).
 
-Taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a batch dimension
+Below that threshold the same Function runs unsplit (FA4's GQA backward through the same entry), where the op keeps
+FA4's dq accumulator for q's gradient (FlashBranchTuning.fa4_accum, nsa/ops/fa4_accum.py).
+
+The split is taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a batch dimension
 would need two strides), G > 1, q contiguous. The backward goes through flash-attn's private backward entry
 (flash_attn.cute.interface._flash_attn_bwd); where that is missing or raises, the call runs the public
 GQA backward instead (counted and warned once per device).
@@ -35,7 +38,7 @@ from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd, q_grad
 from .fa4_accum import Accum
 from .fallbacks import count_fallback
 
-_OFF: dict[str, str] = {}   # device -> why the split backward failed there: flash-attn's GQA backward from then on
+_OFF: dict[str, str] = {}   # device -> why FA4's backward entry failed here: flash-attn's GQA backward from then on
 
 
 def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
@@ -97,8 +100,8 @@ class _WindowSplit(torch.autograd.Function):
                     raise
                 _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
                 count_fallback(f"win_split:{ctx.backend}->gqa")
-                warnings.warn(f"window branch: split backward failed ({_OFF[dev]}); flash-attn's GQA backward "
-                              "from now on", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"window branch: FA4's backward entry failed ({_OFF[dev]}); flash-attn's GQA "
+                              "backward from now on", RuntimeWarning, stacklevel=2)
         none = (None,) * 5
         if dqb is None:
             return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), *none)
