@@ -21,9 +21,9 @@ and returns None for anything else (then FA4's postprocess runs). tests/test_fa4
 formula with FA4's postprocess on a GPU, element by element.
 
 The preprocess is replaced wherever D is given (FlashBranchTuning.row_sums), the postprocess where the caller
-keeps the accumulator (FlashBranchTuning.fa4_accum). Everything goes through FA4's private backward entry with two of its module functions swapped for the
-call (`_bwd_preprocess`, `_bwd_postprocess_convert`); the callers keep their fallback to FA4's public
-autograd where anything here raises.
+keeps the accumulator (FlashBranchTuning.fa4_accum). Everything goes through FA4's private backward entry with
+two of its module functions swapped for the call (`_bwd_preprocess`, `_bwd_postprocess_convert`); the callers
+keep their fallback to FA4's public autograd where anything here raises.
 """
 from __future__ import annotations
 

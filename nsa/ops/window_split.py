@@ -17,13 +17,11 @@ Rounding: each batch's partial is rounded to the input dtype before the sum, so 
 instead of one: against fp32 math, relative RMS 2.9e-3 instead of 2.4e-3 (bf16, 8k, H100). dq is unchanged.
 Memory: the partials hold G times K's and V's size during the backward (2 x 1 GB at 64k for the paper shape).
 
-Below that threshold the same Function runs unsplit (FA4's GQA backward through the same entry), where the op keeps
-FA4's dq accumulator for q's gradient (FlashBranchTuning.fa4_accum, nsa/ops/fa4_accum.py).
-
-The split is taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a batch dimension
-would need two strides), G > 1, q contiguous. The backward goes through flash-attn's private backward entry
-(flash_attn.cute.interface._flash_attn_bwd); where that is missing or raises, the call runs the public
-GQA backward instead (counted and warned once per device).
+The split is taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a
+batch dimension would need two strides), G > 1, q contiguous. The backward goes through flash-attn's private
+backward entry (nsa/ops/fa4_accum.py); where that is missing or raises, the call runs the public GQA backward
+instead (counted and warned once per device). Elsewhere the same Function runs unsplit (FA4's GQA backward
+through the same entry) where the op keeps FA4's dq accumulator for q's gradient (FlashBranchTuning.fa4_accum).
 """
 from __future__ import annotations
 
