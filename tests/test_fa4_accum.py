@@ -103,6 +103,92 @@ def test_a_layout_the_kernels_do_not_read_fails(monkeypatch):
     assert rel_rms(grads[0], grads[1]) > 0.05
 
 
+def _fake_fa4(monkeypatch, caches: bool = True, fail: bool = False):
+    """A stand-in for FA4's interface module with its backward entry's call sequence: the preprocess, a "main
+    kernel" adding 1 to the dq accumulator, the postprocess, each reached through the module's names as FA4's are
+    (calls: what ran, and what the preprocess left in dpsum / lse_log2)."""
+    import sys
+    import types
+    fi, calls = types.ModuleType("flash_attn.cute.interface"), []
+
+    def fa4_pre(out, dout, dpsum, lse, lse_log2, dq_accum, *a, **kw):
+        calls.append("fa4_pre")
+        dpsum.fill_(7.0), lse_log2.fill_(7.0), dq_accum.zero_()
+
+    def fa4_post(accum, output, scale, *a, **kw):
+        calls.append("fa4_post")
+        output.fill_(float(accum[0, 0, 0]) * scale)
+
+    def entry(q, k, v, out, dout, lse, softmax_scale=None, causal=False, window_size_left=None,
+              window_size_right=None, dlse=None):
+        B, S, H, d = q.shape
+        s_r = -(-S // 64) * 64
+        acc = torch.full((B, H, s_r * d), float("nan"), device=q.device)
+        dpsum, lse2 = (torch.full((B, H, s_r), float("nan"), device=q.device) for _ in range(2))
+        fi._bwd_preprocess(out, dout, dpsum, lse, lse2, acc, None, None, dlse, "bf16", d, d, 64, fake_mode=False,
+                           hdim_multiple_of=32)
+        calls.append(("pre", dpsum, lse2))
+        if fail:
+            raise RuntimeError("main kernel failed")
+        acc += 1.0
+        dq = torch.empty_like(q)
+        fi._bwd_postprocess_convert(acc, dq, softmax_scale, None, None, 90, "bf16", d, 64, 256, 1, False,
+                                    fake_mode=False, hdim_multiple_of=32)
+        return dq, k.clone(), v.clone()
+
+    if caches:
+        fa4_pre.compile_cache, fa4_post.compile_cache = {}, {}
+    fi._bwd_preprocess, fi._bwd_postprocess_convert, fi._flash_attn_bwd = fa4_pre, fa4_post, entry
+    fi._tile_size_bwd_sm90 = lambda *a: types.SimpleNamespace(num_wg=2, dQ_swapAB=False, dQ_single_wg=False,
+                                                               m_block_size=64, AtomLayoutMdQ=1)
+    pkg, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    pkg.cute, cute.interface = cute, fi
+    for name, mod in (("flash_attn", pkg), ("flash_attn.cute", cute), ("flash_attn.cute.interface", fi)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    fa4_accum.accum_a.cache_clear()
+    return fi, calls
+
+
+@pytest.mark.parametrize("case", ["keep", "convert", "no rows", "unknown FA4", "failing"])
+def test_fa4_bwd_swaps_exactly_the_passes_it_replaces(monkeypatch, case):
+    """fa4_bwd against a stand-in FA4 (CPU): with D given, its rows kernel replaces the preprocess (dpsum = D,
+    lse * log2(e), FA4's padding; the accumulator zeroed before the main kernel adds to it); with keep_dq the
+    accumulator comes back as an Accum and the postprocess never runs, else it converts dq; without D, FA4's own
+    preprocess runs; on an FA4 whose functions lack the compile caches this was written against, both do; the module's
+    functions are FA4's again afterwards, also when its entry raises."""
+    fi, calls = _fake_fa4(monkeypatch, caches=case != "unknown FA4", fail=case == "failing")
+    own = (fi._bwd_preprocess, fi._bwd_postprocess_convert)
+    B, S, H, d = 1, 70, 2, 32
+    g = torch.Generator().manual_seed(3)
+    q, o, do = (torch.randn(B, S, H, d, generator=g).to(DEV) for _ in range(3))
+    k, v = torch.randn(B, S, 1, d).to(DEV), torch.randn(B, S, 1, d).to(DEV)
+    lse, d_rows = torch.randn(B, H, S, generator=g).to(DEV), torch.randn(B, H, S, generator=g).to(DEV)
+    kw = dict(scale=0.5, window=None, keep_dq=case != "convert")
+    try:
+        if case == "failing":
+            with pytest.raises(RuntimeError, match="main kernel failed"):
+                fa4_accum.fa4_bwd(q, k, v, o, do, lse, d_rows, **kw)
+            assert (fi._bwd_preprocess, fi._bwd_postprocess_convert) == own
+            return
+        dq, dk, dv = fa4_accum.fa4_bwd(q, k, v, o, do, lse, None if case == "no rows" else d_rows, **kw)
+    finally:
+        fa4_accum.accum_a.cache_clear()
+    assert (fi._bwd_preprocess, fi._bwd_postprocess_convert) == own
+    ran = [c for c in calls if isinstance(c, str)]
+    _, dpsum, lse2 = next(c for c in calls if isinstance(c, tuple))
+    if case in ("keep", "convert"):
+        assert "fa4_pre" not in ran
+        assert torch.equal(dpsum[..., :S], d_rows) and (dpsum[..., S:] == 0).all()
+        assert torch.equal(lse2[..., :S], lse * fa4_accum.LOG2E) and torch.isinf(lse2[..., S:]).all()
+    else:
+        assert "fa4_pre" in ran
+    if case in ("keep", "no rows"):
+        assert isinstance(dq, fa4_accum.Accum) and "fa4_post" not in ran
+        assert (dq.s_r, dq.a, dq.scale) == (128, 1, 0.5) and (dq.buf == 1.0).all()   # zeroed, then the kernel's 1
+    else:
+        assert torch.is_tensor(dq) and ran[-1] == "fa4_post" and (dq == 0.5).all()
+
+
 def _fa4():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")

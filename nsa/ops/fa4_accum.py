@@ -98,9 +98,13 @@ def reference_a(head_dim: int) -> int:
 @functools.lru_cache(maxsize=None)
 def accum_a(head_dim: int) -> int | None:
     """A of acc_rows for FA4's sm_90 backward at this head dim (causal and windowed alike), or None where its
-    configuration is not one the formula covers (two MMA warpgroups, no swapped dQ MMA, M = 64 * A rows)."""
-    from flash_attn.cute.interface import _tile_size_bwd_sm90
-    cfgs = [_tile_size_bwd_sm90(head_dim, head_dim, causal, not causal) for causal in (True, False)]
+    configuration is not one the formula covers (two MMA warpgroups, no swapped dQ MMA, M = 64 * A rows) or
+    this FA4 does not say (its table of configurations is private)."""
+    try:
+        from flash_attn.cute.interface import _tile_size_bwd_sm90
+        cfgs = [_tile_size_bwd_sm90(head_dim, head_dim, causal, not causal) for causal in (True, False)]
+    except (ImportError, AttributeError, TypeError):
+        return None
     ok = all(c == cfgs[0] for c in cfgs) and head_dim % 32 == 0
     c = cfgs[0]
     ok = ok and c.num_wg == 2 and not c.dQ_swapAB and not c.dQ_single_wg and c.m_block_size == 64 * c.AtomLayoutMdQ
@@ -160,9 +164,13 @@ def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, ke
         out, dlse = o, None
     else:
         out, dlse = zero_rows(o), -d_rows
-    keep = keep_dq and accum_a(q.shape[-1]) is not None
     state: dict = {}
     orig_pre, orig_post = fi._bwd_preprocess, fi._bwd_postprocess_convert
+    if not all(hasattr(f, "compile_cache") for f in (orig_pre, orig_post)):   # not the FA4 this was written for
+        dq, dk, dv = fi._flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True,
+                                        window_size_left=wl, window_size_right=wr, dlse=dlse)[:3]
+        return dq, dk, dv
+    keep = keep_dq and accum_a(q.shape[-1]) is not None
 
     def pre(out_, dout, dpsum, lse_, lse_log2, dq_accum, cu_q, used_q, dlse_, *args, **kw):
         state["acc"] = dq_accum
