@@ -166,11 +166,9 @@ def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, ke
         out, dlse = zero_rows(o), -d_rows
     state: dict = {}
     orig_pre, orig_post = fi._bwd_preprocess, fi._bwd_postprocess_convert
-    if not all(hasattr(f, "compile_cache") for f in (orig_pre, orig_post)):   # not the FA4 this was written for
-        dq, dk, dv = fi._flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True,
-                                        window_size_left=wl, window_size_right=wr, dlse=dlse)[:3]
-        return dq, dk, dv
-    keep = keep_dq and accum_a(q.shape[-1]) is not None
+    # an FA4 whose functions lack the compile caches this was written against runs its own passes (no swap)
+    known = all(hasattr(f, "compile_cache") for f in (orig_pre, orig_post))
+    keep = known and keep_dq and accum_a(q.shape[-1]) is not None
 
     def pre(out_, dout, dpsum, lse_, lse_log2, dq_accum, cu_q, used_q, dlse_, *args, **kw):
         state["acc"] = dq_accum
@@ -188,9 +186,11 @@ def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, ke
             return
         return orig_post(accum, output, scale_, cu, used, arch, dtype, hdim, block, threads, atom, swap, *args, **kw)
 
-    # the originals reach their compile caches through their module-level names, i.e. through these stand-ins
-    pre.compile_cache, post.compile_cache = orig_pre.compile_cache, orig_post.compile_cache
-    with _swapped(fi, _bwd_preprocess=pre, _bwd_postprocess_convert=post):
+    swaps = {}
+    if known:   # the originals reach their compile caches through their module-level names: these stand-ins
+        pre.compile_cache, post.compile_cache = orig_pre.compile_cache, orig_post.compile_cache
+        swaps = dict(_bwd_preprocess=pre, _bwd_postprocess_convert=post)
+    with _swapped(fi, **swaps):
         dq, dk, dv = fi._flash_attn_bwd(q, k, v, out, do, lse, softmax_scale=scale, causal=True,
                                         window_size_left=wl, window_size_right=wr, dlse=dlse)[:3]
     return state.get("keep", dq), dk, dv

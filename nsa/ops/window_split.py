@@ -103,15 +103,11 @@ class _WindowSplit(torch.autograd.Function):
         none = (None,) * 5
         if dqb is None:
             return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), *none)
-        if isinstance(dqb, Accum):
-            dq = q_grad(dqb, q, ctx.sums, "win_dq")
-        elif ctx.split:   # dqb has the strides of the q view (a permutation of a contiguous [T, H, G, d])
-            dq = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
-        else:
-            dq = dqb
-        if not ctx.split:
-            return dq, dkb, dvb, *none
-        return dq, batch_sum(dkb), batch_sum(dvb), *none
+        if ctx.split:   # per-batch dK / dV summed; dq (not an Accum) has the strides of the q view: [1, T, HQ, d]
+            dkb, dvb = batch_sum(dkb), batch_sum(dvb)
+            if not isinstance(dqb, Accum):
+                dqb = dqb.permute(1, 2, 0, 3).reshape(1, T, HQ, d)
+        return q_grad(dqb, q, ctx.sums, "win_dq"), dkb, dvb, *none
 
 
 @triton.jit

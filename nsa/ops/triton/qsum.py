@@ -155,8 +155,8 @@ class QFork(torch.autograd.Function):
         none = (None,) * 5
         if ctx.deferred is not None and ctx.deferred.tasks:   # the NSA backward left q's last term (gs is None)
             return (ctx.deferred.run(ctx.shape, ctx.dtype, ctx.device, add), *none)
-        terms = [x for x in (gc, acc_c, gw, acc_w, gs) if x is not None]
-        if len(terms) < 2 and acc_c is None and acc_w is None:
+        terms = [x for x in (gw, gs) if x is not None]
+        if len(terms) < 2 and gc is None and acc_c is None and acc_w is None:   # q's layout already: no pass
             return (terms[0] if terms else None), *none
         B, T, HQ, dk = ctx.shape
         dq = torch.empty(ctx.shape, device=ctx.device, dtype=ctx.dtype)
