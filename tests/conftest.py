@@ -74,6 +74,15 @@ if str(REPO) not in sys.path:                 # this checkout's nsa, also withou
     sys.path.insert(0, str(REPO))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the README's `-n 2 --dist loadgroup`), every test that starts Ray runs on one
+    worker, in one Ray session (ray_session is per worker), while the other worker takes the kernel and
+    model tests: Ray's start-up and polling waits overlap CPU-bound tests instead of adding to them."""
+    for item in items:
+        if item.get_closest_marker("ray") is not None or "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance with 4 logical CPUs (2 workers x 0.5 CPU + Ray Data tasks fit on 2 cores)."""
