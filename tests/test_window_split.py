@@ -145,6 +145,63 @@ def test_the_op_hands_row_sums_to_both_flash_branches(monkeypatch):
         assert torch.isfinite(a).all() and rel_rms(a, b) <= 1e-6, name
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "unsplit"])
+def test_the_window_gate_folded_into_lse(monkeypatch, split):
+    """FlashBranchTuning.win_gate_lse: the window's backward gets the op's dO itself (the gate kernel writes
+    no g_win * dO), D = dg_win and lse - ln g_win, and every gradient equals the op with the gate applied to
+    dO, to rounding; gates of exactly 0 on some rows (ln g = -inf: those rows add nothing). Then the same
+    with FA4's entry failing: the public path scales dO by the gate itself."""
+    from nsa.ops.testing import make_inputs
+    from nsa.ops.triton.function import nsa_triton_apply
+    from nsa.ops.tuning import FlashBranchTuning, tuning_for
+
+    seen = []
+    real = window_split.flash_bwd
+
+    def spy(backend, q, k, v, o, do, lse, d_rows, **kw):
+        seen.append((do, kw.get("lse_shift")))
+        return real(backend, q, k, v, o, do, lse, d_rows, **kw)
+
+    monkeypatch.setattr(window_split, "flash_bwd", spy)
+    x = list(make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=6))
+    x[7] = x[7].detach().clone()
+    x[7][0, 3:9, 1, 2] = 0   # [B, T, HQ, 3]: the window gate of head 1 off on six rows
+    dout = torch.randn(1, 45, 4, 16, generator=torch.Generator().manual_seed(2))
+
+    def run(fold: bool):
+        seen.clear()
+        flash_t = FlashBranchTuning(win="reference", cmp="reference", win_split_min_t=0 if split else None,
+                                    win_gate_lse=fold)
+        args = [t.detach().clone().requires_grad_() for t in x]
+        o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25,
+                                tuning=tuning_for("cpu").replace(flash=flash_t))
+        return o, torch.autograd.grad(o, args, dout)
+
+    o1, g1 = run(True)
+    (do, shift), = seen
+    assert shift is not None and torch.isneginf(shift).sum() == 6
+    # the op's dO, in the split's grouped view [G, T, H, d] (batch g, head h = query head h*G + g) or as is
+    want = dout.view(45, 2, 2, 16).permute(2, 0, 1, 3) if split else dout
+    assert torch.equal(do, want)
+    o0, g0 = run(False)
+    (do0, shift0), = seen
+    assert shift0 is None and not torch.equal(do0, want)
+    assert rel_rms(o1, o0) == 0
+    names = "q k_cmp v_cmp k_slc v_slc k_win v_win gates".split()
+    for name, a, b in zip(names, g1, g0):
+        assert torch.isfinite(a).all() and rel_rms(a, b) <= 1e-6, name
+
+    def boom(*a, **k):
+        raise RuntimeError("private API changed")
+
+    monkeypatch.setattr(window_split, "flash_bwd", boom)
+    monkeypatch.setattr(window_split, "_OFF", {})
+    with pytest.warns(RuntimeWarning, match="backward entry failed"):
+        _, gp = run(True)
+    for name, a, b in zip(names, gp, g0):
+        assert rel_rms(a, b) <= 1e-5, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [8192, 65536])

@@ -31,9 +31,11 @@ class RowSums:
     """Slots cmp / win: D of that branch (fp32, in the branch's lse layout) or None; `wants` names the
     slots a recorded branch will read (only those are filled). keep_dq: the op's QFork node reads the
     branches' gradients of q (qsum.py), so a branch on FA4 may leave its fp32 dq accumulator in slot
-    cmp_dq / win_dq (fa4_accum.Accum) and hand autograd a zero placeholder for q's gradient instead."""
+    cmp_dq / win_dq (fa4_accum.Accum) and hand autograd a zero placeholder for q's gradient instead.
+    win_shift: ln g_win [B, HQ, T] where the window wants its gate in its lse ("win_gate" in wants): then
+    the window's dO is the op's, unscaled, and win holds dg_win (window_split.py)."""
 
-    __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq")
+    __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq", "win_shift")
 
     def __init__(self) -> None:
         self.cmp: torch.Tensor | None = None
@@ -42,6 +44,7 @@ class RowSums:
         self.keep_dq = False
         self.cmp_dq: Accum | None = None
         self.win_dq: Accum | None = None
+        self.win_shift: torch.Tensor | None = None
 
     def take(self, name: str) -> "torch.Tensor | Accum | None":
         """The slot's D (or dq accumulator), emptied (its memory is free once its reader has used it)."""
@@ -50,11 +53,13 @@ class RowSums:
         return d
 
 
-def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale: float):
+def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale: float,
+                    lse_shift: torch.Tensor | None = None):
     """(dq, dk, dv) of attention in fp32 math (fp64 for fp64) given D = d_rows [B, HQ, Tq]; q [B, Tq, HQ, dk],
     k/v [B, Tk, H, *] (HQ = G * H, query head h*G + g on KV head h), dO [B, Tq, HQ, dv]. The flash
     backward's formula, so a wrong D layout shows as wrong gradients in the CPU tests; P from a log-sum-exp
-    recomputed at this precision (the forward's lse is fp32)."""
+    recomputed at this precision (the forward's lse is fp32), minus lse_shift [B, HQ, Tq] where given (as
+    the FA4 path subtracts it from the forward's lse)."""
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     G = q.shape[2] // k.shape[2]
     qf, dof = q.to(ct), do.to(ct)
@@ -63,7 +68,8 @@ def reference_grads(q, k, v, do, d_rows, causal: bool, window: int | None, scale
     mask = _mask(q.shape[1], k.shape[1], causal, window, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    p = torch.exp(s - (lse if lse_shift is None else lse - lse_shift.to(ct)[..., None]))
     dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
     ds = p * (dp - d_rows.to(ct)[..., None])
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
@@ -84,16 +90,21 @@ def flash_fwd(backend: str, q, k, v, *, scale: float, window: int | None):
 
 
 def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None,
-              keep_dq: bool = False):
+              keep_dq: bool = False, lse_shift: torch.Tensor | None = None):
     """(dq, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
     entry (fa4_accum.py), or fp32 math for "reference"; with d_rows (D) given, o is not read; keep_dq: dq
-    may come as FA4's fp32 accumulator (an Accum; "reference" always gives one, its stand-in)."""
+    may come as FA4's fp32 accumulator (an Accum; "reference" always gives one, its stand-in). lse_shift
+    (lse's layout, with d_rows): P is taken as exp(s - lse + lse_shift), i.e. each row's probabilities
+    times exp(lse_shift): a per-row factor g of dO folded into P with lse_shift = ln g and D = rowsum(o * dO)
+    for the unscaled dO (dV = (gP)^T dO and dS = gP (dP - D) are the gradients for g * dO)."""
     if backend == "reference":
         if d_rows is None:
             ct = torch.promote_types(o.dtype, torch.float32)
             d_rows = (o.to(ct) * do.to(ct)).sum(-1).transpose(1, 2)
-        dq, dk, dv = reference_grads(q, k, v, do, d_rows, True, window, scale)
+        dq, dk, dv = reference_grads(q, k, v, do, d_rows, True, window, scale, lse_shift)
         return (to_accum(dq, scale, reference_a(q.shape[-1])) if keep_dq else dq), dk, dv
+    if lse_shift is not None:
+        lse = lse - lse_shift
     return fa4_bwd(q, k, v, o, do, lse, d_rows, scale=scale, window=window, keep_dq=keep_dq)
 
 

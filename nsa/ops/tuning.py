@@ -400,6 +400,9 @@ class FlashBranchTuning:
     # through FA4's backward entry (GQA, unsplit) for it and for row_sums, which there replace FA4's preprocess
     # by a rows kernel and a memset (H100, table 24: -2.15 ms of postprocess, +1.62 in the tile dq at 64k)
     fa4_accum: bool = True
+    # the window's gate folded into its lse (lse - ln g_win, D = dg_win): its FA4 backward reads dO itself, so the
+    # gate kernel does not write g_win * dO (1 GB at 64k, paper shape; nsa/ops/window_split.py)
+    win_gate_lse: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":

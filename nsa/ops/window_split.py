@@ -22,6 +22,12 @@ batch dimension would need two strides), G > 1, q contiguous. The backward goes 
 backward entry (nsa/ops/fa4_accum.py); where that is missing or raises, the call runs the public GQA backward
 instead (counted and warned once per device). Elsewhere the same Function runs unsplit (FA4's GQA backward
 through the same entry) where the op keeps FA4's dq accumulator for q's gradient (FlashBranchTuning.fa4_accum).
+
+The op's gate (FlashBranchTuning.win_gate_lse): the branch output's gradient is g * dO (g [B, T, HQ], one
+gate per query row), which the gate kernel would write out only for this backward to read. Instead the
+backward reads dO itself with P' = g * P, i.e. lse - ln g as FA4's lse, and D = rowsum(o * dO) = dg (the gate's
+gradient, which the NSA backward has): dV = P'^T dO and dS = P' * (dP - D) are the gradients of g * dO. The
+NSA backward hands this node dO unscaled and ln g in sums.win_shift; g = 0 gives lse = +inf, P' = 0.
 """
 from __future__ import annotations
 
@@ -46,24 +52,26 @@ def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
 
 
 def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
-                           backend: str, sums: RowSums | None = None, split: bool = True) -> torch.Tensor:
+                           backend: str, sums: RowSums | None = None, split: bool = True,
+                           gate_lse: bool = False) -> torch.Tensor:
     """Causal attention over the `window` most recent keys, q [B,T,HQ,d], k/v [B,T,H,*] -> o [B,T,HQ,dv];
     differentiable in q, k, v, with the split backward (module doc; split_ok must hold) or, split=False,
     FA4's GQA backward through the same entry (for the row sums and the kept dq accumulator). backend:
     "fa4", or "reference" (fp32 math in both passes: the CPU tests of the views and the batch sum). sums:
     the op call's RowSums, whose win slot [B, HQ, T] the NSA backward may fill (branch_sums.py: then o is
-    not read again) and whose win_dq slot may take the dq accumulator (sums.keep_dq)."""
-    return _WindowSplit.apply(q, k, v, window, scale, backend, sums, split)
+    not read again) and whose win_dq slot may take the dq accumulator (sums.keep_dq). gate_lse (with sums):
+    the op's gate of this branch goes into the backward's lse instead of into dO (module doc)."""
+    return _WindowSplit.apply(q, k, v, window, scale, backend, sums, split, gate_lse)
 
 
 class _WindowSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window, scale, backend, sums, split):
+    def forward(ctx, q, k, v, window, scale, backend, sums, split, gate_lse):
         o, lse = flash_fwd(backend, q, k, v, scale=scale, window=window)   # grad mode is off: no flash-attn node
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.window, ctx.scale, ctx.backend, ctx.sums, ctx.split = window, scale, backend, sums, split
         if sums is not None:
-            sums.wants.add("win")
+            sums.wants.update(("win", "win_gate") if gate_lse else ("win",))
         return o
 
     @staticmethod
@@ -82,17 +90,21 @@ class _WindowSplit(torch.autograd.Function):
             return x.contiguous().view(H, G, T).permute(1, 0, 2)
 
         d_rows = ctx.sums.take("win") if ctx.sums is not None else None
+        shift = ctx.sums.take("win_shift") if ctx.sums is not None else None   # do is the op's dO: g in P
         if ctx.split:
             args = (grouped(q, d), k.expand(G, T, H, d), v.expand(G, T, H, dv), grouped(o, dv), grouped(do, dv),
                     heads(lse), None if d_rows is None else heads(d_rows))
+            shift_arg = None if shift is None else heads(shift)
         else:
             args = (q, k, v, o, do.contiguous(), lse, d_rows)
+            shift_arg = shift
         dev = str(q.device)
         dqb = None
         keep = ctx.sums is not None and ctx.sums.keep_dq
         if dev not in _OFF:
             try:
-                dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window, keep_dq=keep)
+                dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window, keep_dq=keep,
+                                          lse_shift=shift_arg)
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
@@ -100,8 +112,10 @@ class _WindowSplit(torch.autograd.Function):
                 count_fallback(f"win_split:{ctx.backend}->gqa")
                 warnings.warn(f"window branch: FA4's backward entry failed ({_OFF[dev]}); flash-attn's GQA "
                               "backward from now on", RuntimeWarning, stacklevel=2)
-        none = (None,) * 5
+        none = (None,) * 6
         if dqb is None:
+            if shift is not None:   # the public path takes the branch's own gradient, g * dO
+                do = do * shift.exp().transpose(1, 2).unsqueeze(-1).to(do.dtype)
             return (*public_bwd(ctx.backend, q, k, v, do, ctx.window, ctx.scale), *none)
         if ctx.split:   # per-batch dK / dV summed; dq (not an Accum) has the strides of the q view: [1, T, HQ, d]
             dkb, dvb = batch_sum(dkb), batch_sum(dvb)

@@ -184,10 +184,13 @@ def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win
     g_cmp * dO (ext_cmp; shaped like o_cmp, in the dense problem's rows with cmp_rows, whose pad rows
     get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
     outputs computed outside the Function. sums: also D = g_c * dg_c of those branches into its slots, in
-    their lse layouts (cmp [B, HQ', N] with cmp_rows, win [B, HQ, T]; branch_sums.py)."""
+    their lse layouts (cmp [B, HQ', N] with cmp_rows, win [B, HQ, T]; branch_sums.py). Where the window
+    asked for its gate in its lse ("win_gate" in sums.wants), dO itself is its gradient, D = dg_win and
+    ln g_win goes into sums.win_shift (window_split.py)."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
     doc = torch.empty(o_cmp.shape, device=do.device, dtype=do.dtype) if ext_cmp else None
-    dow = torch.empty_like(do) if ext_win else None
+    win_gate = ext_win and sums is not None and "win_gate" in sums.wants
+    dow = do if win_gate else torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
     if ext_cmp and cmp_rows is not None and cmp_rows.pad_rows.numel():   # rows no query maps to: dO = 0
         doc.index_fill_(1, cmp_rows.pad_rows, 0)
@@ -200,11 +203,14 @@ def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win
         _gate_bwd_kernel[(nb,)](do, o_cmp, o_slc, o_win, dg, gates, doc if ext_cmp else do, dow if ext_win else do,
                                 slot, dg if dlc is None else dlc, cmp_rows.lse_slot if dlc is not None else slot,
                                 n_per_b, n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
-                                WRITE_DOC=ext_cmp, WRITE_DOW=ext_win, ROWS=cmp_rows is not None,
+                                WRITE_DOC=ext_cmp, WRITE_DOW=ext_win and not win_gate, ROWS=cmp_rows is not None,
                                 WRITE_DLC=dlc is not None)
     if dlc is not None:   # [B, HQ' * N]: the branch views it as its lse [B, HQ', N]
         sums.cmp = dlc
-    if sums is not None and "win" in sums.wants and ext_win:   # [B, T, HQ] -> lse's [B, HQ, T]
+    if win_gate:   # [B, T, HQ] -> lse's [B, HQ, T]
+        sums.win = dg[..., 2].transpose(1, 2).contiguous()
+        sums.win_shift = gates[..., 2].float().log().transpose(1, 2).contiguous()
+    elif sums is not None and "win" in sums.wants and ext_win:
         sums.win = (dg[..., 2] * gates[..., 2].float()).transpose(1, 2).contiguous()
     return dg, doc, dow
 
@@ -403,7 +409,7 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
             split = window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t)
             if wbe in ("fa4", "reference") and (split or (sums is not None and sums.keep_dq)):
                 o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe, sums,
-                                                            split)
+                                                            split, tuning.flash.win_gate_lse)
             else:
                 o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
