@@ -189,63 +189,6 @@ def test_fa4_bwd_swaps_exactly_the_passes_it_replaces(monkeypatch, case):
         assert torch.is_tensor(dq) and ran[-1] == "fa4_post" and (dq == 0.5).all()
 
 
-@pytest.mark.parametrize("fits", [True, False], ids=["adopted", "other shape"])
-def test_fa4_bwd_adopts_an_accumulator_zeroed_ahead(monkeypatch, fits):
-    """FlashBranchTuning.prezero: with D given, the replaced preprocess makes FA4's accumulator the buffer zeroed
-    ahead (its storage: the kept Accum is that buffer, the main kernel's 1 added to its zeros) instead of zeroing
-    FA4's own; a buffer of another shape is left alone and FA4's is zeroed as before. accum_shape gives the
-    stand-in's allocation."""
-    fi, calls = _fake_fa4(monkeypatch)
-    B, S, H, d = 1, 70, 2, 32
-    g = torch.Generator().manual_seed(4)
-    q, o, do = (torch.randn(B, S, H, d, generator=g).to(DEV) for _ in range(3))
-    k, v = torch.randn(B, S, 1, d).to(DEV), torch.randn(B, S, 1, d).to(DEV)
-    lse, d_rows = torch.randn(B, H, S, generator=g).to(DEV), torch.randn(B, H, S, generator=g).to(DEV)
-    try:
-        shape = fa4_accum.accum_shape("fa4", B, H, S, d)
-        assert shape == (B, H, 128 * d)
-        zeroed = torch.zeros(shape if fits else (B, H, 64 * d), device=DEV)
-        dq, _, _ = fa4_accum.fa4_bwd(q, k, v, o, do, lse, d_rows, scale=0.5, window=None, keep_dq=True,
-                                     zeroed=zeroed)
-    finally:
-        fa4_accum.accum_a.cache_clear()
-    assert isinstance(dq, fa4_accum.Accum) and (dq.buf == 1.0).all()
-    assert (dq.buf.data_ptr() == zeroed.data_ptr()) == fits
-    assert (zeroed == (1.0 if fits else 0.0)).all()
-
-
-def test_the_op_zeroes_the_flash_branches_accumulators_ahead(monkeypatch):
-    """The branches register their accumulator's shape in their forward; the NSA backward zeroes buffers of
-    those shapes (zero_alongside) and each branch backward gets its own, all zeros, of FA4's shape for its
-    problem (the compressed branch's [1, HQ', N_r * d], the split window's [G, H, T_r * d]); with
-    FlashBranchTuning.prezero off none. Both branches on "reference", B = 1, odd T."""
-    from nsa.ops import branch_sums, window_split
-    from nsa.ops.testing import make_inputs
-    from nsa.ops.triton.function import nsa_triton_apply
-    from nsa.ops.tuning import FlashBranchTuning, tuning_for
-
-    seen = []
-    real = branch_sums.flash_bwd
-
-    def spy(backend, q, *a, zeroed=None, **kw):
-        seen.append((tuple(q.shape), None if zeroed is None else (tuple(zeroed.shape), bool((zeroed == 0).all()))))
-        return real(backend, q, *a, zeroed=zeroed, **kw)
-
-    monkeypatch.setattr(branch_sums, "flash_bwd", spy)
-    monkeypatch.setattr(window_split, "flash_bwd", spy)
-    x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=7)
-    for on in (True, False):
-        seen.clear()
-        flash_t = FlashBranchTuning(win="reference", cmp="reference", win_split_min_t=0, prezero=on)
-        args = [t.detach().clone().requires_grad_() for t in x]
-        o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25,
-                                tuning=tuning_for("cpu").replace(flash=flash_t))
-        torch.autograd.grad(o.square().sum(), args)
-        # d = 16: A = 2, rows rounded up to 128, columns to 32
-        want = {(2, 45, 2, 16): ((2, 2, 128 * 32), True), (1, 10, 16, 16): ((1, 16, 128 * 32), True)}
-        assert fa4_accum.reference_a(16) == 2 and dict(seen) == (want if on else dict.fromkeys(want)), seen
-
-
 def _fa4():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU")

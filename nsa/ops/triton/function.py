@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..fallbacks import count_fallback
 from ..flash import branch_flash_backend, dense_attention
-from .. import fa4_accum, window_split
+from .. import window_split
 from ..branch_sums import RowSums
 from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
 from . import cmp_dense
@@ -283,11 +283,6 @@ class NSATritonFunction(torch.autograd.Function):
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
         dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows,
                                         ctx.sums)
-        sums = ctx.sums
-        if sums is not None and sums.acc_shapes and tuning.flash.prezero:   # zeroed alongside the selection's
-            sums.zeroed, side = fa4_accum.zero_alongside(sums.acc_shapes, q.device)
-        else:
-            side = None
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
         else:
@@ -333,7 +328,6 @@ class NSATritonFunction(torch.autograd.Function):
         else:   # the per-token dq kernel: nothing appended to later
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                    gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
-        fa4_accum.join(side)
         if ctx.ext_win:
             dkw = dvw = None
         else:
