@@ -74,12 +74,17 @@ if str(REPO) not in sys.path:                 # this checkout's nsa, also withou
     sys.path.insert(0, str(REPO))
 
 
+# fixtures that start Ray (here and in test modules): their users count as Ray tests without the marker too
+RAY_FIXTURES = frozenset({"ray_session", "ray_local", "autoscaling_head"})
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (the README's `-n 2 --dist loadgroup`), every test that starts Ray runs on one
-    worker, in one Ray session (ray_session is per worker), while the other worker takes the kernel and
-    model tests: Ray's start-up and polling waits overlap CPU-bound tests instead of adding to them."""
+    """Under pytest-xdist (the README's `-n 2 --dist loadgroup`), every test that starts Ray (marker `ray`, or
+    a fixture of RAY_FIXTURES) runs on one worker, in one Ray session (ray_session is per worker), while the
+    other worker takes the kernel and model tests: Ray's start-up and polling waits overlap CPU-bound tests
+    instead of adding to them."""
     for item in items:
-        if item.get_closest_marker("ray") is not None or "ray_session" in getattr(item, "fixturenames", ()):
+        if item.get_closest_marker("ray") is not None or RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
