@@ -78,6 +78,7 @@ if str(REPO) not in sys.path:                 # this checkout's nsa, also withou
 RAY_FIXTURES = frozenset({"ray_session", "ray_local", "autoscaling_head"})
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own, which turns the group marks into node ids on each worker
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's `-n 2 --dist loadgroup`), every test that starts Ray (marker `ray`, or
     a fixture of RAY_FIXTURES) runs on one worker, in one Ray session (ray_session is per worker), while the
