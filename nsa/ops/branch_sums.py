@@ -32,7 +32,7 @@ class RowSums:
     slots a recorded branch will read (only those are filled). keep_dq: the op's QFork node reads the
     branches' gradients of q (qsum.py), so a branch on FA4 may leave its fp32 dq accumulator in slot
     cmp_dq / win_dq (fa4_accum.Accum) and hand autograd a zero placeholder for q's gradient instead.
-    win_shift: ln g_win [B, HQ, T] where the window wants its gate in its lse ("win_gate" in wants): then
+    win_shift: ln g_win [B, HQ, T] where the window wants its gate in its lse ("win_shift" in wants): then
     the window's dO is the op's, unscaled, and win holds dg_win (window_split.py)."""
 
     __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq", "win_shift")

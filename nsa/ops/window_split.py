@@ -71,7 +71,7 @@ class _WindowSplit(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.window, ctx.scale, ctx.backend, ctx.sums, ctx.split = window, scale, backend, sums, split
         if sums is not None:
-            sums.wants.update(("win", "win_gate") if gate_lse else ("win",))
+            sums.wants.update(("win", "win_shift") if gate_lse else ("win",))
         return o
 
     @staticmethod

@@ -185,11 +185,11 @@ def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win
     get zeros) and g_win * dO (ext_win) in dO's dtype, else None: the gradients of branch
     outputs computed outside the Function. sums: also D = g_c * dg_c of those branches into its slots, in
     their lse layouts (cmp [B, HQ', N] with cmp_rows, win [B, HQ, T]; branch_sums.py). Where the window
-    asked for its gate in its lse ("win_gate" in sums.wants), dO itself is its gradient, D = dg_win and
+    asked for its gate in its lse ("win_shift" in sums.wants), dO itself is its gradient, D = dg_win and
     ln g_win goes into sums.win_shift (window_split.py)."""
     dg = torch.empty(*do.shape[:-1], 3, device=do.device, dtype=torch.float32)
     doc = torch.empty(o_cmp.shape, device=do.device, dtype=do.dtype) if ext_cmp else None
-    win_gate = ext_win and sums is not None and "win_gate" in sums.wants
+    win_gate = ext_win and sums is not None and "win_shift" in sums.wants
     dow = do if win_gate else torch.empty_like(do) if ext_win else None
     n_rows, dv = do.numel() // do.shape[-1], do.shape[-1]
     if ext_cmp and cmp_rows is not None and cmp_rows.pad_rows.numel():   # rows no query maps to: dO = 0
