@@ -352,13 +352,12 @@ def _kernel():
                     DKO, DVO, XDK, XDV, DQP, FLAG, ZERO, ZN, ZPER, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                     CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, ZB: gl.constexpr, ZU: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    DQC: gl.constexpr, GUARD: gl.constexpr, ZB: gl.constexpr, num_warps: gl.constexpr):
         """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
         per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
         each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
         pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs). ZB > 0:
-        also zeroes ZERO[w * ZPER : (w + 1) * ZPER] (< ZN; fp32, ZB per store, ZU stores per step)."""
+        also zeroes ZERO[w * ZPER : (w + 1) * ZPER] (< ZN; fp32, ZB per store) while its first loads fly."""
         R: gl.constexpr = G * QB
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -402,8 +401,9 @@ def _kernel():
                            _step_toks(TOKS, start + i * QB, end, QB, num_warps), row_b, h * G, HQ, G, QB)
         if ZB != 0:   # write-only traffic beside the MMA work (fa4_accum.accum_buffers); the walk reads no zeros
             zl: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-            zp = ZERO + w.to(gl.int64) * ZPER              # this program's range: zlim floats from zp
-            zlim = gl.minimum(ZN - w.to(gl.int64) * ZPER, ZPER).to(gl.int32)
+            zo = w.to(gl.int64) * ZPER + gl.arange(0, ZB, layout=zl)
+            for zi in range(0, ZPER, ZB):
+                gl.store(ZERO + zo + zi, gl.zeros([ZB], gl.float32, layout=zl), mask=zo + zi < ZN)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
@@ -442,10 +442,6 @@ def _kernel():
             mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
             sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpa = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if ZB != 0:   # ZU stores of the zeroing per step, issued while the MMAs run (the rest after the loop)
-                for u in gl.static_range(ZU):
-                    zr = (st * ZU + u) * ZB + gl.arange(0, ZB, layout=zl)
-                    gl.store(zp + zr, gl.zeros([ZB], gl.float32, layout=zl), mask=zr < zlim)
             sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
             vis = kk[None, :] <= limit[:, None]
             p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
@@ -467,10 +463,6 @@ def _kernel():
                     cq = c * (D // DQC) + gl.arange(0, D // DQC, layout=gl.SliceLayout(0, mma_h))
                     gl.store(DQP + pr[:, None] * D + cq[None, :], (dqp * scale).to(DQP.dtype.element_ty),
                              mask=(eq < end)[:, None])
-        if ZB != 0:
-            for zi in range(nsteps * ZU * ZB, zlim, ZB):
-                zr = zi + gl.arange(0, ZB, layout=zl)
-                gl.store(zp + zr, gl.zeros([ZB], gl.float32, layout=zl), mask=zr < zlim)
         mbarrier.invalidate(kv_bar)
         for i in gl.static_range(NSTAGE):
             mbarrier.invalidate(bars.index(i))
@@ -608,7 +600,7 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
     dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
     flag, mode = guard if guard is not None else (lse, 0)
     assert zero is None or (mode == 0 and zero.dtype == torch.float32 and zero.is_contiguous())
-    zn, zb = (0, 0) if zero is None else (zero.numel(), 512)
+    zn, zb = (0, 0) if zero is None else (zero.numel(), 1024)
     zper = -(-zn // (inv["w_max"] * zb)) * zb if zb else 0     # whole stores of zb per program
     _kernel()[2][(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
                                   inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv,
@@ -616,4 +608,4 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
                                   zper, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, ZB=zb, ZU=2, num_warps=4)
+                                  GUARD=mode, ZB=zb, num_warps=4)
