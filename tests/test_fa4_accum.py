@@ -6,7 +6,6 @@ by the torch form of the layout (accum_offsets); q's gradient kernels read it th
 postprocess, and the branch backward against FA4's untouched one."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -188,76 +187,6 @@ def test_fa4_bwd_swaps_exactly_the_passes_it_replaces(monkeypatch, case):
         assert (dq.s_r, dq.a, dq.scale) == (128, 1, 0.5) and (dq.buf == 1.0).all()   # zeroed, then the kernel's 1
     else:
         assert torch.is_tensor(dq) and ran[-1] == "fa4_post" and (dq == 0.5).all()
-
-
-@pytest.mark.parametrize("fits", [True, False], ids=["adopted", "other shape"])
-def test_fa4_bwd_adopts_an_accumulator_zeroed_ahead(monkeypatch, fits):
-    """FlashBranchTuning.prezero: with D given, the replaced preprocess makes FA4's accumulator the buffer zeroed
-    ahead (its storage: the kept Accum is that buffer, the main kernel's 1 added to its zeros) instead of zeroing
-    FA4's own; a buffer of another shape is left alone and FA4's is zeroed as before. accum_shape gives the
-    stand-in's allocation."""
-    fi, calls = _fake_fa4(monkeypatch)
-    B, S, H, d = 1, 70, 2, 32
-    g = torch.Generator().manual_seed(4)
-    q, o, do = (torch.randn(B, S, H, d, generator=g).to(DEV) for _ in range(3))
-    k, v = torch.randn(B, S, 1, d).to(DEV), torch.randn(B, S, 1, d).to(DEV)
-    lse, d_rows = torch.randn(B, H, S, generator=g).to(DEV), torch.randn(B, H, S, generator=g).to(DEV)
-    try:
-        shape = fa4_accum.accum_shape("fa4", B, H, S, d)
-        assert shape == (B, H, 128 * d)
-        zeroed = torch.zeros(shape if fits else (B, H, 64 * d), device=DEV)
-        dq, _, _ = fa4_accum.fa4_bwd(q, k, v, o, do, lse, d_rows, scale=0.5, window=None, keep_dq=True,
-                                     zeroed=zeroed)
-    finally:
-        fa4_accum.accum_a.cache_clear()
-    assert isinstance(dq, fa4_accum.Accum) and (dq.buf == 1.0).all()
-    assert (dq.buf.data_ptr() == zeroed.data_ptr()) == fits
-    assert (zeroed == (1.0 if fits else 0.0)).all()
-
-
-@pytest.mark.parametrize("m", [0, 4], ids=["per token", "query tiles"])
-def test_the_op_zeroes_the_flash_branches_accumulators_ahead(monkeypatch, m):
-    """The branches register their accumulator's shape in their forward; the NSA backward has one buffer of
-    those shapes zeroed (accum_buffers: uninitialised, here NaN, zeroed by the selection's dK/dV walk or a
-    memset) and each branch backward gets its own view, all zeros, of FA4's shape for its problem (the
-    compressed branch's [1, HQ', N_r * d], the split window's [G, H, T_r * d]); with FlashBranchTuning.prezero
-    off none. Both branches on "reference", B = 1, odd T; the selection per token and in query tiles (whose
-    walk, select.slc_dkdv, takes the buffer)."""
-    from nsa.ops import branch_sums, window_split
-    from nsa.ops.testing import make_inputs
-    from nsa.ops.triton.function import nsa_triton_apply
-    from nsa.ops.tuning import FlashBranchTuning, tuning_for
-
-    seen = []
-    real = branch_sums.flash_bwd
-
-    def spy(backend, q, *a, zeroed=None, **kw):
-        seen.append((tuple(q.shape), None if zeroed is None else (tuple(zeroed.shape), bool((zeroed == 0).all()))))
-        return real(backend, q, *a, zeroed=zeroed, **kw)
-
-    real_buffers = fa4_accum.accum_buffers
-
-    def poisoned(shapes, device):
-        flat, views = real_buffers(shapes, device)
-        flat.fill_(float("nan"))
-        return flat, views
-
-    monkeypatch.setattr(branch_sums, "flash_bwd", spy)
-    monkeypatch.setattr(window_split, "flash_bwd", spy)
-    monkeypatch.setattr(fa4_accum, "accum_buffers", poisoned)
-    x = make_inputs(1, 45, 4, 2, 16, 16, l=8, d=4, seed=7)
-    base = tuning_for("cpu")
-    tile = dataclasses.replace(base.tile, m=m, dkdv_by="token") if m else base.tile
-    for on in (True, False):
-        seen.clear()
-        flash_t = FlashBranchTuning(win="reference", cmp="reference", win_split_min_t=0, prezero=on)
-        args = [t.detach().clone().requires_grad_() for t in x]
-        o, _ = nsa_triton_apply(*args, l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25,
-                                tuning=base.replace(flash=flash_t, tile=tile))
-        torch.autograd.grad(o.square().sum(), args)
-        # d = 16: A = 2, rows rounded up to 128, columns to 32
-        want = {(2, 45, 2, 16): ((2, 2, 128 * 32), True), (1, 10, 16, 16): ((1, 16, 128 * 32), True)}
-        assert fa4_accum.reference_a(16) == 2 and dict(seen) == (want if on else dict.fromkeys(want)), seen
 
 
 def _fa4():

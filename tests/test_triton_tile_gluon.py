@@ -126,9 +126,9 @@ gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, un, q.clone(), None, 1, m=
 inv = {n: torch.zeros(16, dtype=torch.int64) for n in ("toks", "segoff", "wseg", "wchunk", "xoff")}
 inv.update(w_max=8, nsb=T // 64, nseg=H * T // 64)
 dk32 = torch.empty(1, T, H, D)
-for dqp, zero in ((None, None), (torch.empty(16 * T * HQ, D).bfloat16(), None), (None, torch.empty(5000))):
+for dqp in (None, torch.empty(16 * T * HQ, D).bfloat16()):
     gwalk_dkdv(q, k, v, torch.randn_like(q), lse, lse, lse, 1, inv, dk32, dk32, dk32, dk32, chunk=1024,
-               scale=D ** -0.5, stages=2, has_gate=True, dq_pairs=dqp, zero=zero)
+               scale=D ** -0.5, stages=2, has_gate=True, dq_pairs=dqp)
 for _, _, _, kern in seen:
     rep = br.ptxas_report(kern.asm["ptx"], 90)
     print("REPORT", rep["regs"], rep["spill_stores"], kern.metadata.shared)
@@ -140,9 +140,9 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines, err = sm90_reports(COMPILE)
     if lines is None:
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 9, err[-2000:]
+    assert len(lines) == 8, err[-2000:]
     (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), folded, facc, (wregs, wspills, wshared), \
-        (_, qspills, _), zwalk = ([int(x) for x in ln.split()[1:]] for ln in lines)
+        (_, qspills, _) = ([int(x) for x in ln.split()[1:]] for ln in lines)
     # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
     # still three programs per SM, no spill, with o_cmp in q's rows and in the dense problem's
     for cregs, cspills, cshared in combined:
@@ -157,8 +157,6 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     assert fregs <= 168 and dregs <= 255 and folded[0] <= 255 and facc[0] <= 255 and wregs <= 255, \
         (fregs, dregs, folded, facc, wregs)
     assert fspills == dspills == folded[1] == facc[1] == wspills == 0, (fspills, dspills, folded, facc, wspills)
-    # the walk that also zeroes the FA4 accumulators (a store loop before its steps): no more registers or spills
-    assert zwalk[0] <= 255 and zwalk[1] == 0 and zwalk[2] == wshared, (zwalk, wregs, wshared)
     assert max(fshared, dshared) <= 2 * 32 * 1024 + 1024 and wshared <= 228 * 1024 // 2 - 1024, \
         (fshared, dshared, wshared)
 
@@ -239,9 +237,7 @@ def walk_inputs(B, T, HQ, H, d, gen):
 @pytest.mark.parametrize("T,chunk", [(8192, 1024), (8192, 256), (65536, 1024)])
 def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
     """dK / dV of the walk without dq partials (several chunks per block at chunk=256: the fp32 partials
-    and their reduction), on the Gluon kernel and on the Triton one under the Hopper preset's walk knobs;
-    both leave a NaN-filled buffer to zero (FlashBranchTuning.prezero: the Gluon walk's programs store the
-    zeros, a length no whole number of their stores) and the Gluon walk's dK / dV are the same with it."""
+    and their reduction), on the Gluon kernel and on the Triton one under the Hopper preset's walk knobs."""
     import dataclasses
     from test_triton_tile import make_block_idx
     from nsa.ops.triton import select as tsel
@@ -254,16 +250,10 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
     assert tg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda")
-        runs = []
-        for s, zero in ((2, None), (2, 3 * T * d + 5), (0, 1000)):
-            buf = None if zero is None else torch.full((zero,), float("nan"), device="cuda")
-            runs.append(tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=chunk,
-                                      tuning=dataclasses.replace(base, gluon_walk_stages=s), zero=buf))
-            assert buf is None or (buf == 0).all(), f"{mode}: walk {s} left {int((buf != 0).sum())} of its zeros"
-        (got, with_zero, want) = runs
-        for name, a, z, b in zip(("dk", "dv"), got, with_zero, want):
+        got, want = (tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=chunk,
+                                   tuning=dataclasses.replace(base, gluon_walk_stages=s)) for s in (2, 0))
+        for name, a, b in zip(("dk", "dv"), got, want):
             assert torch.isfinite(a).all() and torch.equal(a, b), f"{mode}: Gluon {name} differs from the Triton walk"
-            assert torch.equal(z, a), f"{mode}: Gluon {name} differs with the zeroing"
 
 
 @pytest.mark.gpu

@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from .fa4_accum import Accum, accum_shape, fa4_bwd, reference_a, to_accum, zero_rows
+from .fa4_accum import Accum, fa4_bwd, reference_a, to_accum, zero_rows
 from .fallbacks import count_fallback
 from .flash import _flash, _mask, dense_attention, flash_lse, reference_attention
 
@@ -33,11 +33,9 @@ class RowSums:
     branches' gradients of q (qsum.py), so a branch on FA4 may leave its fp32 dq accumulator in slot
     cmp_dq / win_dq (fa4_accum.Accum) and hand autograd a zero placeholder for q's gradient instead.
     win_shift: ln g_win [B, HQ, T] where the window wants its gate in its lse ("win_shift" in wants): then
-    the window's dO is the op's, unscaled, and win holds dg_win (window_split.py). acc_shapes: the FA4
-    branches' dq accumulator shapes (fa4_accum.accum_shape, by slot name cmp / win), which the NSA backward
-    zeroes ahead into `zeroed` (FlashBranchTuning.prezero)."""
+    the window's dO is the op's, unscaled, and win holds dg_win (window_split.py)."""
 
-    __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq", "win_shift", "acc_shapes", "zeroed")
+    __slots__ = ("cmp", "win", "wants", "keep_dq", "cmp_dq", "win_dq", "win_shift")
 
     def __init__(self) -> None:
         self.cmp: torch.Tensor | None = None
@@ -47,8 +45,6 @@ class RowSums:
         self.cmp_dq: Accum | None = None
         self.win_dq: Accum | None = None
         self.win_shift: torch.Tensor | None = None
-        self.acc_shapes: dict[str, tuple] = {}
-        self.zeroed: dict[str, torch.Tensor] = {}
 
     def take(self, name: str) -> "torch.Tensor | Accum | None":
         """The slot's D (or dq accumulator), emptied (its memory is free once its reader has used it)."""
@@ -94,14 +90,13 @@ def flash_fwd(backend: str, q, k, v, *, scale: float, window: int | None):
 
 
 def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None,
-              keep_dq: bool = False, lse_shift: torch.Tensor | None = None, zeroed: torch.Tensor | None = None):
+              keep_dq: bool = False, lse_shift: torch.Tensor | None = None):
     """(dq, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
     entry (fa4_accum.py), or fp32 math for "reference"; with d_rows (D) given, o is not read; keep_dq: dq
     may come as FA4's fp32 accumulator (an Accum; "reference" always gives one, its stand-in). lse_shift
     (lse's layout, with d_rows): P is taken as exp(s - lse + lse_shift), i.e. each row's probabilities
     times exp(lse_shift): a per-row factor g of dO folded into P with lse_shift = ln g and D = rowsum(o * dO)
-    for the unscaled dO (dV = (gP)^T dO and dS = gP (dP - D) are the gradients for g * dO). zeroed: FA4's
-    accumulator zeroed ahead (fa4_bwd)."""
+    for the unscaled dO (dV = (gP)^T dO and dS = gP (dP - D) are the gradients for g * dO)."""
     if backend == "reference":
         if d_rows is None:
             ct = torch.promote_types(o.dtype, torch.float32)
@@ -110,7 +105,7 @@ def flash_bwd(backend: str, q, k, v, o, do, lse, d_rows, *, scale: float, window
         return (to_accum(dq, scale, reference_a(q.shape[-1])) if keep_dq else dq), dk, dv
     if lse_shift is not None:
         lse = lse - lse_shift
-    return fa4_bwd(q, k, v, o, do, lse, d_rows, scale=scale, window=window, keep_dq=keep_dq, zeroed=zeroed)
+    return fa4_bwd(q, k, v, o, do, lse, d_rows, scale=scale, window=window, keep_dq=keep_dq)
 
 
 def q_grad(dq, q: torch.Tensor, sums: "RowSums | None", slot: str) -> torch.Tensor:
@@ -153,7 +148,6 @@ class _CausalFlash(torch.autograd.Function):
         ctx.scale, ctx.backend, ctx.sums = scale, backend, sums
         if sums is not None:
             sums.wants.add("cmp")
-            sums.acc_shapes["cmp"] = accum_shape(backend, q.shape[0], q.shape[2], q.shape[1], q.shape[3])
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -167,9 +161,8 @@ class _CausalFlash(torch.autograd.Function):
         if ctx.backend == "reference" or dev not in _OFF:
             try:
                 keep = ctx.sums is not None and ctx.sums.keep_dq
-                zeroed = ctx.sums.zeroed.pop("cmp", None) if ctx.sums is not None else None
                 dq, dk, dv = flash_bwd(ctx.backend, q, k, v, o, do, lse, d_rows, scale=ctx.scale, window=None,
-                                       keep_dq=keep, zeroed=zeroed)
+                                       keep_dq=keep)
                 return q_grad(dq, q, ctx.sums, "cmp_dq"), dk, dv, None, None, None
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if ctx.backend == "reference" or (q.is_cuda and torch.cuda.is_current_stream_capturing()):

@@ -21,11 +21,7 @@ and returns None for anything else (then FA4's postprocess runs). tests/test_fa4
 formula with FA4's postprocess on a GPU, element by element.
 
 The preprocess is replaced wherever D is given (FlashBranchTuning.row_sums), the postprocess where the caller
-keeps the accumulator (FlashBranchTuning.fa4_accum). The memset need not sit on the critical path either
-(FlashBranchTuning.prezero): the branches register their accumulator's shape in their forward (accum_shape), the
-NSA backward, which autograd runs before theirs, has buffers of those shapes zeroed by its own dK/dV walk (the
-Gluon walk's programs store the zeros beside their tensor-core work: select.slc_dkdv's `zero`), and the replaced
-preprocess adopts the buffer (`dq_accum.set_`) instead of zeroing FA4's. Everything goes through FA4's private backward entry with
+keeps the accumulator (FlashBranchTuning.fa4_accum). Everything goes through FA4's private backward entry with
 two of its module functions swapped for the call (`_bwd_preprocess`, `_bwd_postprocess_convert`); the callers
 keep their fallback to FA4's public autograd where anything here raises.
 """
@@ -33,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import NamedTuple
 
 import torch
@@ -141,30 +136,6 @@ def rows_pre(lse: torch.Tensor, dlse: torch.Tensor, dpsum: torch.Tensor, lse_log
                                                   BLOCK=1024, num_warps=4)
 
 
-def accum_shape(backend: str, batch: int, heads: int, rows: int, head_dim: int) -> tuple[int, int, int] | None:
-    """[B', NH, s_r * d_r] of FA4's sm_90 dq accumulator for `rows` query rows (s_r: rounded up to the dq tile
-    of 64 * A rows, d_r to 32 columns), or None where accum_a does not cover this head dim ("reference": the
-    stand-in's A, reference_a)."""
-    a = reference_a(head_dim) if backend == "reference" else accum_a(head_dim)
-    if a is None:
-        return None
-    m = 64 * a
-    return batch, heads, -(-rows // m) * m * (-(-head_dim // 32) * 32)
-
-
-def accum_buffers(shapes: dict, device: torch.device) -> tuple[torch.Tensor | None, dict]:
-    """(one flat fp32 buffer, {name: its view of shapes[name]}) for the branches' accumulators, uninitialised:
-    the NSA backward has them zeroed alongside its selection backward (select.slc_dkdv's `zero`), one range
-    for all. (None, {}) where no shape is known."""
-    shapes = {k: v for k, v in shapes.items() if v is not None}
-    if not shapes:
-        return None, {}
-    sizes = [math.prod(v) for v in shapes.values()]
-    flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-    views = {k: x.view(v) for (k, v), x in zip(shapes.items(), flat.split(sizes))}
-    return flat, views
-
-
 def zero_rows(like: torch.Tensor) -> torch.Tensor:
     """A tensor shaped like `like` whose every row is one zero row (stride 0 but in the last dim)."""
     return like.new_zeros(like.shape[-1]).expand(like.shape)
@@ -183,11 +154,9 @@ def _swapped(mod, **fns):
             setattr(mod, k, f)
 
 
-def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, keep_dq: bool,
-            zeroed: torch.Tensor | None = None):
+def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, keep_dq: bool):
     """(dq or Accum, dk, dv) of causal attention (window: the `window` most recent keys) through FA4's backward
-    entry. d_rows (D, lse's layout) given: o is not read and FA4's preprocess is rows_pre + a memset, or, with
-    `zeroed` (zeros of the accumulator's shape, zero_alongside), rows_pre + that buffer in place of FA4's; keep_dq
+    entry. d_rows (D, lse's layout) given: o is not read and FA4's preprocess is rows_pre + a memset; keep_dq
     (and a configuration accum_a covers): dq is the Accum, not converted."""
     from flash_attn.cute import interface as fi
     wl, wr = (window - 1, 0) if window is not None else (None, None)
@@ -207,11 +176,7 @@ def fa4_bwd(q, k, v, o, do, lse, d_rows, *, scale: float, window: int | None, ke
                 or dpsum.dim() != 3 or kw.get("row_max") is not None:
             return orig_pre(out_, dout, dpsum, lse_, lse_log2, dq_accum, cu_q, used_q, dlse_, *args, **kw)
         rows_pre(lse_, dlse_, dpsum, lse_log2)
-        if (zeroed is not None and zeroed.shape == dq_accum.shape and zeroed.dtype == dq_accum.dtype
-                and zeroed.device == dq_accum.device):
-            dq_accum.set_(zeroed)   # FA4 reaches the accumulator through this tensor from here on
-        else:
-            dq_accum.zero_()
+        dq_accum.zero_()
 
     def post(accum, output, scale_, cu, used, arch, dtype, hdim, block, threads, atom, swap, *args, **kw):
         if (keep and accum is state.get("acc") and cu is None and used is None and arch // 10 == 9 and not swap

@@ -403,9 +403,6 @@ class FlashBranchTuning:
     # the window's gate folded into its lse (lse - ln g_win, D = dg_win): its FA4 backward reads dO itself, so the
     # gate kernel does not write g_win * dO (1 GB at 64k, paper shape; nsa/ops/window_split.py)
     win_gate_lse: bool = True
-    # the FA4 branches' dq accumulators zeroed by the NSA backward's dK/dV walk (stores beside its MMA work) and
-    # adopted by their backward, instead of a memset before each (nsa/ops/fa4_accum.py; 1.4 ms at 64k, paper shape)
-    prezero: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> "FlashBranchTuning | None":

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ..config import triton_interpreter
 from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd, q_grad
-from .fa4_accum import Accum, accum_shape
+from .fa4_accum import Accum
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why FA4's backward entry failed here: flash-attn's GQA backward from then on
@@ -72,10 +72,6 @@ class _WindowSplit(torch.autograd.Function):
         ctx.window, ctx.scale, ctx.backend, ctx.sums, ctx.split = window, scale, backend, sums, split
         if sums is not None:
             sums.wants.update(("win", "win_shift") if gate_lse else ("win",))
-            B, T, HQ, d = q.shape   # the split's batches are the G query heads of a KV head
-            H = k.shape[2]
-            sums.acc_shapes["win"] = (accum_shape(backend, HQ // H, H, T, d) if split
-                                      else accum_shape(backend, B, HQ, T, d))
         return o
 
     @staticmethod
@@ -107,9 +103,8 @@ class _WindowSplit(torch.autograd.Function):
         keep = ctx.sums is not None and ctx.sums.keep_dq
         if dev not in _OFF:
             try:
-                zeroed = ctx.sums.zeroed.pop("win", None) if ctx.sums is not None else None
                 dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window, keep_dq=keep,
-                                          lse_shift=shift_arg, zeroed=zeroed)
+                                          lse_shift=shift_arg)
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise

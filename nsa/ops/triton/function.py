@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..fallbacks import count_fallback
 from ..flash import branch_flash_backend, dense_attention
-from .. import fa4_accum, window_split
+from .. import window_split
 from ..branch_sums import RowSums
 from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
 from . import cmp_dense
@@ -283,11 +283,6 @@ class NSATritonFunction(torch.autograd.Function):
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
         dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows,
                                         ctx.sums)
-        # the FA4 branches' dq accumulators (their backward runs after this one), zeroed by the selection's walk
-        # below (select.slc_dkdv's zero) or else by the memset after it
-        zero = None
-        if ctx.sums is not None and ctx.sums.acc_shapes and tuning.flash.prezero:
-            zero, ctx.sums.zeroed = fa4_accum.accum_buffers(ctx.sums.acc_shapes, q.device)
         if ctx.ext_cmp:
             dq, dkc, dvc = None, None, None
         else:
@@ -313,8 +308,7 @@ class NSATritonFunction(torch.autograd.Function):
             if not ctx.dq_pairs:
                 slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
                 dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                    tuning=tuning.select, inv=inv, zero=zero)
-                zero = None
+                                    tuning=tuning.select, inv=inv)
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
                 _, dks, dvs = _slc_bwd_pairs(inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                              dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token, later=later)
@@ -327,17 +321,13 @@ class NSATritonFunction(torch.autograd.Function):
         elif union:
             dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                         gates[..., 1], m=ctx.m, union=TileUnion(*union),
-                                        tuning=tuning.tile, select=tuning.select, later=later, zero=zero,
-                                        **slc_kw)
-            zero = None
+                                        tuning=tuning.tile, select=tuning.select, later=later, **slc_kw)
         elif ctx.dq_pairs:
             dq, dks, dvs = _slc_bwd_pairs(inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                           gates[..., 1], tuning=tuning.select, later=later, **slc_kw)
         else:   # the per-token dq kernel: nothing appended to later
             dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
                                    gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
-        if zero is not None:
-            zero.zero_()
         if ctx.ext_win:
             dkw = dvw = None
         else:

@@ -442,15 +442,13 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
              chunk: int = 1024, tuning: SelectTuning | None = None,
              inv: dict | None = None, dq_pairs: torch.Tensor | None = None,
-             guard: Guard | None = None, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
     invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
     (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv); with guard (the
     device's per-call choice) only where it holds: the walk without dq runs where it does not (the
-    extra dot and registers would slow the walk when the tile kernels compute dq). zero: a flat fp32 buffer
-    this call leaves zeroed (FlashBranchTuning.prezero): the Gluon walk's programs store the zeros beside their
-    tensor-core work; any other walk, a memset."""
+    extra dot and registers would slow the walk when the tile kernels compute dq)."""
     tn = tuning or tuning_for(q.device).select
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -473,8 +471,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         if gstages and walk_group(HQ // H, tn) == HQ // H and gluon_walk_ok(q, k, v, do, rows, l_sel) and \
                 gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv, chunk=chunk,
                            scale=scale, stages=gstages, has_gate=gate is not None, dq_pairs=dqp,
-                           guard=None if gm == 0 else (flag, gm), zero=zero if gm == 0 else None):
-            zero = zero if gm != 0 else None   # an unguarded walk's programs all ran: zeroed
+                           guard=None if gm == 0 else (flag, gm)):
             continue
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
@@ -485,8 +482,6 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=walk_group(HQ // H, tn), ROWS=rows,
             **{k: v for k, v in meta.items() if k != "GR"})
-    if zero is not None:
-        zero.zero_()
     return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
 
 

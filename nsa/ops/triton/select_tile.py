@@ -503,14 +503,14 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
                  lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
                  m: int, chunk: int = 1024, dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
                  union: TileUnion | None = None, tuning: TileTuning | None = None,
-                 select: SelectTuning | None = None, later: list | None = None, zero: torch.Tensor | None = None
+                 select: SelectTuning | None = None, later: list | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Gradients of slc_fwd_tile with select.slc_bwd's contract: do is the op's dO (gate applied to p
     inside), delta = rowsum(dO * o_slc) fp32 [B,T,HQ], gate [B,T,HQ] view or None, dq_in accumulated
     (in place when dq_dtype is fp32), chunk = queries per dK/dV program (rounded to whole tiles).
     tuning / select: launch parameters of the tile kernels / of select.py's dK/dV kernel (the
     dkdv_by="token" walk); None: the preset of q's device. later: append the dq kernel there as a task
-    (qsum.DeferredDq) and return None for dq. zero: left zeroed (select.slc_dkdv's)."""
+    (qsum.DeferredDq) and return None for dq."""
     preset = tuning_for(q.device)
     tn = tuning or preset.tile
     un = _union(block_idx, m, union)
@@ -522,9 +522,7 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
         dq = None
     if tn.dkdv_by == "token":
         return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
-                              tuning=select or preset.select, zero=zero))
-    if zero is not None:
-        zero.zero_()
+                              tuning=select or preset.select))
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H

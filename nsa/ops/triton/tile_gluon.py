@@ -349,15 +349,14 @@ def _kernel():
 
     @gluon.jit
     def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                    DKO, DVO, XDK, XDV, DQP, FLAG, ZERO, ZN, ZPER, sgt, T, H, NSB, NSEG, scale_log2, scale,
+                    DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                     CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, ZB: gl.constexpr, num_warps: gl.constexpr):
+                    DQC: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
         """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
         per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
         each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
-        pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs). ZB > 0:
-        also zeroes ZERO[w * ZPER : (w + 1) * ZPER] (< ZN; fp32, ZB per store) while its first loads fly."""
+        pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs)."""
         R: gl.constexpr = G * QB
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -399,11 +398,6 @@ def _kernel():
             if i < nsteps:
                 _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i),
                            _step_toks(TOKS, start + i * QB, end, QB, num_warps), row_b, h * G, HQ, G, QB)
-        if ZB != 0:   # write-only traffic beside the MMA work (fa4_accum.accum_buffers); the walk reads no zeros
-            zl: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-            zo = w.to(gl.int64) * ZPER + gl.arange(0, ZB, layout=zl)
-            for zi in range(0, ZPER, ZB):
-                gl.store(ZERO + zo + zi, gl.zeros([ZB], gl.float32, layout=zl), mask=zo + zi < ZN)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
@@ -577,17 +571,16 @@ def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
 
 def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
                scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
-               guard: Guard | None = None, zero: torch.Tensor | None = None) -> bool:
+               guard: Guard | None = None) -> bool:
     """select.slc_dkdv's walk for inputs gluon_walk_ok accepts: fills dk32 / dv32 / xdk / xdv as
     _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
-    there; zero (flat fp32, unguarded walks only): its programs also zero it. False as gtile_fwd's."""
+    there. False as gtile_fwd's."""
     return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
-                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard,
-                                                            zero))
+                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard))
 
 
 def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_pairs, chunk, scale, stages,
-          has_gate, guard, zero) -> None:
+          has_gate, guard) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, T, HQ, D = q.shape
@@ -599,13 +592,9 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
     qd = TensorDescriptor(q, [B * T * HQ, D], [D, 1], [G, D], lay)
     dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
     flag, mode = guard if guard is not None else (lse, 0)
-    assert zero is None or (mode == 0 and zero.dtype == torch.float32 and zero.is_contiguous())
-    zn, zb = (0, 0) if zero is None else (zero.numel(), 1024)
-    zper = -(-zn // (inv["w_max"] * zb)) * zb if zb else 0     # whole stores of zb per program
     _kernel()[2][(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
                                   inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv,
-                                  dk32 if dq_pairs is None else dq_pairs, flag, dk32 if zero is None else zero, zn,
-                                  zper, sgt, T, H, inv["nsb"], inv["nseg"],
+                                  dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, ZB=zb, num_warps=4)
+                                  GUARD=mode, num_warps=4)
