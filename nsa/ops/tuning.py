@@ -272,6 +272,11 @@ class TileTuning:
     # (H100, paper shape, captured selections: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k;
     # bench/RESULTS.md table 18)
     gluon_combine: bool = False
+    # > 0: a tile's m tokens are those of each window of `group` consecutive tokens with the most similar
+    # selections (a greedy per (window, KV head): nsa/ops/triton/tile_group.py) instead of m consecutive
+    # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 (a multiple of
+    # m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position)
+    group: int = 0
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
     dkdv_stages: int = 2
@@ -286,6 +291,9 @@ class TileTuning:
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
         if self.min_g < 1:
             raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
+        if self.group not in (0, 8, 16, 32) or self.group % self.m or (self.group and self.dkdv_by != "token"):
+            raise ValueError(f"TileTuning.group must be 0 (consecutive tokens) or 8 / 16 / 32, a multiple of m="
+                             f"{self.m}, with dkdv_by='token'; got group={self.group!r}, dkdv_by={self.dkdv_by!r}")
         for f in ("gluon_fwd_stages", "gluon_dq_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
 

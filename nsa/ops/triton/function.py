@@ -249,7 +249,7 @@ class NSATritonFunction(torch.autograd.Function):
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
-            union = tile_unions(block_idx, m, guard=on_tile)          # built only when tiles run
+            union = tile_unions(block_idx, m, guard=on_tile, group=tuning.tile.group)   # written only when tiles run
             B, T, HQ = q.shape[:3]
             out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
             _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
@@ -260,7 +260,7 @@ class NSATritonFunction(torch.autograd.Function):
                 combine(o_cmp, o_slc, o_win, gates, cmp_rows, out=fused.out, guard=on_token)
             union = (*union, flag)
         elif m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
-            union = tile_unions(block_idx, m)
+            union = tile_unions(block_idx, m, group=tuning.tile.group)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
                                           union=union, tuning=tuning.tile, combine=fused)
         else:
@@ -298,8 +298,8 @@ class NSATritonFunction(torch.autograd.Function):
         inv = ctx.inv
         if inv is None and ctx.dq_pairs:   # pair_dq sums each token's partials by their ranks
             inv = invert_selection(block_idx, l_sel, chunk, ranks=True)
-        if len(union) == 4:   # the device's per-call choice (forward): the same one for dq
-            on_tile, on_token = pair(union[3])
+        if len(union) == 5:   # the device's per-call choice (forward, after the union's 4 fields): the same for dq
+            on_tile, on_token = pair(union[4])
             bw = (q, k_slc, v_slc)
             args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
             kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
@@ -312,7 +312,7 @@ class NSATritonFunction(torch.autograd.Function):
             else:   # dq of the per-token choice from the dK/dV walk's pair partials
                 _, dks, dvs = _slc_bwd_pairs(inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
                                              dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token, later=later)
-            un, m = TileUnion(*union[:3]), ctx.m
+            un, m = TileUnion(*union[:4]), ctx.m
             if later is None:
                 dq = tile_dq(*bw, *args, un, m=m, **kw, tuning=tuning.tile, dq_out=buf, guard=on_tile)
             else:

@@ -40,6 +40,7 @@ from .inversion import segment_lists
 from .select import _bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_dkdv, work_item
 from .qsum import QAdd, add_q_terms, q_add_args
 from .tile_gluon import gluon_tile_ok, gtile_dq, gtile_fwd
+from .tile_group import group_tokens, permuted
 
 LOG2E = 1.4426950408889634
 MAX_M = TILE_MAX_M    # token bits of a union entry live in one int32
@@ -50,8 +51,10 @@ class TileUnion(NamedTuple):
     """Per (b, kv head, tile) union of the tile's selections; all [B, H, n_tiles, m*n_sel] int32 except size."""
 
     blocks: torch.Tensor   # ascending block ids, -1 after the union
-    bits: torch.Tensor     # bit i set iff token tile*m + i selected that block (0 after the union)
+    bits: torch.Tensor     # bit i set iff the token at position tile*m + i selected that block (0 after the union)
     size: torch.Tensor     # [B, H, n_tiles] int32: entries of the union
+    # [B, H, T] int32: the token at each position (tile_group.py: tiles of similar tokens); None: position = token
+    perm: torch.Tensor | None = None
 
 
 def _sorted_tiles(block_idx: torch.Tensor, m: int):
@@ -164,15 +167,20 @@ def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1
     return blocks, bits, size
 
 
-def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None) -> TileUnion:
+def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None, group: int = 0) -> TileUnion:
     """block_idx [B,T,H,n_sel] (ascending, -1 padded; unit stride in n_sel) -> TileUnion for tiles of
-    m consecutive tokens. On CUDA one kernel launch (_union_kernel), else torch ops; no host sync.
-    guard: built only where the device flag chose the tile kernels (else left unwritten: unread)."""
+    m consecutive tokens, or with group = W of m similar tokens of each window of W (tile_group.py). On
+    CUDA one kernel launch (_union_kernel; two with group), else torch ops; no host sync. guard: built
+    only where the device flag chose the tile kernels (else left unwritten: unread)."""
+    perm = None
+    if group:
+        perm = group_tokens(block_idx, m, group)
+        block_idx = permuted(block_idx, perm)
     if not block_idx.is_cuda:
         _check_m(m)
-        return _tile_unions_torch(block_idx, m)
+        return _tile_unions_torch(block_idx, m)._replace(perm=perm)
     blocks, bits, size = _run_union(block_idx, m, size_only=False, guard=guard)
-    return TileUnion(blocks=blocks, bits=bits, size=size)
+    return TileUnion(blocks=blocks, bits=bits, size=size, perm=perm)
 
 
 def tile_union_sizes(block_idx: torch.Tensor, m: int) -> torch.Tensor:
@@ -214,12 +222,15 @@ def tile_choice(block_idx: torch.Tensor, m: int, max_union: float, tiles: int = 
 
 
 @triton.jit
-def _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_d,
-               G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr):
-    """Rows of tile n: token index in the tile, absolute token (int64), query head, row validity, q."""
+def _tile_rows(Q, PERM, b, h, n, T, sqb, sqt, sqh, offs_d, G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
+               D: tl.constexpr, HAS_PERM: tl.constexpr):
+    """Rows of tile n: token index in the tile, absolute token (int64), query head, row validity, q. PERM
+    (HAS_PERM; this (b, h)'s [T] of TileUnion.perm): the token at each position."""
     rows = tl.arange(0, ROWS)
     ti = rows // G
     tok = (n * M + ti).to(tl.int64)
+    if HAS_PERM:
+        tok = tl.load(PERM + tok, mask=(ti < M) & (tok < T), other=T).to(tl.int64)
     row_ok = (ti < M) & (tok < T)
     hq = (h * G + rows % G).to(tl.int64)
     ti = tl.where(row_ok, ti, 0)   # keeps the bit shift in range for padding rows
@@ -229,11 +240,12 @@ def _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_d,
 
 
 @triton.jit
-def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, PERM, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      sob, sot, soh, T, H, NT, scale_log2,
                      G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                      LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr,
+                     HAS_PERM: tl.constexpr):
     if GUARD != 0:   # per-call choice against the per-token kernel, made on the device (guard.py)
         if skip_program(FLAG, GUARD):
             return
@@ -243,7 +255,8 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, 
     h = pid_bh % H
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    ti, tok, hq, row_ok, q = _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_dk, G, M, ROWS, DK)
+    ti, tok, hq, row_ok, q = _tile_rows(Q, PERM + pid_bh.to(tl.int64) * T, b, h, n, T, sqb, sqt, sqh, offs_dk, G,
+                                        M, ROWS, DK, HAS_PERM)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BDV], tl.float32)
@@ -276,7 +289,7 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, O, LSE, FLAG, sqb, sqt, sqh, skb, 
 
 
 @triton.jit
-def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
                         gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                         T, H, NT, scale_log2, scale,
@@ -284,7 +297,7 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN
                         LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
                         DOT_PREC: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr,
-                        GC_ACC: tl.constexpr, GW_ACC: tl.constexpr):
+                        GC_ACC: tl.constexpr, GW_ACC: tl.constexpr, HAS_PERM: tl.constexpr):
     if GUARD != 0:
         if skip_program(FLAG, GUARD):
             return
@@ -294,7 +307,8 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN
     h = pid_bh % H
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
-    ti, tok, hq, row_ok, q = _tile_rows(Q, b, h, n, T, sqb, sqt, sqh, offs_dk, G, M, ROWS, DK)
+    ti, tok, hq, row_ok, q = _tile_rows(Q, PERM + pid_bh.to(tl.int64) * T, b, h, n, T, sqb, sqt, sqh, offs_dk, G,
+                                        M, ROWS, DK, HAS_PERM)
     do = tl.load(DO + b * sdb + tok[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
     ridx = (b * T + tok) * (H * G) + hq
@@ -418,6 +432,11 @@ def _launch(tn: TileTuning, pair: tuple[TileLaunch, TileLaunch], rows: int, l_se
     return dict(BS=_keys(tn, ln.keys, l_sel, bdk), num_warps=ln.warps, num_stages=ln.stages)
 
 
+def _perm_arg(un: TileUnion) -> torch.Tensor:
+    """The kernels' PERM argument: the union's token order, or any int32 tensor where there is none (unread)."""
+    return un.perm if un.perm is not None else un.size
+
+
 def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnion:
     un = union if union is not None else tile_unions(block_idx, m)
     if un.blocks.shape[-1] != m * block_idx.shape[3]:
@@ -452,9 +471,10 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     rows = max(16, next_pow2(m * G))
     flag, mode = guard if guard is not None else (lse, 0)
     _tile_fwd_kernel[(nt, B * H)](
-        q, k, v, un.blocks, un.bits, un.size, o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, un.blocks, un.bits, un.size, _perm_arg(un), o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows, GUARD=mode,
+        HAS_PERM=un.perm is not None,
         **_launch(tn, tn.fwd, rows, l_sel, meta["BDK"]), **meta)
     if combine is not None:
         combine.run(o, guard)
@@ -493,8 +513,9 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     flag, mode = guard if guard is not None else (lse, 0)
     add_args, add_kw = q_add_args(add, dq)
     _tile_bwd_dq_kernel[(nt, B * H)](
-        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, dq, dq if dq_in is None else dq_in, flag,
-        *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows, HAS_GATE=gate is not None,
+        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, _perm_arg(un), dq,
+        dq if dq_in is None else dq_in, flag, *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows,
+        HAS_GATE=gate is not None, HAS_PERM=un.perm is not None,
         ACC_DQ=dq_in is not None, GUARD=mode, **add_kw, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
     return dq
 
@@ -520,6 +541,8 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     else:
         later.append(lambda out, add: tile_dq(q, k, v, do, lse, delta, gate, un, **kw, dq_out=out, add=add))
         dq = None
+    if un.perm is not None and tn.dkdv_by != "token":
+        raise ValueError("slc_bwd_tile: tiles of regrouped tokens (TileUnion.perm) need dkdv_by='token'")
     if tn.dkdv_by == "token":
         return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
                               tuning=select or preset.select))
