@@ -6,6 +6,7 @@ element a kernel leaves unwritten fails. The `gpu` tests compare tile and per-to
 8k and 64k (per-kernel timings of tiles against the per-token kernels: `bench/bench_profile.py kernels
 --compare tile.m=1 tile.m=4 ...`).
 """
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -499,7 +500,8 @@ CAPTURED_PAPER = captured_dir("NSA_CAPTURED_PAPER", "captured_paper")
 def test_gpu_preset_tiles_on_captured_paper_inputs(T):
     """The paper shape's captures (`bash bench/gpu.sh capture-paper 8192 65536`; NSA_CAPTURED_PAPER
     points elsewhere): the device preset, which runs query tiles on these local selections, against the per-token op (m=1): block_idx identical, o and every gradient within 0.5%
-    relative RMS; and, where the preset chooses per call, the choice did pick the tiles there."""
+    relative RMS, also with the tiles regrouped (TileTuning.group=16); and, where the preset chooses per call,
+    the choice did pick the tiles there."""
     entries = captures_at(CAPTURED_PAPER, T)
     if not entries:
         pytest.skip(f"no captured inputs at T={T} under {CAPTURED_PAPER} (bash bench/gpu.sh capture-paper)")
@@ -515,15 +517,16 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
         do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
                          generator=torch.Generator("cuda").manual_seed(T + e["layer"]))
         res = []
-        for tile in (TileTuning(), base.tile):
+        for tile in (TileTuning(), base.tile, dataclasses.replace(base.tile, group=16)):   # + regrouped tiles
             x = [a.detach().clone().requires_grad_() for a in xs]
             o, bi = nsa_triton_apply(*x, **hp, tuning=base.replace(tile=tile))
             res.append((bi, o, *torch.autograd.grad(o, x, do)))
         where = f"T={T} layer {e['layer']}"
-        assert torch.equal(res[0][0], res[1][0]), f"{where}: block_idx differs"
+        assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][0], res[2][0]), f"{where}: block_idx differs"
         m = base.tile.m_for(G)
         if base.tile.auto_union > 0:   # a per-call choice (0: the preset always runs the tiles)
             assert int(tt.tile_choice(res[0][0], m, base.tile.auto_union)) == 1, f"{where}: the preset ran per token"
-        for name, a, b in zip(names, res[1][1:], res[0][1:]):
-            assert torch.isfinite(a).all(), f"{where}: non-finite {name}"
-            assert rel_rms(a, b) <= 5e-3, f"{where} {name}: {rel_rms(a, b):.2e}"
+        for tiled, how in ((res[1], "tiles"), (res[2], "regrouped tiles")):
+            for name, a, b in zip(names, tiled[1:], res[0][1:]):
+                assert torch.isfinite(a).all(), f"{where} {how}: non-finite {name}"
+                assert rel_rms(a, b) <= 5e-3, f"{where} {how} {name}: {rel_rms(a, b):.2e}"

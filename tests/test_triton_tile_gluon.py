@@ -129,6 +129,11 @@ dk32 = torch.empty(1, T, H, D)
 for dqp in (None, torch.empty(16 * T * HQ, D).bfloat16()):
     gwalk_dkdv(q, k, v, torch.randn_like(q), lse, lse, lse, 1, inv, dk32, dk32, dk32, dk32, chunk=1024,
                scale=D ** -0.5, stages=2, has_gate=True, dq_pairs=dqp)
+from nsa.ops.triton.tile_group import group_tokens   # tiles of regrouped tokens: rows through TileUnion.perm
+unp = un._replace(perm=group_tokens(br.selection(T, H, T // 64, 16, 64).to(torch.int32), 4, 16))
+gtile_fwd(q, k, v, unp, o, lse, m=4, scale=D ** -0.5, stages=2, combine=Combine.of(oc, o, gates, rows))
+gtile_dq(q, k, v, torch.randn_like(q), lse, lse, lse, unp, q.clone(), None, 1, m=4, scale=D ** -0.5, stages=2,
+         has_gate=True, add=acc)
 for _, _, _, kern in seen:
     rep = br.ptxas_report(kern.asm["ptx"], 90)
     print("REPORT", rep["regs"], rep["spill_stores"], kern.metadata.shared)
@@ -140,9 +145,12 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
     lines, err = sm90_reports(COMPILE)
     if lines is None:
         pytest.skip("no ptxas in this Triton")
-    assert len(lines) == 8, err[-2000:]
+    assert len(lines) == 11, err[-2000:]
     (fregs, fspills, fshared), *combined, (dregs, dspills, dshared), folded, facc, (wregs, wspills, wshared), \
-        (_, qspills, _) = ([int(x) for x in ln.split()[1:]] for ln in lines)
+        (_, qspills, _), group, pfwd, pdq = ([int(x) for x in ln.split()[1:]] for ln in lines)
+    assert group[1] == 0, group   # tile_group's greedy kernel (compiled on the way: its first launch)
+    # rows through a token permutation (TileTuning.group): the combining forward and the accumulator-reading dq
+    assert pfwd[0] <= 168 and pfwd[1] == 0 and pdq[0] <= 255 and pdq[1] == 0, (pfwd, pdq)
     # the forward that also writes the op's output (o's rows through a K/V slot, no more shared memory):
     # still three programs per SM, no spill, with o_cmp in q's rows and in the dense problem's
     for cregs, cspills, cshared in combined:
@@ -166,10 +174,13 @@ def test_gluon_kernels_compile_for_sm90_without_spills():
 @pytest.mark.parametrize("B,T,dtype", [(1, 8192, torch.bfloat16), (1, 65536, torch.bfloat16),
                                        (2, 4000, torch.bfloat16), (2, 4000, torch.float16)])
 @pytest.mark.parametrize("m", [4, 8])   # one warpgroup (64 rows) or two (128 rows)
-def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m):
+@pytest.mark.parametrize("group", [0, 16])   # tiles of consecutive tokens, or of regrouped ones (TileTuning.group)
+def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, group):
     from test_triton_tile import make_block_idx
     if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon on a Hopper GPU")
+    if group and T > 8192:
+        pytest.skip("regrouped tiles: 4k and 8k cover them")
     gen = torch.Generator(device="cuda").manual_seed(T)
     HQ, H, d = 64, 4, 128
     qkv = torch.randn(B, T, HQ + 2 * H, d, generator=gen, device="cuda").to(dtype)   # k / v as strided views
@@ -179,9 +190,12 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m):
     same = dict(fwd=(TileLaunch(64, 4, 3), TileLaunch(64, 8, 3)), dq=(TileLaunch(64, 4, 2), TileLaunch(64, 8, 2)))
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
-        un = tt.tile_unions(bi, m)
+        un = tt.tile_unions(bi, m, group=group)
         run = {s: tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
                                   tuning=TileTuning(m=m, gluon_fwd_stages=s, **same)) for s in (0, 2, 3)}
+        if group:   # every row attends its own blocks in the same order: bitwise the consecutive tiles'
+            plain = tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, tuning=TileTuning(m=m, **same))
+            assert all(torch.equal(a, b) for a, b in zip(run[0], plain)), f"{mode}: regrouped tiles differ"
         for s in (2, 3):
             for name, a, b in zip(("o", "lse"), run[s], run[0]):
                 assert torch.equal(a, b), f"{mode} stages={s}: {name} differs from the Triton kernel"

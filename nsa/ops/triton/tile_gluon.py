@@ -122,14 +122,23 @@ def _kernel():
         return n, b, h, ubase, nu, b * T
 
     @gluon.jit
-    def _rows_a(X, b, h, n, T, sxb, sxt, sxh, G: gl.constexpr, M: gl.constexpr, D: gl.constexpr,
-                parent: gl.constexpr, NW: gl.constexpr):
+    def _toks(PB, n, rr, T, G: gl.constexpr, M: gl.constexpr, HAS_PERM: gl.constexpr):
+        """Token (int64; T past the end) of each row rr of tile n: position n*M + rr // G, or with HAS_PERM
+        the token there (PB: this (b, h)'s [T] of TileUnion.perm, select_tile._tile_rows)."""
+        tok = (n * M + rr // G).to(gl.int64)
+        if HAS_PERM:
+            tok = gl.load(PB + tok, mask=tok < T, other=T).to(gl.int64)
+        return tok
+
+    @gluon.jit
+    def _rows_a(X, PB, b, h, n, T, sxb, sxt, sxh, G: gl.constexpr, M: gl.constexpr, D: gl.constexpr,
+                parent: gl.constexpr, NW: gl.constexpr, HAS_PERM: gl.constexpr):
         """The tile's [G*M, D] rows of X (token-major, row = ti * G + g, as select_tile._tile_rows; zeros past
         T) as wgmma's A operand in registers, for an accumulator of layout `parent`."""
         ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
         r = gl.arange(0, G * M, layout=gl.SliceLayout(1, ld))
         c = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        t = (n * M + r // G).to(gl.int64)
+        t = _toks(PB, n, r, T, G, M, HAS_PERM)
         x = gl.load(X + b.to(gl.int64) * sxb + t[:, None] * sxt + (h * G + r % G)[:, None] * sxh + c[None, :],
                     mask=(t < T)[:, None], other=0.0)
         return gl.convert_layout(x, gl.DotOperandLayout(operand_index=0, parent=parent, k_width=2))
@@ -167,15 +176,15 @@ def _kernel():
         return slot, gl.load(UB + ubase + it), gl.load(UBITS + ubase + it)
 
     @gluon.jit
-    def _combine_rows(ob, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G: gl.constexpr, M: gl.constexpr,
-                      DV: gl.constexpr, CROWS: gl.constexpr, lay: gl.constexpr):
+    def _combine_rows(ob, GT, OC, OW, O2, SLOT, PB, b, h, n, T, H, n_per_b, s_rows, G: gl.constexpr, M: gl.constexpr,
+                      DV: gl.constexpr, CROWS: gl.constexpr, lay: gl.constexpr, HAS_PERM: gl.constexpr):
         """o = g_cmp * o_cmp + g_slc * ob + g_win * o_win into O2 for the tile's rows, ob [G*M, DV] (layout lay)
         being its selection output: function._combine_fwd_kernel, operation for operation (gates GT [B,T,HQ,3],
         o_win / O2 [B,T,HQ,DV] contiguous; o_cmp OC likewise, or with CROWS in the dense compressed problem's
         rows through SLOT, function._cmp_rows)."""
         r = gl.arange(0, G * M, layout=gl.SliceLayout(1, lay))
         c = gl.arange(0, DV, layout=gl.SliceLayout(0, lay))
-        t = (n * M + r // G).to(gl.int64)
+        t = _toks(PB, n, r, T, G, M, HAS_PERM)
         ok = t < T
         rf = (b.to(gl.int64) * T + t) * (H * G) + h * G + r % G      # flat (b, t, hq) row
         g0 = gl.load(GT + rf * 3, mask=ok, other=0.0).to(gl.float32)
@@ -195,10 +204,11 @@ def _kernel():
         gl.store(O2 + off, res.to(O2.dtype.element_ty), mask=ok[:, None])
 
     @gluon.jit
-    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot, soh,
+    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, PERM, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot,
+                   soh,
                    T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
                    D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
-                   COMBINE: gl.constexpr, CROWS: gl.constexpr, num_warps: gl.constexpr):
+                   COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr, num_warps: gl.constexpr):
         R: gl.constexpr = G * M
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -209,11 +219,12 @@ def _kernel():
                                                         instr_shape=[16, LS, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, DV, 16])
-        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)     # the tile's q once, in registers
+        pb = PERM + (b.to(gl.int64) * H + h) * T
+        qa = _rows_a(Q, pb, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps, HAS_PERM)   # q once, in registers
         k_smem, v_smem, bars = _kv_ring(k_desc, v_desc, UB, ubase, nu, row0, h, NSTAGE, LS, D, DV)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
-        tok = n * M + ti
+        tok = _toks(pb, n, rs, T, G, M, HAS_PERM)
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         m_i = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, mma_s))
         l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, mma_s))
@@ -248,7 +259,7 @@ def _kernel():
         gl.store(LSE + (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G, lse, mask=tok < T)
         ro = gl.arange(0, R, layout=gl.SliceLayout(1, mma_o))
         co = gl.arange(0, DV, layout=gl.SliceLayout(0, mma_o))
-        to = n * M + ro // G
+        to = _toks(pb, n, ro, T, G, M, HAS_PERM)
         ob = o.to(k_desc.dtype)
         gl.store(O + b.to(gl.int64) * sob + to.to(gl.int64)[:, None] * sot + (h * G + ro % G)[:, None] * soh
                  + co[None, :], ob, mask=(to < T)[:, None])
@@ -263,15 +274,15 @@ def _kernel():
                 ob_ld = stage.load(ld)
             else:   # 128 rows do not fit a [LS, DV] slot: the compiler's own staging (one CTA per SM has room)
                 ob_ld = gl.convert_layout(ob, ld)
-            _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld)
+            _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, pb, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld, HAS_PERM)
 
     @gluon.jit
-    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
                   gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
                   LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
                   HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, HAS_GC: gl.constexpr,
-                  HAS_GW: gl.constexpr, GC_ACC: gl.constexpr, GW_ACC: gl.constexpr,
+                  HAS_GW: gl.constexpr, GC_ACC: gl.constexpr, GW_ACC: gl.constexpr, HAS_PERM: gl.constexpr,
                   num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
@@ -283,11 +294,12 @@ def _kernel():
                                                         instr_shape=[16, LS, 16])
         mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, D, 16])
-        qa = _rows_a(Q, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps)
-        doa = _rows_a(DO, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s, num_warps)
+        pb = PERM + (b.to(gl.int64) * H + h) * T
+        qa = _rows_a(Q, pb, b, h, n, T, sqb, sqt, sqh, G, M, D, mma_s, num_warps, HAS_PERM)
+        doa = _rows_a(DO, pb, b, h, n, T, sdb, sdt, sdh, G, M, DV, mma_s, num_warps, HAS_PERM)
         rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
         ti = rs // G
-        tok = n * M + ti
+        tok = _toks(pb, n, rs, T, G, M, HAS_PERM)
         ridx = (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G
         row_ok = tok < T
         lse = gl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
@@ -318,8 +330,8 @@ def _kernel():
         dq = dq * scale
         ro = gl.arange(0, R, layout=gl.SliceLayout(1, mma_q))
         co = gl.arange(0, D, layout=gl.SliceLayout(0, mma_q))
-        to = n * M + ro // G
-        rb = to.to(gl.int64) * (H * G) + h * G + ro % G   # the row within its batch
+        to = _toks(pb, n, ro, T, G, M, HAS_PERM)
+        rb = to * (H * G) + h * G + ro % G   # the row within its batch
         off = (b.to(gl.int64) * T * (H * G) + rb)[:, None] * D + co[None, :]   # contiguous dq
         if ACC_DQ:
             dq += gl.load(DQ_IN + off, mask=(to < T)[:, None], other=0.0)
@@ -511,12 +523,16 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
               combine.s_rows)
     else:
         cb = (o, o, o, o, o, 1, 1)
-    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, o, lse, flag, *cb[:5], q.stride(0), q.stride(1),
-                              q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
+    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, _perm(un), o, lse, flag, *cb[:5], q.stride(0),
+                              q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
-                              NSTAGE=stages, GUARD=mode, COMBINE=combine is not None,
+                              NSTAGE=stages, GUARD=mode, COMBINE=combine is not None, HAS_PERM=un.perm is not None,
                               CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
                               **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
+
+
+def _perm(un) -> torch.Tensor:
+    return un.perm if un.perm is not None else un.size   # any int32 tensor where there is none (unread)
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
@@ -545,11 +561,12 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
     add_args, add_kw = q_add_args(add, dq)
-    _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, dq,
+    _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, _perm(un), dq,
                               dq if dq_in is None else dq_in, flag, *add_args, q.stride(0), q.stride(1), q.stride(2),
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
-                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, **add_kw,
+                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, HAS_PERM=un.perm is not None,
+                              **add_kw,
                               num_warps=m * (HQ // H) // 16)
 
 
