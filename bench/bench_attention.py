@@ -22,7 +22,8 @@ medians of CUDA-event-timed calls after warm-up.
   shapes). Both inputs print the locality table: the union of m consecutive tokens' selections as a
   fraction of m x n_sel blocks, second half of the sequence (bench/common.py: locality), and its key-side
   twin: the q / dO rows a dK/dV walk over tiles of kb consecutive blocks would gather per (token, block)
-  pair (key_locality).
+  pair (key_locality); captured inputs also the union of 4-token tiles regrouped within windows of W
+  (group_locality: what tile.group would save).
 --branch window: the sliding-window kernel against torch.compile(flex_attention) with a sliding-window
   block mask (flex on contiguous [B, H, T, d] copies, transposes untimed; our fwd+bwd excludes the
   delta = rowsum(dO * o) the op computes anyway as the window gate's gradient). Checks flex's output.
@@ -160,7 +161,7 @@ def dense_bar(a, B, T, HQ, H, dk, dv) -> dict:
 def run_op(a, dims) -> dict:
     result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
               "dense_available": common.print_dense_available(), "inputs": a.inputs, "tile_m": a.tile_m, "tile_auto": a.tile_auto,
-              "rows": [], "locality": {}, "key_locality": {}}
+              "rows": [], "locality": {}, "key_locality": {}, "group_locality": {}}
     if a.inputs.startswith("captured:"):
         return run_captured(a, result)
     rows, peer_rows = [], []
@@ -243,6 +244,7 @@ def run_captured(a, result: dict) -> dict:
             same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
         result["locality"][f"T={T} layer {layer}"] = common.locality(bi)
         result["key_locality"][f"T={T} layer {layer}"] = common.key_locality(bi)
+        result["group_locality"][f"T={T} layer {layer}"] = common.group_locality(bi)
         per_m = {m: bench_nsa(B, T, HQ, H, dk, dv, a.warmup, a.iters, tn, x=x, hp=hp) for m, tn in tunings.items()}
         if T in a.sweep:   # the launch-parameter sweep on this capture
             result.setdefault("sweep", {})[f"T={T} layer {layer}"] = sweep(B, T, HQ, H, dk, dv, 1, 3, a.sweep_only,
@@ -269,6 +271,7 @@ def run_captured(a, result: dict) -> dict:
             loc[f"T={T} mean of {len(t['layers'])} layers"] = {int(m): v for m, v in t["mean"].items()}
     common.print_locality(loc, "captured inputs")
     common.print_locality(result["key_locality"], "captured inputs", keys=True)
+    common.print_locality(result["group_locality"], "captured inputs", group=True)
     return result
 
 

@@ -27,7 +27,8 @@ from typing import Any, Callable
 import torch
 
 # the selection locality tables, for the bench scripts (common.locality, ...)
-from nsa.ops.locality import KEY_LOCALITY_KB, LOCALITY_M, key_locality, locality, mean_locality  # noqa: F401
+from nsa.ops.locality import (KEY_LOCALITY_KB, LOCALITY_M, group_locality, key_locality, locality,  # noqa: F401
+                              mean_locality)
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -339,14 +340,16 @@ def capture_case(directory: str | os.PathLike, entry: dict[str, Any]):
     return x, bi, {k: entry["op"][k] for k in HP}, (B, HQ, x[4].shape[2], dk, x[4].shape[3])
 
 
-def print_locality(rows: dict[str, dict[int, float]], title: str, keys: bool = False) -> None:
+def print_locality(rows: dict[str, dict[int, float]], title: str, keys: bool = False, group: bool = False) -> None:
     """rows {label: locality table}: the issue's table (fraction of m x n_sel blocks per m), or with keys
-    key_locality's (q / dO rows of key tiles of kb blocks per (token, block) pair)."""
+    key_locality's (q / dO rows of key tiles of kb blocks per (token, block) pair), or with group
+    group_locality's (m = 4 tiles regrouped within windows of W)."""
     ms = sorted({m for r in rows.values() for m in r})
     what = ("distinct (token, tile of kb consecutive blocks) / (token, block) pairs" if keys
-            else "union of m consecutive tokens' selections / (m x n_sel)")
+            else "union of 4 tokens' selections / (4 x n_sel), the 4 grouped within windows of W (tile.group)"
+            if group else "union of m consecutive tokens' selections / (m x n_sel)")
     print(f"\n{title}: {what}, second half of the sequence")
-    name = "kb" if keys else "m"
+    name = "kb" if keys else "W" if group else "m"
     print_table(["inputs"] + [f"{name}={m}" for m in ms], [[k] + [r.get(m, "-") for m in ms] for k, r in rows.items()])
 
 

@@ -45,6 +45,19 @@ def test_locality_identical_disjoint_partial():
         common.locality(same[:, :20])
 
 
+def test_group_locality_regroups_tiles_within_windows():
+    """group_locality: tokens alternate between two disjoint block sets, so 4 consecutive tokens need both
+    (union 8 of 16 slots) while 4 of a window of 8 or more share one (4 of 16); W = m is the plain locality."""
+    common = load_bench("common")
+    T = 128
+    alt = selections(T, lambda t: [0, 1, 2, 3] if t % 2 else [8, 9, 10, 11])
+    got = common.group_locality(alt)
+    assert got == {4: 0.5, 8: 0.25, 16: 0.25, 32: 0.25}
+    assert got[4] == common.locality(alt, ms=(4,))[4]
+    with pytest.raises(ValueError, match="window of 32"):
+        common.group_locality(alt[:, :20])
+
+
 def test_key_locality_counts_tiles_of_consecutive_blocks():
     """key_locality: distinct (token, tile of kb blocks) per (token, block) pair, second half only."""
     common = load_bench("common")

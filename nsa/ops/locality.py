@@ -10,6 +10,7 @@ import torch
 
 LOCALITY_M = (1, 2, 4, 8, 16)
 KEY_LOCALITY_KB = (1, 2, 4, 8)
+GROUP_WINDOWS = (4, 8, 16, 32)   # group_locality's windows (W = m: consecutive tiles)
 
 
 def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -> dict[int, float]:
@@ -50,6 +51,27 @@ def key_locality(block_idx: torch.Tensor, kbs=KEY_LOCALITY_KB, start: int | None
         new = ok.clone()
         new[..., 1:] &= tile[..., 1:] != tile[..., :-1]
         out[kb] = int(new.sum()) / pairs   # sync-ok: report
+    return out
+
+
+def group_locality(block_idx: torch.Tensor, m: int = 4, windows=GROUP_WINDOWS, start: int | None = None
+                   ) -> dict[int, float]:
+    """{W: union fraction (as locality's) of tiles of m tokens regrouped within windows of W consecutive tokens
+    (TileTuning.group's greedy, nsa/ops/triton/tile_group.py); W = m: consecutive tokens, locality()[m]}, over
+    tokens start.. (default T // 2, rounded down to whole windows). What TileTuning.group would save in the
+    tile kernels' K/V loads and masked work. Tensor ops and one grouping kernel per W; one host read per W."""
+    from nsa.ops.triton.select_tile import tile_union_fraction
+    from nsa.ops.triton.tile_group import group_tokens, permuted
+    T = block_idx.shape[1]
+    wmax = max(windows)
+    start = (T // 2 if start is None else start) // wmax * wmax
+    n = (T - start) // wmax * wmax
+    if n == 0:
+        raise ValueError(f"group_locality: {T - start} tokens from {start} hold no window of {wmax}; use a longer T")
+    out = {}
+    for w in windows:
+        bi = block_idx if w == m else permuted(block_idx, group_tokens(block_idx, m, w))
+        out[w] = float(tile_union_fraction(bi[:, start:start + n], m))   # sync-ok: report
     return out
 
 
