@@ -275,7 +275,9 @@ class TileTuning:
     # > 0: a tile's m tokens are those of each window of `group` consecutive tokens with the most similar
     # selections (a greedy per (window, KV head): nsa/ops/triton/tile_group.py) instead of m consecutive
     # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 (a multiple of
-    # m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position)
+    # m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position). Off in every preset:
+    # H200, captured paper shape, f+b at W=16 64k layer 0 -2.8%, layer 3 +0.6%, 8k +0.3-1% (bench/RESULTS.md
+    # table 26: the greedy's own time outweighs the smaller unions where they shrink little)
     group: int = 0
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
