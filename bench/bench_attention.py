@@ -244,7 +244,8 @@ def run_captured(a, result: dict) -> dict:
             same = (common.nsa_op(x, None, hp)[1] == bi).all(-1).float().mean().item()   # sync-ok: report
         result["locality"][f"T={T} layer {layer}"] = common.locality(bi)
         result["key_locality"][f"T={T} layer {layer}"] = common.key_locality(bi)
-        result["group_locality"][f"T={T} layer {layer}"] = common.group_locality(bi)
+        if T >= 2 * max(common.GROUP_WINDOWS):   # a whole window of each size in the second half
+            result["group_locality"][f"T={T} layer {layer}"] = common.group_locality(bi)
         per_m = {m: bench_nsa(B, T, HQ, H, dk, dv, a.warmup, a.iters, tn, x=x, hp=hp) for m, tn in tunings.items()}
         if T in a.sweep:   # the launch-parameter sweep on this capture
             result.setdefault("sweep", {})[f"T={T} layer {layer}"] = sweep(B, T, HQ, H, dk, dv, 1, 3, a.sweep_only,

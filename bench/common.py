@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 
 # the selection locality tables, for the bench scripts (common.locality, ...)
-from nsa.ops.locality import (KEY_LOCALITY_KB, LOCALITY_M, group_locality, key_locality, locality,  # noqa: F401
-                              mean_locality)
+from nsa.ops.locality import (GROUP_WINDOWS, KEY_LOCALITY_KB, LOCALITY_M, group_locality,  # noqa: F401
+                              key_locality, locality, mean_locality)
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent

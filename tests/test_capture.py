@@ -175,7 +175,9 @@ def test_bench_attention_runs_on_captures(captured, monkeypatch):
     assert [(x["layer"], x["m"]) for x in r["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert all(x["block_idx_rows_equal_capture"] == 1.0 and x["speedup_fwd_bwd"] == 1.5 for x in r["rows"])
     assert r["shape"] == {"B": 1, "HQ": 4, "H": 2, "dk": 32, "dv": 32} and r["hparams"]["l_sel"] == 16
-    assert set(r["locality"]) == set(r["key_locality"]) == {"T=128 layer 0", "T=128 layer 1"} and len(calls) == 8
+    assert set(r["locality"]) == set(r["key_locality"]) == set(r["group_locality"]) == {"T=128 layer 0",
+                                                                                          "T=128 layer 1"}
+    assert len(calls) == 8 and all(t[4] == r["locality"][k][4] for k, t in r["group_locality"].items())
     with pytest.raises(SystemExit, match="no capture at"):
         ba.run_op(__import__("argparse").Namespace(**{**vars(a), "T": [4096]}), (1, 64, 4, 128, 128))
     # --sweep T on captures: the sweep's variants on each capture's own inputs (op fwd and fwd+bwd each)

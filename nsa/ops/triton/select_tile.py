@@ -56,6 +56,10 @@ class TileUnion(NamedTuple):
     # [B, H, T] int32: the token at each position (tile_group.py: tiles of similar tokens); None: position = token
     perm: torch.Tensor | None = None
 
+    def perm_arg(self) -> torch.Tensor:
+        """The kernels' PERM argument: perm, or any int32 tensor where there is none (then unread)."""
+        return self.perm if self.perm is not None else self.size
+
 
 def _sorted_tiles(block_idx: torch.Tensor, m: int):
     """block_idx [B,T,H,S] -> (sorted keys [B,H,nt,m*S] int64 with _NONE for padding, order, first, last)."""
@@ -432,11 +436,6 @@ def _launch(tn: TileTuning, pair: tuple[TileLaunch, TileLaunch], rows: int, l_se
     return dict(BS=_keys(tn, ln.keys, l_sel, bdk), num_warps=ln.warps, num_stages=ln.stages)
 
 
-def _perm_arg(un: TileUnion) -> torch.Tensor:
-    """The kernels' PERM argument: the union's token order, or any int32 tensor where there is none (unread)."""
-    return un.perm if un.perm is not None else un.size
-
-
 def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnion:
     un = union if union is not None else tile_unions(block_idx, m)
     if un.blocks.shape[-1] != m * block_idx.shape[3]:
@@ -471,7 +470,7 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     rows = max(16, next_pow2(m * G))
     flag, mode = guard if guard is not None else (lse, 0)
     _tile_fwd_kernel[(nt, B * H)](
-        q, k, v, un.blocks, un.bits, un.size, _perm_arg(un), o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows, GUARD=mode,
         HAS_PERM=un.perm is not None,
@@ -513,7 +512,7 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     flag, mode = guard if guard is not None else (lse, 0)
     add_args, add_kw = q_add_args(add, dq)
     _tile_bwd_dq_kernel[(nt, B * H)](
-        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, _perm_arg(un), dq,
+        q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, un.perm_arg(), dq,
         dq if dq_in is None else dq_in, flag, *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows,
         HAS_GATE=gate is not None, HAS_PERM=un.perm is not None,
         ACC_DQ=dq_in is not None, GUARD=mode, **add_kw, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)

@@ -205,8 +205,7 @@ def _kernel():
 
     @gluon.jit
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, PERM, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot,
-                   soh,
-                   T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
+                   soh, T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
                    D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
                    COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr, num_warps: gl.constexpr):
         R: gl.constexpr = G * M
@@ -274,7 +273,8 @@ def _kernel():
                 ob_ld = stage.load(ld)
             else:   # 128 rows do not fit a [LS, DV] slot: the compiler's own staging (one CTA per SM has room)
                 ob_ld = gl.convert_layout(ob, ld)
-            _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, pb, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld, HAS_PERM)
+            _combine_rows(ob_ld, GT, OC, OW, O2, SLOT, pb, b, h, n, T, H, n_per_b, s_rows, G, M, DV, CROWS, ld,
+                          HAS_PERM)
 
     @gluon.jit
     def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
@@ -523,16 +523,12 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
               combine.s_rows)
     else:
         cb = (o, o, o, o, o, 1, 1)
-    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, _perm(un), o, lse, flag, *cb[:5], q.stride(0),
+    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, flag, *cb[:5], q.stride(0),
                               q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
                               NSTAGE=stages, GUARD=mode, COMBINE=combine is not None, HAS_PERM=un.perm is not None,
                               CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
                               **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
-
-
-def _perm(un) -> torch.Tensor:
-    return un.perm if un.perm is not None else un.size   # any int32 tensor where there is none (unread)
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
@@ -561,7 +557,7 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
     flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
     add_args, add_kw = q_add_args(add, dq)
-    _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, _perm(un), dq,
+    _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, un.perm_arg(), dq,
                               dq if dq_in is None else dq_in, flag, *add_args, q.stride(0), q.stride(1), q.stride(2),
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
