@@ -34,8 +34,6 @@ import triton.language as tl
 
 from ._utils import next_pow2
 
-GROUP_WINDOWS = (0, 8, 16, 32)   # TileTuning.group: 0 = consecutive tokens
-
 
 @triton.jit
 def _group_kernel(BI, PERM, sbb, sbt, sbh, T, H, W: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
