@@ -52,9 +52,9 @@ def test_group_locality_regroups_tiles_within_windows():
     T = 128
     alt = selections(T, lambda t: [0, 1, 2, 3] if t % 2 else [8, 9, 10, 11])
     got = common.group_locality(alt)
-    assert got == {4: 0.5, 8: 0.25, 16: 0.25, 32: 0.25}
+    assert got == {4: 0.5, 8: 0.25, 16: 0.25, 32: 0.25, 64: 0.25}
     assert got[4] == common.locality(alt, ms=(4,))[4]
-    with pytest.raises(ValueError, match="window of 32"):
+    with pytest.raises(ValueError, match="window of 64"):
         common.group_locality(alt[:, :20])
 
 

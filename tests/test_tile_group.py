@@ -105,3 +105,19 @@ def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, auto, monkeypatch):
     assert perm is not None and (perm != torch.arange(T, device=DEV, dtype=torch.int32)).any(-1).all()
     for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, want):
         assert torch.equal(a, b), f"group={W}: {name} differs from consecutive tiles"
+
+
+def test_block_ids_past_the_mask_fold_and_kernel_matches_torch():
+    """Block ids beyond mask_bits(T) fold modulo it (ids 64 apart share a bit at T = 45): the kernel and the
+    torch greedy still agree bit for bit, and the result is still a permutation of each window."""
+    B, T, H, S, W = 1, 45, 2, 6, 16
+    assert tg.mask_bits(T) == 64
+    bi = clustered(B, T, H, S, topics=3, seed=11)
+    bi = torch.where(bi >= 0, bi + 64 * (torch.arange(T, device=bi.device) % 3).view(1, T, 1, 1).int(), bi)
+    perm = tg.group_tokens(bi, 4, W)
+    want = tg.group_tokens_torch(bi.cpu(), 4, W)
+    assert torch.equal(perm.cpu(), want)
+    assert torch.equal(torch.sort(want, -1).values, torch.arange(T).int().expand(B, H, T))
+    # the torch greedy sees ids modulo 64 too: folding them first changes nothing
+    fold = tg.group_tokens_torch(bi.cpu() % 64 * (bi.cpu() >= 0) - (bi.cpu() < 0).int(), 4, W)
+    assert torch.equal(fold, want)

@@ -10,7 +10,7 @@ import torch
 
 LOCALITY_M = (1, 2, 4, 8, 16)
 KEY_LOCALITY_KB = (1, 2, 4, 8)
-GROUP_WINDOWS = (4, 8, 16, 32)   # group_locality's windows (W = m: consecutive tiles)
+GROUP_WINDOWS = (4, 8, 16, 32, 64)   # group_locality's windows (W = m: consecutive tiles)
 
 
 def locality(block_idx: torch.Tensor, ms=LOCALITY_M, start: int | None = None) -> dict[int, float]:

@@ -293,8 +293,8 @@ class TileTuning:
             raise ValueError(f"TileTuning.dkdv_by must be 'token' or 'tile', got {self.dkdv_by!r}")
         if self.min_g < 1:
             raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
-        if self.group not in (0, 8, 16, 32) or self.group % self.m or (self.group and self.dkdv_by != "token"):
-            raise ValueError(f"TileTuning.group must be 0 (consecutive tokens) or 8 / 16 / 32, a multiple of m="
+        if self.group not in (0, 8, 16, 32, 64) or self.group % self.m or (self.group and self.dkdv_by != "token"):
+            raise ValueError(f"TileTuning.group must be 0 (consecutive tokens) or 8 / 16 / 32 / 64, a multiple of m="
                              f"{self.m}, with dkdv_by='token'; got group={self.group!r}, dkdv_by={self.dkdv_by!r}")
         for f in ("gluon_fwd_stages", "gluon_dq_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")

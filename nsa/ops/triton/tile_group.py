@@ -15,16 +15,17 @@ Captured selections of a trained model (paper shape, 64k, H200, bench/RESULTS.md
 m=4 tiles falls from 0.537 of m x n_sel (consecutive) to 0.495 / 0.455 / 0.422 for W = 8 / 16 / 32 on
 layer 0, 0.422 to 0.400 / 0.377 / 0.361 on layer 3.
 
-One program per (window, b * H + h); the greedy runs on [W, n_sel] registers: whether each of the window's
-entries is in the open tile's union is updated by an all-pairs compare with each new member's n_sel blocks
-(W * n_sel * n_sel per member). `group_tokens_torch` is the same greedy in torch (the CPU path and the
-kernel's cross-check).
+One program per (window, b * H + h). Each token's selection is a bit mask of mask_bits(T) bits (block id
+modulo that: exact up to 1024 blocks, i.e. 64k tokens at l_sel = 64; beyond, blocks 1024 apart count as one,
+which only blurs the heuristic: any permutation is correct), [W, bits / 32] int32 in registers; each of the
+W picks is a popcount of (mask & ~union) per token, a min and an OR. `group_tokens_torch` is the same
+greedy on bool masks (the CPU path and the kernel's cross-check).
 
-Whole op, same table, graph-timed forward+backward on those captures (the Gluon tile kernels): 64k layer 0
-82.09 -> 80.72 / 79.80 / 80.42 ms for W = 8 / 16 / 32 (-2.8% at 16), but layer 3 76.06 -> 76.40 / 76.52 /
-76.99 and 8k +0.05-0.3 ms on both layers: where the unions shrink little, the greedy's own time (its W
-picks each compare the window's W x n_sel entries with n_sel blocks) outweighs the smaller tiles. Hence
-off in every preset; a cheaper greedy (pairwise overlaps computed once per window) is the next step.
+Whole op, same table, with the first kernel (an all-pairs compare of the window's W x n_sel entries with
+each new member's n_sel blocks per pick: 118 / 254 registers at W = 16 / 32 for sm_90, a few programs per
+SM), graph-timed forward+backward: 64k layer 0 82.09 -> 80.72 / 79.80 / 80.42 ms for W = 8 / 16 / 32, layer
+3 76.06 -> 76.40 / 76.52 / 76.99, 8k +0.05-0.3 ms on both layers. The bit masks take 40 / 55 registers
+and a third to a quarter of its instructions.
 """
 from __future__ import annotations
 
@@ -35,36 +36,59 @@ import triton.language as tl
 from ._utils import next_pow2
 
 
+MAX_WINDOW = 64      # windows W: powers of two up to this (the greedy's W picks are unrolled)
+MAX_BITS = 1024      # block ids fold into this many bits per token (exact while every id is below it)
+
+
+def mask_bits(T: int) -> int:
+    """Bits of a token's selection mask: block ids are < T, so next_pow2(T) bits are exact; capped at
+    MAX_BITS (ids fold modulo it: 64k tokens at l_sel = 64 still exact), at least one int32 word."""
+    return max(32, min(MAX_BITS, next_pow2(T)))
+
+
+@triton.jit
+def _popc(v):
+    """Set bits of each int32 (SWAR; every shift's sign bits are masked off before they count)."""
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    v = v + (v >> 8)
+    v = v + (v >> 16)
+    return v & 0x3F
+
+
 @triton.jit
 def _group_kernel(BI, PERM, sbb, sbt, sbh, T, H, W: tl.constexpr, M: tl.constexpr, S: tl.constexpr,
-                  SP: tl.constexpr):
+                  NW: tl.constexpr):
     win = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     i = tl.arange(0, W)
-    s = tl.arange(0, SP)
+    wd = tl.arange(0, NW)
     tok = win * W + i
     real = tok < T
-    x = tl.load(BI + b * sbb + tok.to(tl.int64)[:, None] * sbt + h * sbh + s[None, :],
-                mask=real[:, None] & (s[None, :] < S), other=-1)            # [W, SP] the tokens' blocks
-    valid = x >= 0
-    in_u = tl.zeros([W, SP], tl.int1)                                       # entry's block in the open union
+    row = BI + b * sbb + tok.to(tl.int64) * sbt + h * sbh
+    mask = tl.zeros([W, NW], tl.int32)                     # [W, NW] each token's blocks as bits (id mod 32*NW)
+    for s in tl.static_range(S):
+        x = tl.load(row + s, mask=real, other=-1)           # [W] the tokens' s-th block
+        hb = x & (NW * 32 - 1)
+        bit = tl.where(x >= 0, 1 << (hb & 31), 0)
+        mask = mask | tl.where((hb >> 5)[:, None] == wd[None, :], bit[:, None], 0)
+    uni = tl.zeros([NW], tl.int32)                          # the open tile's union
     placed = tl.zeros([W], tl.int1)
     pos = tl.zeros([W], tl.int32)
     for p in tl.static_range(W):
         if p % M == 0:   # a new tile: the first unplaced real token (padding last)
-            in_u = tl.zeros([W, SP], tl.int1)
+            uni = tl.zeros([NW], tl.int32)
             key = tl.where(placed, 4 * W, tl.where(real, i, W + i))
         else:            # the unplaced token adding the fewest blocks; padding adds none but comes last
-            added = tl.sum((valid & ~in_u).to(tl.int32), 1)
+            added = tl.sum(_popc(mask & ~uni[None, :]), 1)
             key = tl.where(placed, (S + 2) * W + i, tl.where(real, added, S + 1) * W + i)
         j = tl.min(key, 0) % W
         placed = placed | (i == j)
         pos = tl.where(i == j, p, pos)
-        xj = tl.max(tl.where((i == j)[:, None], x, -1), 0)                 # [SP] the member's blocks
-        hit = tl.sum(((x[:, :, None] == xj[None, None, :]) & (xj >= 0)[None, None, :]).to(tl.int32), 2)
-        in_u = in_u | (hit > 0)
+        uni = uni | tl.sum(tl.where((i == j)[:, None], mask, 0), 0)   # one row is non-zero: its bits
     tl.store(PERM + pid_bh.to(tl.int64) * T + win * W + pos, tok, mask=real & (win * W + pos < T))
 
 
@@ -72,43 +96,44 @@ def group_tokens(block_idx: torch.Tensor, m: int, window: int) -> torch.Tensor:
     """perm [B, H, T] int32 (module doc) for block_idx [B, T, H, n_sel] (-1 = unused slot, unit stride in
     n_sel); window W: a multiple of m, a power of two. No host sync."""
     B, T, H, S = block_idx.shape
-    if window % m or window & (window - 1) or window > 32:
-        raise ValueError(f"tile group window {window} must be a power of two <= 32 and a multiple of m={m}")
+    if window % m or window & (window - 1) or window > MAX_WINDOW:
+        raise ValueError(f"tile group window {window} must be a power of two <= {MAX_WINDOW} and a multiple "
+                         f"of m={m}")
     if not block_idx.is_cuda:
         return group_tokens_torch(block_idx, m, window)
     perm = torch.empty(B, H, T, device=block_idx.device, dtype=torch.int32)
     _group_kernel[(triton.cdiv(T, window), B * H)](block_idx, perm, block_idx.stride(0), block_idx.stride(1),
                                                    block_idx.stride(2), T, H, W=window, M=m, S=S,
-                                                   SP=max(2, next_pow2(S)), num_warps=4)
+                                                   NW=mask_bits(T) // 32, num_warps=4)
     return perm
 
 
 def group_tokens_torch(block_idx: torch.Tensor, m: int, window: int) -> torch.Tensor:
-    """group_tokens in torch ops, every window of every (b, h) at once: the same greedy and tie order."""
+    """group_tokens in torch ops, every window of every (b, h) at once: the same greedy, bits and tie order."""
     B, T, H, S = block_idx.shape
     nw = -(-T // window)
-    x = block_idx.permute(0, 2, 1, 3)                                       # [B, H, T, S]
+    nbits = mask_bits(T)
+    x = block_idx.permute(0, 2, 1, 3).to(torch.int64)                      # [B, H, T, S]
     x = torch.nn.functional.pad(x, (0, 0, 0, nw * window - T), value=-1).reshape(B, H, nw, window, S)
+    mask = torch.zeros(B, H, nw, window, nbits + 1, dtype=torch.bool, device=x.device)
+    mask.scatter_(-1, torch.where(x >= 0, x % nbits, nbits), True)          # unused slots set the spare bit
+    mask = mask[..., :nbits]
     i = torch.arange(window, device=x.device)
     real = (torch.arange(nw * window, device=x.device) < T).view(nw, window)
-    valid = x >= 0
-    in_u = torch.zeros_like(valid)
+    uni = torch.zeros(B, H, nw, nbits, dtype=torch.bool, device=x.device)
     placed = torch.zeros(B, H, nw, window, dtype=torch.bool, device=x.device)
     pos = torch.zeros(B, H, nw, window, dtype=torch.int64, device=x.device)
     for p in range(window):
         if p % m == 0:
-            in_u = torch.zeros_like(valid)
+            uni = torch.zeros_like(uni)
             key = torch.where(placed, 4 * window, torch.where(real, i, window + i))
         else:
-            added = (valid & ~in_u).sum(-1)
+            added = (mask & ~uni[..., None, :]).sum(-1)
             key = torch.where(placed, (S + 2) * window + i, torch.where(real, added, S + 1) * window + i)
-        j = key.min(-1, keepdim=True).values % window                       # [B, H, nw, 1]
-        pick = i == j
+        pick = i == key.min(-1, keepdim=True).values % window              # [B, H, nw, window]
         placed |= pick
         pos = torch.where(pick, p, pos)
-        xj = torch.where(pick[..., None], x, -1).max(-2).values             # [B, H, nw, S]
-        hit = ((x[..., :, None] == xj[..., None, None, :]) & (xj >= 0)[..., None, None, :]).any(-1)
-        in_u |= hit
+        uni |= (mask & pick[..., None]).any(-2)
     tok = torch.arange(nw * window, device=x.device).view(nw, window).expand(B, H, nw, window)
     dest = (torch.arange(nw, device=x.device)[:, None] * window + pos)      # position of each token
     perm = torch.full((B, H, nw * window), -1, dtype=torch.int64, device=x.device)
