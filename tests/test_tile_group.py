@@ -118,6 +118,10 @@ def test_block_ids_past_the_mask_fold_and_kernel_matches_torch():
     want = tg.group_tokens_torch(bi.cpu(), 4, W)
     assert torch.equal(perm.cpu(), want)
     assert torch.equal(torch.sort(want, -1).values, torch.arange(T).int().expand(B, H, T))
+    # the exact bound (ids < 192: 256 bits, no fold) groups differently, kernel and torch alike
+    exact = tg.group_tokens(bi, 4, W, n_blocks=192)
+    assert torch.equal(exact.cpu(), tg.group_tokens_torch(bi.cpu(), 4, W, tg.mask_bits(192)))
+    assert not torch.equal(exact.cpu(), want)
     # the torch greedy sees ids modulo 64 too: folding them first changes nothing
     fold = tg.group_tokens_torch(bi.cpu() % 64 * (bi.cpu() >= 0) - (bi.cpu() < 0).int(), 4, W)
     assert torch.equal(fold, want)

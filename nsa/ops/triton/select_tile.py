@@ -171,14 +171,16 @@ def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1
     return blocks, bits, size
 
 
-def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None, group: int = 0) -> TileUnion:
+def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None, group: int = 0,
+                n_blocks: int | None = None) -> TileUnion:
     """block_idx [B,T,H,n_sel] (ascending, -1 padded; unit stride in n_sel) -> TileUnion for tiles of
     m consecutive tokens, or with group = W of m similar tokens of each window of W (tile_group.py). On
     CUDA one kernel launch (_union_kernel; two with group), else torch ops; no host sync. guard: built
-    only where the device flag chose the tile kernels (else left unwritten: unread)."""
+    only where the device flag chose the tile kernels (else left unwritten: unread). n_blocks: a bound on the
+    block ids for the grouping (group_tokens)."""
     perm = None
     if group:
-        perm = group_tokens(block_idx, m, group)
+        perm = group_tokens(block_idx, m, group, n_blocks)
         block_idx = permuted(block_idx, perm)
     if not block_idx.is_cuda:
         _check_m(m)

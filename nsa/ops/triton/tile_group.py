@@ -15,10 +15,10 @@ Captured selections of a trained model (paper shape, 64k, H200, bench/RESULTS.md
 m=4 tiles falls from 0.537 of m x n_sel (consecutive) to 0.495 / 0.455 / 0.422 for W = 8 / 16 / 32 on
 layer 0, 0.422 to 0.400 / 0.377 / 0.361 on layer 3.
 
-One program per (window, b * H + h). Each token's selection is a bit mask of mask_bits(T) bits (block id
-modulo that: exact up to 1024 blocks, i.e. 64k tokens at l_sel = 64; beyond, blocks 1024 apart count as one,
-which only blurs the heuristic: any permutation is correct), [W, bits / 32] int32 in registers; each of the
-W picks is a popcount of (mask & ~union) per token, a min and an OR. `group_tokens_torch` is the same
+One program per (window, b * H + h). Each token's selection is a bit mask of mask_bits(n_blocks) bits
+(block id modulo that: exact up to 1024 blocks, i.e. 64k tokens at l_sel = 64; beyond, blocks 1024 apart
+count as one, which only blurs the heuristic: any permutation is correct), [W, bits / 32] int32 in
+registers; each of the W picks is a popcount of (mask & ~union) per token, a min and an OR. `group_tokens_torch` is the same
 greedy on bool masks (the CPU path and the kernel's cross-check).
 
 Whole op, same table, with the first kernel (an all-pairs compare of the window's W x n_sel entries with
@@ -40,10 +40,10 @@ MAX_WINDOW = 64      # windows W: powers of two up to this (the greedy's W picks
 MAX_BITS = 1024      # block ids fold into this many bits per token (exact while every id is below it)
 
 
-def mask_bits(T: int) -> int:
-    """Bits of a token's selection mask: block ids are < T, so next_pow2(T) bits are exact; capped at
-    MAX_BITS (ids fold modulo it: 64k tokens at l_sel = 64 still exact), at least one int32 word."""
-    return max(32, min(MAX_BITS, next_pow2(T)))
+def mask_bits(n_blocks: int) -> int:
+    """Bits of a token's selection mask for block ids < n_blocks: next_pow2(n_blocks) bits are exact; capped
+    at MAX_BITS (ids fold modulo it: 64k tokens at l_sel = 64 still exact), at least one int32 word."""
+    return max(32, min(MAX_BITS, next_pow2(n_blocks)))
 
 
 @triton.jit
@@ -92,27 +92,31 @@ def _group_kernel(BI, PERM, sbb, sbt, sbh, T, H, W: tl.constexpr, M: tl.constexp
     tl.store(PERM + pid_bh.to(tl.int64) * T + win * W + pos, tok, mask=real & (win * W + pos < T))
 
 
-def group_tokens(block_idx: torch.Tensor, m: int, window: int) -> torch.Tensor:
+def group_tokens(block_idx: torch.Tensor, m: int, window: int, n_blocks: int | None = None) -> torch.Tensor:
     """perm [B, H, T] int32 (module doc) for block_idx [B, T, H, n_sel] (-1 = unused slot, unit stride in
-    n_sel); window W: a multiple of m, a power of two. No host sync."""
+    n_sel); window W: a multiple of m, a power of two; n_blocks: a bound on the block ids (default T, which
+    holds for any l_sel; the exact bound ceil(T / l_sel) makes the masks, hence the greedy, smaller). No
+    host sync."""
     B, T, H, S = block_idx.shape
     if window % m or window & (window - 1) or window > MAX_WINDOW:
         raise ValueError(f"tile group window {window} must be a power of two <= {MAX_WINDOW} and a multiple "
                          f"of m={m}")
+    nbits = mask_bits(T if n_blocks is None else n_blocks)
     if not block_idx.is_cuda:
-        return group_tokens_torch(block_idx, m, window)
+        return group_tokens_torch(block_idx, m, window, nbits)
     perm = torch.empty(B, H, T, device=block_idx.device, dtype=torch.int32)
     _group_kernel[(triton.cdiv(T, window), B * H)](block_idx, perm, block_idx.stride(0), block_idx.stride(1),
                                                    block_idx.stride(2), T, H, W=window, M=m, S=S,
-                                                   NW=mask_bits(T) // 32, num_warps=4)
+                                                   NW=nbits // 32, num_warps=4)
     return perm
 
 
-def group_tokens_torch(block_idx: torch.Tensor, m: int, window: int) -> torch.Tensor:
-    """group_tokens in torch ops, every window of every (b, h) at once: the same greedy, bits and tie order."""
+def group_tokens_torch(block_idx: torch.Tensor, m: int, window: int, nbits: int | None = None) -> torch.Tensor:
+    """group_tokens in torch ops, every window of every (b, h) at once: the same greedy, bits (default
+    mask_bits(T)) and tie order."""
     B, T, H, S = block_idx.shape
     nw = -(-T // window)
-    nbits = mask_bits(T)
+    nbits = nbits or mask_bits(T)
     x = block_idx.permute(0, 2, 1, 3).to(torch.int64)                      # [B, H, T, S]
     x = torch.nn.functional.pad(x, (0, 0, 0, nw * window - T), value=-1).reshape(B, H, nw, window, S)
     mask = torch.zeros(B, H, nw, window, nbits + 1, dtype=torch.bool, device=x.device)
