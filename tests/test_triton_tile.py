@@ -499,9 +499,10 @@ CAPTURED_PAPER = captured_dir("NSA_CAPTURED_PAPER", "captured_paper")
 @pytest.mark.parametrize("T", [8192, 65536])
 def test_gpu_preset_tiles_on_captured_paper_inputs(T):
     """The paper shape's captures (`bash bench/gpu.sh capture-paper 8192 65536`; NSA_CAPTURED_PAPER
-    points elsewhere): the device preset, which runs query tiles on these local selections, against the per-token op (m=1): block_idx identical, o and every gradient within 0.5%
-    relative RMS, also with the tiles regrouped (TileTuning.group=16); and, where the preset chooses per call,
-    the choice did pick the tiles there."""
+    points elsewhere): the device preset, which runs query tiles on these local selections, against the
+    per-token op (m=1): block_idx identical, o and every gradient within 0.5% relative RMS, also with the
+    other grouping (consecutive tokens where the preset regroups them, else TileTuning.group=16); and, where
+    the preset chooses per call, the choice did pick the tiles there."""
     entries = captures_at(CAPTURED_PAPER, T)
     if not entries:
         pytest.skip(f"no captured inputs at T={T} under {CAPTURED_PAPER} (bash bench/gpu.sh capture-paper)")
@@ -517,7 +518,8 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
         do = torch.randn(xs[0].shape[:3] + (xs[6].shape[-1],), device="cuda", dtype=xs[0].dtype,
                          generator=torch.Generator("cuda").manual_seed(T + e["layer"]))
         res = []
-        for tile in (TileTuning(), base.tile, dataclasses.replace(base.tile, group=16)):   # + regrouped tiles
+        other = dataclasses.replace(base.tile, group=0 if base.tile.group else 16)
+        for tile in (TileTuning(), base.tile, other):
             x = [a.detach().clone().requires_grad_() for a in xs]
             o, bi = nsa_triton_apply(*x, **hp, tuning=base.replace(tile=tile))
             res.append((bi, o, *torch.autograd.grad(o, x, do)))
@@ -526,7 +528,7 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
         m = base.tile.m_for(G)
         if base.tile.auto_union > 0:   # a per-call choice (0: the preset always runs the tiles)
             assert int(tt.tile_choice(res[0][0], m, base.tile.auto_union)) == 1, f"{where}: the preset ran per token"
-        for tiled, how in ((res[1], "tiles"), (res[2], "regrouped tiles")):
+        for tiled, how in ((res[1], "preset tiles"), (res[2], f"tiles with group={other.group}")):
             for name, a, b in zip(names, tiled[1:], res[0][1:]):
                 assert torch.isfinite(a).all(), f"{where} {how}: non-finite {name}"
                 assert rel_rms(a, b) <= 5e-3, f"{where} {how} {name}: {rel_rms(a, b):.2e}"

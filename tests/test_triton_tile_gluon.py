@@ -56,12 +56,33 @@ def test_gluon_fwd_not_taken_off_hopper_shapes():
 
 
 @pytest.mark.parametrize("bad", [1, -2])
-@pytest.mark.parametrize("knob", ["gluon_fwd_stages", "gluon_dq_stages", "gluon_walk_stages"])
+@pytest.mark.parametrize("knob", ["gluon_fwd_stages", "gluon_dq_stages", "gluon_dq_short_stages", "gluon_walk_stages"])
 def test_gluon_stages_knob_is_validated(bad, knob):
     cls = SelectTuning if knob == "gluon_walk_stages" else TileTuning
     with pytest.raises(ValueError, match=knob):
         cls(**{knob: bad})
     assert TileTuning(gluon_fwd_stages=3).gluon_fwd_stages == 3
+    with pytest.raises(ValueError, match="gluon_dq_short_t"):
+        TileTuning(gluon_dq_short_t=-1)
+
+
+@pytest.mark.parametrize("T,short_t,want", [(130, 0, 2), (130, 131, 3), (130, 130, 2)])
+def test_gluon_dq_slots_follow_the_call_length(T, short_t, want, monkeypatch):
+    """Calls shorter than gluon_dq_short_t tokens get gluon_dq_short_stages ring slots, the others
+    gluon_dq_stages (the launcher is stubbed to record them: no Gluon on the CPU)."""
+    gen = torch.Generator().manual_seed(4)
+    B, HQ, H, d, m = 1, 8, 2, 16, 4
+    q, k, v, do = (torch.randn(B, T, n, d, generator=gen) for n in (HQ, H, H, HQ))
+    from test_triton_tile import make_block_idx
+    bi = make_block_idx(B, T, H, 2, 16, "random", gen, device="cpu")
+    un = tt.tile_unions(bi, m)
+    lse = torch.zeros(B, T, HQ)
+    seen = []
+    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: True)
+    monkeypatch.setattr(tt, "gtile_dq", lambda *a, stages, **kw: seen.append(stages))   # None: Triton runs
+    tn = TileTuning(m=m, gluon_dq_stages=2, gluon_dq_short_t=short_t, gluon_dq_short_stages=3)
+    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn)
+    assert seen == [want]
 
 
 def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):

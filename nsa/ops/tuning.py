@@ -267,6 +267,10 @@ class TileTuning:
     # (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
+    # calls shorter than gluon_dq_short_t tokens run the Gluon dq with gluon_dq_short_stages slots instead
+    # (0 = never): 3 slots won at 8k on both captured layers and lost at 64k layer 0 (table 16)
+    gluon_dq_short_t: int = 0
+    gluon_dq_short_stages: int = 3
     # the Gluon forward also writes the op's output (the gated sum of the three branches) from its tile's
     # rows, where the branches' outputs exist before the selection's: no separate combine pass over them
     # (H100, paper shape, captured selections: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k;
@@ -275,9 +279,9 @@ class TileTuning:
     # > 0: a tile's m tokens are those of each window of `group` consecutive tokens with the most similar
     # selections (a greedy per (window, KV head): nsa/ops/triton/tile_group.py) instead of m consecutive
     # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 (a multiple of
-    # m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position). Off in every preset:
-    # H200, captured paper shape, f+b at W=16 64k layer 0 -2.8%, layer 3 +0.6%, 8k +0.3-1% (bench/RESULTS.md
-    # table 26: the greedy's own time outweighs the smaller unions where they shrink little)
+    # / 64 (a multiple of m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position).
+    # H200, captured paper shape, op f+b, W=32 against consecutive tiles (bench/RESULTS.md table 27): layer 0
+    # -3.7% / -5.5% / -4.1% at 8k / 16k / 64k, layer 3 -1.1% / -0.2% / 0.0%; random inputs -0.4-2.3%.
     group: int = 0
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
@@ -296,8 +300,11 @@ class TileTuning:
         if self.group not in (0, 8, 16, 32, 64) or self.group % self.m or (self.group and self.dkdv_by != "token"):
             raise ValueError(f"TileTuning.group must be 0 (consecutive tokens) or 8 / 16 / 32 / 64, a multiple of m="
                              f"{self.m}, with dkdv_by='token'; got group={self.group!r}, dkdv_by={self.dkdv_by!r}")
-        for f in ("gluon_fwd_stages", "gluon_dq_stages"):
+        for f in ("gluon_fwd_stages", "gluon_dq_stages", "gluon_dq_short_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
+        if self.gluon_dq_short_t < 0:
+            raise ValueError(f"TileTuning.gluon_dq_short_t must be >= 0 (0: every call on gluon_dq_stages), "
+                             f"got {self.gluon_dq_short_t}")
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
@@ -569,7 +576,7 @@ HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", 
                       scores=ScoreTuning(tile=ScoreTile(256, 64, 8, 2, 2, 2, max_regs=128), relayout=True,
                                          gluon_min_t=32768),
                       tile=TileTuning(m=4, auto_union=0.0, min_g=16, gluon_fwd_stages=2,
-                                      gluon_dq_stages=2, gluon_combine=True))
+                                      gluon_dq_stages=2, gluon_dq_short_t=16384, gluon_combine=True, group=32))
 # compute capability 8.x: not swept; the Hopper values. They fit sm_80's 163 KB of shared memory per
 # block by arithmetic (bf16, head dim 128): the largest, the forward tile, holds its Q rows (128 x 128
 # x 2 B = 32 KB) plus 3 stages of K and V key tiles (3 x 2 x 64 x 128 x 2 B = 96 KB), about 128 KB;

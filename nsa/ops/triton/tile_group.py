@@ -18,8 +18,8 @@ layer 0, 0.422 to 0.400 / 0.377 / 0.361 on layer 3.
 One program per (window, b * H + h). Each token's selection is a bit mask of mask_bits(n_blocks) bits
 (block id modulo that: exact up to 1024 blocks, i.e. 64k tokens at l_sel = 64; beyond, blocks 1024 apart
 count as one, which only blurs the heuristic: any permutation is correct), [W, bits / 32] int32 in
-registers; each of the W picks is a popcount of (mask & ~union) per token, a min and an OR. `group_tokens_torch` is the same
-greedy on bool masks (the CPU path and the kernel's cross-check).
+registers; each of the W picks is a popcount of (mask & ~union) per token, a min and an OR.
+`group_tokens_torch` is the same greedy on bool masks (the CPU path and the kernel's cross-check).
 
 Whole op, same table, with the first kernel (an all-pairs compare of the window's W x n_sel entries with
 each new member's n_sel blocks per pick: 118 / 254 registers at W = 16 / 32 for sm_90, a few programs per
