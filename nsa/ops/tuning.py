@@ -268,7 +268,8 @@ class TileTuning:
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
     # calls shorter than gluon_dq_short_t tokens run the Gluon dq with gluon_dq_short_stages slots instead
-    # (0 = never): 3 slots won at 8k on both captured layers and lost at 64k layer 0 (table 16)
+    # (0 = never): 3 slots won at 8k on both captured layers and lost at 64k layer 0 (H100, table 16); on an
+    # H200 the op at 8k gains only 0.3% on either layer (table 27)
     gluon_dq_short_t: int = 0
     gluon_dq_short_stages: int = 3
     # the Gluon forward also writes the op's output (the gated sum of the three branches) from its tile's

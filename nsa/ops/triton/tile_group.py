@@ -21,11 +21,11 @@ count as one, which only blurs the heuristic: any permutation is correct), [W, b
 registers; each of the W picks is a popcount of (mask & ~union) per token, a min and an OR.
 `group_tokens_torch` is the same greedy on bool masks (the CPU path and the kernel's cross-check).
 
-Whole op, same table, with the first kernel (an all-pairs compare of the window's W x n_sel entries with
-each new member's n_sel blocks per pick: 118 / 254 registers at W = 16 / 32 for sm_90, a few programs per
-SM), graph-timed forward+backward: 64k layer 0 82.09 -> 80.72 / 79.80 / 80.42 ms for W = 8 / 16 / 32, layer
-3 76.06 -> 76.40 / 76.52 / 76.99, 8k +0.05-0.3 ms on both layers. The bit masks take 40 / 55 registers
-and a third to a quarter of its instructions.
+H200, bench/RESULTS.md table 27: at 64k (4 KV heads) the greedy takes 0.20 / 0.29 / 0.59 ms for W = 16 / 32
+/ 64 (an all-pairs compare of the window's entries per pick took 0.68 / 1.99 at W = 16 / 32: 118 / 254
+registers on sm_90 against 40 / 55 here); 8k 0.03 ms. The Hopper preset groups within W = 32: op forward +
+backward on captured layer 0 -3.7% / -5.5% / -4.1% at 8k / 16k / 64k, layer 3 within 1%, random inputs
+0.4-2.3% faster. W = 64 shrinks the unions a little more but was slower at 8k (forward +0.3 ms).
 """
 from __future__ import annotations
 
