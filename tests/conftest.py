@@ -70,8 +70,6 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = REPO / "pipelines"
 TINY_PROFILE = str(PIPELINES / "configs" / "tiny_cpu.yaml")
-if str(REPO) not in sys.path:                 # this checkout's nsa, also without `pip install -e .`
-    sys.path.insert(0, str(REPO))
 
 
 # fixtures that start Ray (here and in test modules): their users count as Ray tests without the marker too
