@@ -279,8 +279,8 @@ class TileTuning:
     gluon_combine: bool = False
     # > 0: a tile's m tokens are those of each window of `group` consecutive tokens with the most similar
     # selections (a greedy per (window, KV head): nsa/ops/triton/tile_group.py) instead of m consecutive
-    # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 (a multiple of
-    # / 64 (a multiple of m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position).
+    # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 / 64 (a multiple
+    # of m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position).
     # H200, captured paper shape, op f+b, W=32 against consecutive tiles (bench/RESULTS.md table 27): layer 0
     # -3.7% / -5.5% / -4.1% at 8k / 16k / 64k, layer 3 -1.1% / -0.2% / 0.0%; random inputs -0.4-2.3%.
     group: int = 0
