@@ -267,22 +267,17 @@ class TileTuning:
     # (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
-    # calls shorter than gluon_dq_short_t tokens run the Gluon dq with gluon_dq_short_stages slots instead
-    # (0 = never): 3 slots won at 8k on both captured layers and lost at 64k layer 0 (H100, table 16); on an
-    # H200 the op at 8k gains only 0.3% on either layer (table 27)
+    # below gluon_dq_short_t tokens (0: never) the Gluon dq on gluon_dq_short_stages slots: 3 won at 8k on an
+    # H100 (table 16); on an H200 the op at 8k gains 0.3% on either captured layer (table 27)
     gluon_dq_short_t: int = 0
     gluon_dq_short_stages: int = 3
-    # the Gluon forward also writes the op's output (the gated sum of the three branches) from its tile's
-    # rows, where the branches' outputs exist before the selection's: no separate combine pass over them
-    # (H100, paper shape, captured selections: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k;
-    # bench/RESULTS.md table 18)
+    # the Gluon forward also writes the op's output (the branches' gated sum) from its tile's rows: no separate
+    # combine pass (H100, paper shape, captured: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k; table 18)
     gluon_combine: bool = False
-    # > 0: a tile's m tokens are those of each window of `group` consecutive tokens with the most similar
-    # selections (a greedy per (window, KV head): nsa/ops/triton/tile_group.py) instead of m consecutive
-    # ones, so the tiles' unions, hence their K/V loads and masked work, shrink; 8 / 16 / 32 / 64 (a multiple
-    # of m), 0 = consecutive. Needs dkdv_by "token" (the tile walk indexes tokens by position).
-    # H200, captured paper shape, op f+b, W=32 against consecutive tiles (bench/RESULTS.md table 27): layer 0
-    # -3.7% / -5.5% / -4.1% at 8k / 16k / 64k, layer 3 -1.1% / -0.2% / 0.0%; random inputs -0.4-2.3%.
+    # > 0: each tile's m tokens are the most alike of a window of `group` (8 / 16 / 32 / 64, a multiple of m)
+    # consecutive tokens (a greedy per window and KV head: nsa/ops/triton/tile_group.py), so the unions, hence
+    # K/V loads and masked work, shrink; 0 = consecutive. Needs dkdv_by "token". H200, captured paper shape,
+    # W=32 (table 27): op f+b layer 0 -3.7 / -5.5 / -4.1% at 8k / 16k / 64k, layer 3 within 1.1%, random -0.4-2.3%
     group: int = 0
     dkdv_rows: int = 32             # "tile" walk: (token, head) rows per dK/dV step (whole tiles, >= one)
     dkdv_warps: int = 4
@@ -304,8 +299,7 @@ class TileTuning:
         for f in ("gluon_fwd_stages", "gluon_dq_stages", "gluon_dq_short_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
         if self.gluon_dq_short_t < 0:
-            raise ValueError(f"TileTuning.gluon_dq_short_t must be >= 0 (0: every call on gluon_dq_stages), "
-                             f"got {self.gluon_dq_short_t}")
+            raise ValueError(f"TileTuning.gluon_dq_short_t must be >= 0 (0: never), got {self.gluon_dq_short_t}")
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
