@@ -11,8 +11,9 @@ tokens that can overlap them (j0*R - (LC-1) ..., R = l_sel/d, LC = l/d; BN >= NB
   s   = sum over the group's heads of p @ cnt              [BT, NBJ_PAD]
 where cnt[i, j] = overlap(i, j) / d, the number of stride chunks compression block i shares with
 selection block j (a band matrix, the same for every chunk relative to j0). On the GPU p @ cnt runs
-on tensor cores as two fp16 products (p = hi + lo * 2**-12, cnt exact: ~22-bit p, the accuracy class
-of the unfused kernel's tf32x3); the exact fp32 CUDA-core map is an option (MAP 0). The causal mask (and the
+on tensor cores as two fp16 products (~22-bit p, the accuracy class of the unfused kernel's tf32x3): p is
+formed as 2**12 p (the 12 folded into lse, so no multiply), split hi + lo in fp16, and both products take
+cnt * 2**-12 (exact in fp16), accumulating into one fp32 result; the exact fp32 CUDA-core map is an option (MAP 0). The causal mask (and the
 k~ < 0 / >= N guards) is only applied on chunks that need it: chunks fully visible to the tile's
 first token run an unmasked loop. Tiles are launched heaviest (latest tokens) first.
 
@@ -41,6 +42,9 @@ from .attn import load_group, token_rows
 
 GRID_BITS = SCORE_BITS + 1   # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**GRID_BITS
 SCORE_GRID = tl.constexpr(float(2 ** SCORE_BITS))   # the score grid of nsa/ops/common.py, for the kernels
+# the fp16 map's p is 2**MAP_SHIFT p (subtracted from lse in log2 units): lo = p - hi needs no scaling (shared
+# with scores_gluon.py, whose block scores must stay bitwise these)
+MAP_SHIFT = tl.constexpr(12.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,13 +121,13 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
     else:
         if MAP == 1:
             y = tl.dot(p, cnt, input_precision=P_PREC)                      # [BLOCK_R, NBJ_PAD]
-        else:   # cnt holds small integers: exact in fp16; p = hi + lo * 2**-12 to ~22 bits
+        else:   # p arrives as 2**12 p (MAP_SHIFT in lse): hi + lo to ~22 bits, cnt * 2**-12 exact in fp16
             if PAIRH and GP >= 16:
                 p = tl.reshape(tl.sum(tl.reshape(p, [BT, 2, GP // 2, BN]), 1), [BT * (GP // 2), BN])
             hi = p.to(tl.float16)
-            lo = ((p - hi.to(tl.float32)) * 4096.0).to(tl.float16)
-            c16 = cnt.to(tl.float16)
-            y = tl.dot(lo, c16, out_dtype=tl.float32) * (1.0 / 4096.0)
+            lo = (p - hi.to(tl.float32)).to(tl.float16)
+            c16 = (cnt * (1.0 / 4096.0)).to(tl.float16)
+            y = tl.dot(lo, c16, out_dtype=tl.float32)
             y = tl.dot(hi, c16, y, out_dtype=tl.float32)
         if PAIRH and MAP == 2 and GP >= 16:
             y = tl.sum(tl.reshape(y, [BT, GP // 2, NBJ_PAD]), 1)
@@ -247,8 +251,10 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
     b, h, tok, row_ok, hq, tok64 = token_rows(pid_m, pid_bh, T, H, G, GP, BLOCK_R)   # [BLOCK_R]
     q = load_group(Q, b, tok64[:, None], hq, row_ok, tl.arange(0, BDK), sqb, sqt, sqh, DK)   # [BLOCK_R, BDK]
     lse = tl.load(LSE + (b * T + tok64) * (H * G) + hq, mask=row_ok, other=0.0)
-    # +inf for padding rows and rows that see no compressed token: their p is exactly 0
-    lse2 = tl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634, float("inf"))
+    # +inf for padding rows and rows that see no compressed token: their p is exactly 0. The fp16 map (MAP 2)
+    # takes 2**12 p: its lo part then needs no scaling, and p >= 2**-26 stays normal in fp16
+    lse2 = tl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634 - (MAP_SHIFT if MAP == 2 else 0.0),
+                    float("inf"))
     ttok = pid_m * BT + tl.arange(0, BT)                                     # [BT]
     cur = ttok // LSEL                                                       # block of each token
     t_first = pid_m * BT

@@ -36,6 +36,7 @@ import triton
 
 from ..common import LOG2E
 from ..fallbacks import count_fallback
+from .scores import MAP_SHIFT
 from .tile_gluon import _target_arch, gluon_available
 
 # the shape the score pass is written for (read-only: ops keep no public mutable module state)
@@ -124,6 +125,7 @@ def _kernel():
     STRIDE = gl.constexpr(GEOMETRY["d"])
     LSEL = gl.constexpr(GEOMETRY["l_sel"])
     NS = gl.constexpr(STAGES)
+    SHIFT = gl.constexpr(MAP_SHIFT.value)                   # p is formed as 2**SHIFT p (scores.MAP_SHIFT)
 
     @gluon.jit
     def _producer(kc_desc, k_smem, full, empty, n_ch, row_b, h):
@@ -154,13 +156,12 @@ def _kernel():
                 p = gl.where(vis, gl.exp2(xs * scale_log2 - lse2[:, None]), 0.0)
             else:
                 p = gl.exp2(xs * scale_log2 - lse2[:, None])
-            hi = p.to(gl.float16)       # p = hi + lo * 2**-12 to ~22 bits; the band counts are exact in fp16
-            lo = ((p - hi.to(gl.float32)) * 4096.0).to(gl.float16)
+            # p is 2**12 p (lse2): hi + lo to ~22 bits, both against cnt * 2**-12 (exact in fp16), one wait
+            hi = p.to(gl.float16)
+            lo = (p - hi.to(gl.float32)).to(gl.float16)
             la = gl.convert_layout(lo, gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2))
             ha = gl.convert_layout(hi, gl.DotOperandLayout(operand_index=0, parent=mma_y, k_width=2))
             y = warpgroup_mma(la, c_smem, y_zero, use_acc=False, is_async=True)
-            y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
-            y = y * (1.0 / 4096.0)
             y = warpgroup_mma(ha, c_smem, y, is_async=True)
             y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
             sc = gl.convert_layout(gl.sum(gl.reshape(y, [M, G, NBP]), axis=1), so)   # [M tokens, NBP blocks]
@@ -188,8 +189,8 @@ def _kernel():
         tok = t0 + rs // G
         row_ok = tok < T
         lse = gl.load(LSE + (b.to(gl.int64) * T + tok) * (H * G) + h * G + rs % G, mask=row_ok, other=0.0)
-        # +inf for padding rows and rows that see no compressed token: their p is exactly 0
-        lse2 = gl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634, float("inf"))
+        # +inf for padding rows and rows that see no compressed token: their p is exactly 0; 2**12 p for the map
+        lse2 = gl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634 - SHIFT, float("inf"))
         kk = gl.arange(0, BN, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([ROWS, BN], gl.float32, layout=mma_s)
         y_zero = gl.zeros([ROWS, NBP], gl.float32, layout=mma_y)
@@ -221,7 +222,7 @@ def _kernel():
         rr = gl.arange(0, BN, layout=gl.SliceLayout(1, cl))[:, None]
         cc = gl.arange(0, NBP, layout=gl.SliceLayout(0, cl))[None, :]
         ov = gl.minimum(rr, cc * R + R - 1) - gl.maximum(rr - (LC - 1), cc * R) + 1
-        cnt = gl.where((ov > 0) & (cc < NB), ov, 0).to(gl.float16)
+        cnt = (gl.where((ov > 0) & (cc < NB), ov, 0).to(gl.float32) * (1.0 / 4096.0)).to(gl.float16)
         c_smem = gl.allocate_shared_memory(gl.float16, [BN, NBP],
                                            gl.NVMMASharedLayout.get_default_for([BN, NBP], gl.float16), cnt)
         k_smem = gl.allocate_shared_memory(kc_desc.dtype, [NS, BN, D], kc_desc.layout)
