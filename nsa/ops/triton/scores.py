@@ -13,9 +13,10 @@ where cnt[i, j] = overlap(i, j) / d, the number of stride chunks compression blo
 selection block j (a band matrix, the same for every chunk relative to j0). On the GPU p @ cnt runs
 on tensor cores as two fp16 products (~22-bit p, the accuracy class of the unfused kernel's tf32x3): p is
 formed as 2**12 p (the 12 folded into lse, so no multiply), split hi + lo in fp16, and both products take
-cnt * 2**-12 (exact in fp16), accumulating into one fp32 result; the exact fp32 CUDA-core map is an option (MAP 0). The causal mask (and the
-k~ < 0 / >= N guards) is only applied on chunks that need it: chunks fully visible to the tile's
-first token run an unmasked loop. Tiles are launched heaviest (latest tokens) first.
+cnt * 2**-12 (exact in fp16), accumulating into one fp32 result; the exact fp32 CUDA-core map is an
+option (MAP 0). The causal mask (and the k~ < 0 / >= N guards) is only applied on chunks that need it:
+chunks fully visible to the tile's first token run an unmasked loop. Tiles are launched heaviest
+(latest tokens) first.
 
 Top-n.  Scores go on the integer grid of nsa.ops.common (round-half-even(s * 2**20 * d / (G*l)) in
 fp64), exactly as scores_unfused._topn_kernel does. Forced blocks (block of t, block 0, the one before) are
