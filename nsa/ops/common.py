@@ -20,6 +20,9 @@ LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * LOG2E), the kernels wo
 SCORE_BITS = 20
 # priority bonus of forced blocks, in units of the score grid (scores are <= 2**SCORE_BITS)
 FORCED_STEP = 2 ** (SCORE_BITS + 1)
+# the GPU score kernels' fp16-split block map takes 2**SCORE_MAP_SHIFT p (the shift taken off lse in log2 units),
+# so its low part needs no scaling (nsa/ops/triton/scores.py and scores_gluon.py, which must agree bitwise)
+SCORE_MAP_SHIFT = 12
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

@@ -36,16 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import LOG2E, SCORE_BITS
+from ..common import LOG2E, SCORE_BITS, SCORE_MAP_SHIFT
 from ..tuning import ScoreTuning, tuning_for
 from ._utils import dot_precision, next_pow2, reg_cap, row_block
 from .attn import load_group, token_rows
 
 GRID_BITS = SCORE_BITS + 1   # grid values are <= 2**SCORE_BITS (+1 by rounding) < 2**GRID_BITS
 SCORE_GRID = tl.constexpr(float(2 ** SCORE_BITS))   # the score grid of nsa/ops/common.py, for the kernels
-# the fp16 map's p is 2**MAP_SHIFT p (subtracted from lse in log2 units): lo = p - hi needs no scaling (shared
-# with scores_gluon.py, whose block scores must stay bitwise these)
-MAP_SHIFT = tl.constexpr(12.0)
+MAP_SHIFT = tl.constexpr(float(SCORE_MAP_SHIFT))   # the fp16 map's p is 2**MAP_SHIFT p (nsa/ops/common.py)
+MAP_SCALE = tl.constexpr(2.0 ** -SCORE_MAP_SHIFT)   # ... and its counts cnt * 2**-MAP_SHIFT
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,12 +121,12 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
     else:
         if MAP == 1:
             y = tl.dot(p, cnt, input_precision=P_PREC)                      # [BLOCK_R, NBJ_PAD]
-        else:   # p arrives as 2**12 p (MAP_SHIFT in lse): hi + lo to ~22 bits, cnt * 2**-12 exact in fp16
+        else:   # p arrives as 2**12 p (MAP_SHIFT off lse): hi + lo to ~22 bits, cnt * 2**-12 exact in fp16
             if PAIRH and GP >= 16:
                 p = tl.reshape(tl.sum(tl.reshape(p, [BT, 2, GP // 2, BN]), 1), [BT * (GP // 2), BN])
             hi = p.to(tl.float16)
             lo = (p - hi.to(tl.float32)).to(tl.float16)
-            c16 = (cnt * (1.0 / 4096.0)).to(tl.float16)
+            c16 = (cnt * MAP_SCALE).to(tl.float16)
             y = tl.dot(lo, c16, out_dtype=tl.float32)
             y = tl.dot(hi, c16, y, out_dtype=tl.float32)
         if PAIRH and MAP == 2 and GP >= 16:

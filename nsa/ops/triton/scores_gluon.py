@@ -34,9 +34,8 @@ from types import MappingProxyType
 import torch
 import triton
 
-from ..common import LOG2E
+from ..common import LOG2E, SCORE_MAP_SHIFT
 from ..fallbacks import count_fallback
-from .scores import MAP_SHIFT
 from .tile_gluon import _target_arch, gluon_available
 
 # the shape the score pass is written for (read-only: ops keep no public mutable module state)
@@ -125,7 +124,8 @@ def _kernel():
     STRIDE = gl.constexpr(GEOMETRY["d"])
     LSEL = gl.constexpr(GEOMETRY["l_sel"])
     NS = gl.constexpr(STAGES)
-    SHIFT = gl.constexpr(MAP_SHIFT.value)                   # p is formed as 2**SHIFT p (scores.MAP_SHIFT)
+    SHIFT = gl.constexpr(float(SCORE_MAP_SHIFT))            # p is formed as 2**SHIFT p (as scores.py's),
+    CSCALE = gl.constexpr(2.0 ** -SCORE_MAP_SHIFT)          # the counts as cnt * 2**-SHIFT
 
     @gluon.jit
     def _producer(kc_desc, k_smem, full, empty, n_ch, row_b, h):
@@ -222,7 +222,7 @@ def _kernel():
         rr = gl.arange(0, BN, layout=gl.SliceLayout(1, cl))[:, None]
         cc = gl.arange(0, NBP, layout=gl.SliceLayout(0, cl))[None, :]
         ov = gl.minimum(rr, cc * R + R - 1) - gl.maximum(rr - (LC - 1), cc * R) + 1
-        cnt = (gl.where((ov > 0) & (cc < NB), ov, 0).to(gl.float32) * (1.0 / 4096.0)).to(gl.float16)
+        cnt = (gl.where((ov > 0) & (cc < NB), ov, 0).to(gl.float32) * CSCALE).to(gl.float16)
         c_smem = gl.allocate_shared_memory(gl.float16, [BN, NBP],
                                            gl.NVMMASharedLayout.get_default_for([BN, NBP], gl.float16), cnt)
         k_smem = gl.allocate_shared_memory(kc_desc.dtype, [NS, BN, D], kc_desc.layout)
