@@ -44,6 +44,10 @@ _DQC = 2
 # allocates 164 for it, 3.9 171 uncapped)
 FWD_MAX_REGS = 168
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
+# the walk without dq partials loads each step's per-row lse / delta / gate a step ahead (token ids two) instead of
+# at the step's start: H200, paper shape, random inputs, the walk 2.40 -> 2.14 ms at 16k, 10.0 -> 8.7 at 64k, dK / dV
+# bitwise (bench/RESULTS.md table 28). The walk with dq partials keeps the in-step loads (it spills 12 B more with them)
+WALK_ROW_PREFETCH = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -360,11 +364,23 @@ def _kernel():
             tma_load(do_desc, [row, 0], bar, dos.slice(r * G, G))
 
     @gluon.jit
+    def _row_vals(LSE, DELTA, GATE, row_b, toks, ok, hq, HQ, sgt, HAS_GATE: gl.constexpr):
+        """A walk step's per-row lse (log2 units), delta and gate: rows of tokens toks (int32) x query heads hq."""
+        ridx = (row_b.to(gl.int64) + toks.to(gl.int64)) * HQ + hq
+        lse = gl.load(LSE + ridx, mask=ok, other=0.0) * 1.4426950408889634
+        delta = gl.load(DELTA + ridx, mask=ok, other=0.0)
+        if HAS_GATE:
+            gate = gl.load(GATE + ridx * sgt, mask=ok, other=0.0).to(gl.float32)
+        else:
+            gate = gl.full(lse.shape, 1.0, gl.float32, layout=lse.type.layout)
+        return lse, delta, gate
+
+    @gluon.jit
     def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                     DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                     CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, num_warps: gl.constexpr):
+                    DQC: gl.constexpr, GUARD: gl.constexpr, ROW_PF: gl.constexpr, num_warps: gl.constexpr):
         """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
         per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
         each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
@@ -421,6 +437,11 @@ def _kernel():
         e = start + rs // G
         t_next = gl.load(TOKS + e, mask=e < end, other=0).to(gl.int32)                 # [R], step 0
         toks_r = _step_toks(TOKS, start + (NSTAGE - 1) * QB, end, QB, num_warps)      # [QB], the first refill
+        if ROW_PF:   # the rows' lse / delta / gate a step ahead too (token ids two): no gather waits in a step
+            t_cur = t_next
+            lse_n, delta_n, gate_n = _row_vals(LSE, DELTA, GATE, row_b, t_cur, e < end, h * G + rs % G, HQ, sgt,
+                                               HAS_GATE)
+            t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)  # [R], step 1
         mbarrier.wait(kv_bar, phase=0)
         for st in range(nsteps):
             nxt = st + NSTAGE - 1
@@ -435,15 +456,18 @@ def _kernel():
             dos = do_ring.index(slot)
             e = start + st * QB + rs // G
             row_ok = e < end
-            t = t_next.to(gl.int64)
-            t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)
-            ridx = (row_b.to(gl.int64) + t) * HQ + h * G + rs % G
-            lse = gl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634   # log2 units
-            delta = gl.load(DELTA + ridx, mask=row_ok, other=0.0)
-            if HAS_GATE:
-                gate = gl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(gl.float32)
+            if ROW_PF:   # this step's values arrived a step ago; t_next holds step st+1's tokens
+                t = t_cur.to(gl.int64)
+                lse, delta, gate = lse_n, delta_n, gate_n
+                lse_n, delta_n, gate_n = _row_vals(LSE, DELTA, GATE, row_b, t_next, e + QB < end, h * G + rs % G,
+                                                   HQ, sgt, HAS_GATE)
+                t_cur = t_next
+                t_next = gl.load(TOKS + e + 2 * QB, mask=e + 2 * QB < end, other=0).to(gl.int32)
             else:
-                gate = gl.full([R], 1.0, gl.float32, layout=gl.SliceLayout(1, mma_s))
+                t = t_next.to(gl.int64)
+                t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)
+                lse, delta, gate = _row_vals(LSE, DELTA, GATE, row_b, t.to(gl.int32), row_ok, h * G + rs % G, HQ,
+                                             sgt, HAS_GATE)
             limit = gl.where(row_ok, gl.minimum(t - j * LS, LS - 1), -1).to(gl.int32)   # select.walk_limit
             mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
             sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -610,4 +634,4 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
                                   dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, num_warps=4)
+                                  GUARD=mode, ROW_PF=WALK_ROW_PREFETCH and dq_pairs is None, num_warps=4)
