@@ -11,6 +11,7 @@ import torch
 
 from nsa.ops.triton import select_tile as tt
 from nsa.ops.triton import tile_gluon as tg
+from nsa.ops.triton import walk_gluon as wg
 from nsa.ops.tuning import SelectTuning, TileLaunch, TileTuning, tuning_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +121,8 @@ def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
 
 COMPILE = r"""
 from nsa.ops.triton.select_tile import _tile_unions_torch
-from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd, gwalk_dkdv
+from nsa.ops.triton.tile_gluon import gtile_dq, gtile_fwd
+from nsa.ops.triton.walk_gluon import gwalk_dkdv
 T, HQ, H, D = 1024, 64, 4, 128
 q = torch.randn(1, T, HQ, D).bfloat16()
 k, v = torch.randn(1, T, H, D).bfloat16(), torch.randn(1, T, H, D).bfloat16()
@@ -282,7 +284,7 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
     B, HQ, H, d = 1, 64, 4, 128
     q, k, v, do, lse, delta, gate = walk_inputs(B, T, HQ, H, d, gen)
     base = tuning_for("cuda").select
-    assert tg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
+    assert wg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda")
         got, want = (tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=chunk,

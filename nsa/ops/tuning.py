@@ -136,7 +136,7 @@ class SelectTuning:
     # lost: 27.5); G=6 (production) 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4 stages, so it keeps the prefetch
     dq_walk_loop_stages: int = 0
     dq_walk_loop_min_g: int = 1
-    # the walk without dq partials on the Gluon kernel (nsa/ops/triton/tile_gluon.py: the block's K/V and
+    # the walk without dq partials on the Gluon kernel (nsa/ops/triton/walk_gluon.py: the block's K/V and
     # each step's q / dO rows by TMA, this many ring slots) where eligible (d = 128, l_sel = 64, 64-row
     # steps of whole tokens' heads), else 0: the Triton kernel. Bitwise the same dK / dV; H100, paper shape,
     # captured selections, dK/dV incl. its reduction: 14.1 -> 12.6 / 13.7 -> 12.9 ms at 64k, 3-4% at 8k;

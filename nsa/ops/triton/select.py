@@ -21,7 +21,7 @@ from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
-from .tile_gluon import gluon_walk_ok, gwalk_dkdv
+from .walk_gluon import gluon_walk_ok, gwalk_dkdv
 
 
 # ----------------------------------------------------------------------------------------------

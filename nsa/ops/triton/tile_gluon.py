@@ -1,6 +1,6 @@
-"""Three selection kernels in Gluon (Triton's explicit-layout dialect) for Hopper: the query-tile forward
-and dq (select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel) and the dK/dV walk, with or without dq pair
-partials (select._slc_bwd_dkdv_kernel), each with the Triton kernel's contract.
+"""The query-tile selection kernels in Gluon (Triton's explicit-layout dialect) for Hopper: forward and dq
+(select_tile._tile_fwd_kernel / _tile_bwd_dq_kernel), each with the Triton kernel's contract, and the helpers
+the Gluon dK/dV walk shares (walk_gluon.py: eligibility, K / V descriptors, the launch fallback).
 
 Same programs and the same arithmetic in the same order as the Triton kernels (their outputs are bitwise
 the Triton kernels', bench/RESULTS.md tables 16 and 17), written at the level Triton leaves to its compiler: the
@@ -30,24 +30,16 @@ from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper, called from Gluon too
 
-ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
 # m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
 # of the union of twice the tokens once, but both warpgroups compute all of it in step: slower than 64 rows at the
 # paper shape (bench/RESULTS.md table 20), faster than the Triton kernels at m=8
 TILE_ROWS = (64, 128)
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
-# the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
-# before the token-id prefetch, which adds 16 B)
-_DQC = 2
 # the forward that also writes the op's output: three 4-warp programs per SM need <= 168 registers (Triton 3.6
 # allocates 164 for it, 3.9 171 uncapped)
 FWD_MAX_REGS = 168
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
-# the walk without dq partials loads each step's per-row lse / delta / gate a step ahead (token ids two) instead of
-# at the step's start: H200, paper shape, random inputs, the walk 2.40 -> 2.14 ms at 16k, 10.0 -> 8.7 at 64k, dK / dV
-# bitwise (bench/RESULTS.md table 28). The walk with dq partials keeps the in-step loads (it spills 12 B more with them)
-WALK_ROW_PREFETCH = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,11 +87,10 @@ def _target_arch() -> int:
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """The @gluon.jit kernels (forward, dq, walk), built on first use (CPU-only runs never import Gluon)."""
+    """The @gluon.jit tile kernels (forward, dq), built on first use (CPU-only runs never import Gluon)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
     # Gluon is experimental: the TMA load was async_copy_global_to_shared up to Triton 3.6, async_load later
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
@@ -344,172 +335,9 @@ def _kernel():
                          off, co, D, HAS_GC, HAS_GW, GC_ACC, GW_ACC)
         gl.store(DQ + off, dq.to(DQ.dtype.element_ty), mask=(to < T)[:, None])
 
-    @gluon.jit
-    def _step_toks(TOKS, e0, end, QB: gl.constexpr, num_warps: gl.constexpr):
-        """The token ids of list entries e0 .. e0+QB-1 (past `end`: token 0, masked later) as an int32 [QB]
-        that every thread holds whole."""
-        iq = gl.arange(0, QB, layout=gl.BlockedLayout([QB], [32], [num_warps], [0]))
-        return gl.load(TOKS + e0 + iq, mask=e0 + iq < end, other=0).to(gl.int32)
+    return _gtile_fwd, _gtile_dq
 
-    @gluon.jit
-    def _load_rows(q_desc, do_desc, bar, qs, dos, toks, row_b, hq0, HQ, G: gl.constexpr, QB: gl.constexpr):
-        """One walk step's rows into a ring slot: for each of its QB tokens (toks, _step_toks) the token's
-        G head rows of q and dO, one [G, d] TMA box each."""
-        mbarrier.expect(bar, QB * (q_desc.block_type.nbytes + do_desc.block_type.nbytes))
-        iq = gl.arange(0, QB, layout=toks.type.layout)
-        for r in gl.static_range(QB):
-            t = gl.sum(gl.where(iq == r, toks, 0), 0)   # within each thread: it holds all QB
-            row = (row_b + t) * HQ + hq0          # TMA coordinates are int32 (B*T*HQ < 2**31, checked)
-            tma_load(q_desc, [row, 0], bar, qs.slice(r * G, G))
-            tma_load(do_desc, [row, 0], bar, dos.slice(r * G, G))
 
-    @gluon.jit
-    def _row_vals(LSE, DELTA, GATE, row_b, toks, ok, hq, HQ, sgt, HAS_GATE: gl.constexpr):
-        """A walk step's per-row lse (log2 units), delta and gate: rows of tokens toks (int32) x query heads hq."""
-        ridx = (row_b.to(gl.int64) + toks.to(gl.int64)) * HQ + hq
-        lse = gl.load(LSE + ridx, mask=ok, other=0.0) * 1.4426950408889634
-        delta = gl.load(DELTA + ridx, mask=ok, other=0.0)
-        if HAS_GATE:
-            gate = gl.load(GATE + ridx * sgt, mask=ok, other=0.0).to(gl.float32)
-        else:
-            gate = gl.full(lse.shape, 1.0, gl.float32, layout=lse.type.layout)
-        return lse, delta, gate
-
-    @gluon.jit
-    def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                    DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
-                    G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
-                    CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, ROW_PF: gl.constexpr, num_warps: gl.constexpr):
-        """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
-        per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
-        each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
-        pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs)."""
-        R: gl.constexpr = G * QB
-        if GUARD != 0:
-            if skip_program(FLAG, GUARD):
-                return
-        w = gl.program_id(0)
-        seg = gl.load(WSEG + w).to(gl.int32)     # as select.work_item, in int32 (TMA coordinates)
-        chunk = gl.load(WCHUNK + w).to(gl.int32)
-        ok = seg < NSEG
-        seg = gl.where(ok, seg, 0)
-        j = seg % NSB
-        bh = seg // NSB
-        b = bh // H
-        h = bh % H
-        start = (gl.load(SEGOFF + seg) + chunk * CH).to(gl.int32)
-        end = gl.where(ok, gl.minimum(gl.load(SEGOFF + seg + 1), start + CH), start).to(gl.int32)
-        HQ = H * G
-        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, LS, 16])
-        mma_k: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        mma_h: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D // DQC, 16])
-        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([R, LS], k_desc.dtype)
-        k_smem = gl.allocate_shared_memory(k_desc.dtype, [LS, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(v_desc.dtype, [LS, DV], v_desc.layout)
-        q_ring = gl.allocate_shared_memory(q_desc.dtype, [NSTAGE, R, D], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(do_desc.dtype, [NSTAGE, R, DV], do_desc.layout)
-        p_smem = gl.allocate_shared_memory(k_desc.dtype, [R, LS], p_sl)
-        ds_smem = gl.allocate_shared_memory(k_desc.dtype, [R, LS], p_sl)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        bars = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(NSTAGE):
-            mbarrier.init(bars.index(i), count=1)
-        row_b = b * T
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [row_b + j * LS, h * D], kv_bar, k_smem)
-        tma_load(v_desc, [row_b + j * LS, h * DV], kv_bar, v_smem)
-        nsteps = (end - start + QB - 1) // QB
-        for i in gl.static_range(NSTAGE - 1):
-            if i < nsteps:
-                _load_rows(q_desc, do_desc, bars.index(i), q_ring.index(i), do_ring.index(i),
-                           _step_toks(TOKS, start + i * QB, end, QB, num_warps), row_b, h * G, HQ, G, QB)
-        rs = gl.arange(0, R, layout=gl.SliceLayout(1, mma_s))
-        kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
-        s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
-        dk = gl.zeros([LS, D], gl.float32, layout=mma_k)
-        dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
-        # token ids are read a step before their use, the rows' (for the lse / delta gathers) and the next
-        # refill's (for its TMA coordinates): neither then waits on a dependent global load (the walk's
-        # largest stall, bench/RESULTS.md table 17)
-        e = start + rs // G
-        t_next = gl.load(TOKS + e, mask=e < end, other=0).to(gl.int32)                 # [R], step 0
-        toks_r = _step_toks(TOKS, start + (NSTAGE - 1) * QB, end, QB, num_warps)      # [QB], the first refill
-        if ROW_PF:   # the rows' lse / delta / gate a step ahead too (token ids two): no gather waits in a step
-            t_cur = t_next
-            lse_n, delta_n, gate_n = _row_vals(LSE, DELTA, GATE, row_b, t_cur, e < end, h * G + rs % G, HQ, sgt,
-                                               HAS_GATE)
-            t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)  # [R], step 1
-        mbarrier.wait(kv_bar, phase=0)
-        for st in range(nsteps):
-            nxt = st + NSTAGE - 1
-            if nxt < nsteps:   # refill the slot step st-1 read (the barrier: every warp is past its waits)
-                cta_barrier()
-                s2 = nxt % NSTAGE
-                _load_rows(q_desc, do_desc, bars.index(s2), q_ring.index(s2), do_ring.index(s2), toks_r, row_b, h * G,
-                           HQ, G, QB)
-            toks_r = _step_toks(TOKS, start + (nxt + 1) * QB, end, QB, num_warps)
-            slot = st % NSTAGE
-            qs = q_ring.index(slot)
-            dos = do_ring.index(slot)
-            e = start + st * QB + rs // G
-            row_ok = e < end
-            if ROW_PF:   # this step's values arrived a step ago; t_next holds step st+1's tokens
-                t = t_cur.to(gl.int64)
-                lse, delta, gate = lse_n, delta_n, gate_n
-                lse_n, delta_n, gate_n = _row_vals(LSE, DELTA, GATE, row_b, t_next, e + QB < end, h * G + rs % G,
-                                                   HQ, sgt, HAS_GATE)
-                t_cur = t_next
-                t_next = gl.load(TOKS + e + 2 * QB, mask=e + 2 * QB < end, other=0).to(gl.int32)
-            else:
-                t = t_next.to(gl.int64)
-                t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)
-                lse, delta, gate = _row_vals(LSE, DELTA, GATE, row_b, t.to(gl.int32), row_ok, h * G + rs % G, HQ,
-                                             sgt, HAS_GATE)
-            limit = gl.where(row_ok, gl.minimum(t - j * LS, LS - 1), -1).to(gl.int32)   # select.walk_limit
-            mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
-            sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpa = warpgroup_mma(dos, v_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
-            vis = kk[None, :] <= limit[:, None]
-            p = gl.where(vis, gl.exp2(sacc * scale_log2 - lse[:, None]), 0.0) * gate[:, None]
-            ds = p * (dpa - delta[:, None])
-            p_smem.store(p.to(k_desc.dtype))
-            ds_smem.store(ds.to(k_desc.dtype))
-            fence_async_shared()
-            cta_barrier()
-            dv = warpgroup_mma(p_smem.permute((1, 0)), dos, dv, is_async=True)
-            dk = warpgroup_mma(ds_smem.permute((1, 0)), qs, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-            if DQ_PAIRS:   # dS K * scale [R, d] in DQC column slices of d (fewer accumulator registers beside dK / dV)
-                rq = gl.arange(0, R, layout=gl.SliceLayout(1, mma_h))
-                eq = start + st * QB + rq // G
-                pr = eq.to(gl.int64) * G + rq % G
-                for c in gl.static_range(DQC):
-                    dqp = warpgroup_mma(ds_smem, k_smem.slice(c * (D // DQC), D // DQC, dim=1),
-                                        gl.zeros([R, D // DQC], gl.float32, layout=mma_h), use_acc=False)
-                    cq = c * (D // DQC) + gl.arange(0, D // DQC, layout=gl.SliceLayout(0, mma_h))
-                    gl.store(DQP + pr[:, None] * D + cq[None, :], (dqp * scale).to(DQP.dtype.element_ty),
-                             mask=(eq < end)[:, None])
-        mbarrier.invalidate(kv_bar)
-        for i in gl.static_range(NSTAGE):
-            mbarrier.invalidate(bars.index(i))
-        dk = dk * scale
-        ko = gl.arange(0, LS, layout=gl.SliceLayout(1, mma_k))
-        co = gl.arange(0, D, layout=gl.SliceLayout(0, mma_k))
-        first = ok & (chunk == 0) & (ko < gl.minimum(T - j * LS, LS))
-        o_row = ((row_b.to(gl.int64) + j * LS + ko) * H + h)
-        gl.store(DKO + o_row[:, None] * D + co[None, :], dk, mask=first[:, None])
-        gl.store(DVO + o_row[:, None] * DV + co[None, :], dv, mask=first[:, None])
-        extra = ok & (chunk > 0) & (ko < LS)
-        xslot = gl.load(XOFF + seg) + chunk - 1
-        x_row = (gl.where(extra, xslot, 0) * LS + ko).to(gl.int64)
-        gl.store(XDK + x_row[:, None] * D + co[None, :], dk, mask=extra[:, None])
-        gl.store(XDV + x_row[:, None] * DV + co[None, :], dv, mask=extra[:, None])
-
-    return _gtile_fwd, _gtile_dq, _gwalk_dkdv
 
 
 def _launch(name: str, q: torch.Tensor, fn) -> bool:
@@ -588,50 +416,3 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
                               HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, HAS_PERM=un.perm is not None,
                               **add_kw,
                               num_warps=m * (HQ // H) // 16)
-
-
-def _rows_of_heads(x: torch.Tensor) -> bool:
-    """x [B, T, HQ, d] addressable as a 2-D [B*T*HQ, d] array (one row per (token, head)), 16-byte aligned."""
-    B, T, HQ, d = x.shape
-    return (x.stride(3) == 1 and x.stride(2) == d and (T == 1 or x.stride(1) == HQ * d)
-            and (B == 1 or x.stride(0) == T * HQ * d) and (d * x.element_size()) % 16 == 0
-            and x.data_ptr() % 16 == 0)
-
-
-def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, rows: int, l_sel: int) -> bool:
-    """Whether the Gluon dK/dV walk (with or without dq partials) takes this call: gluon_tile_ok's conditions with
-    `rows` (the walk step's token x head rows) in place of m*G, q / dO one row per (token, head)."""
-    G = q.shape[2] // k.shape[2]
-    return (rows == ROWS and rows % G == 0 and do.dtype == q.dtype and _rows_of_heads(q) and _rows_of_heads(do)
-            and q.numel() // q.shape[3] < 2 ** 31 and gluon_tile_ok(q, k, v, rows // G, l_sel))
-
-
-def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
-               scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
-               guard: Guard | None = None) -> bool:
-    """select.slc_dkdv's walk for inputs gluon_walk_ok accepts: fills dk32 / dv32 / xdk / xdv as
-    _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
-    there. False as gtile_fwd's."""
-    return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
-                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard))
-
-
-def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_pairs, chunk, scale, stages,
-          has_gate, guard) -> None:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    B, T, HQ, D = q.shape
-    H, DV = k.shape[2], v.shape[3]
-    G = HQ // H
-    kd, vd = _descriptors(k, v)
-    dt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay = gl.NVMMASharedLayout.get_default_for([G, D], dt)
-    qd = TensorDescriptor(q, [B * T * HQ, D], [D, 1], [G, D], lay)
-    dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
-    flag, mode = guard if guard is not None else (lse, 0)
-    _kernel()[2][(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
-                                  inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv,
-                                  dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
-                                  scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
-                                  NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, ROW_PF=WALK_ROW_PREFETCH and dq_pairs is None, num_warps=4)
