@@ -4,8 +4,9 @@ dK / dV / partials are bitwise the Triton walk's, bench/RESULTS.md table 17).
 
 One program per work item (segment = (b, h, block j), chunk of its token list). The block's K / V tiles come
 by TMA once; each step's q / dO rows (QB tokens x G heads = 64 rows, one [G, d] box per token) arrive by TMA
-into a ring of mbarrier-guarded slots filled a step ahead. The rows' token ids are read two steps ahead and
-their lse / delta / gate one (WALK_ROW_PREFETCH), so no step waits on a dependent gather.
+into a ring of mbarrier-guarded slots filled a step ahead. Without dq partials the rows' token ids are read two
+steps ahead and their lse / delta / gate one (WALK_ROW_PREFETCH), so no step waits on a dependent gather; with
+them the ids are read one step ahead and the row values at the step's start.
 
 Eligible (gluon_walk_ok): tile_gluon.gluon_tile_ok's conditions (Hopper, bf16 / fp16, d = 128, l_sel = 64,
 K / V as 2-D [B*T, H*d]) with 64 rows of whole tokens' heads per step and q / dO as [B*T*HQ, d]. A failure to
@@ -130,9 +131,9 @@ def _walk_kernel():
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dk = gl.zeros([LS, D], gl.float32, layout=mma_k)
         dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
-        # token ids are read a step before their use, the rows' (for the lse / delta gathers) and the next
-        # refill's (for its TMA coordinates): neither then waits on a dependent global load (the walk's
-        # largest stall, bench/RESULTS.md table 17)
+        # token ids are read ahead of their use, the rows' (for the lse / delta / gate gathers: two steps with
+        # ROW_PF, whose row values then come a step ahead, else one) and the next refill's (for its TMA
+        # coordinates): none then waits on a dependent global load (bench/RESULTS.md tables 17 and 28)
         e = start + rs // G
         t_next = gl.load(TOKS + e, mask=e < end, other=0).to(gl.int32)                 # [R], step 0
         toks_r = _step_toks(TOKS, start + (NSTAGE - 1) * QB, end, QB, num_warps)      # [QB], the first refill
