@@ -320,3 +320,33 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
         runs.append((dk, dv, dqp[:inv["n_pairs"] * (HQ // H)]))
     for name, a, b in zip(("dk", "dv", "dq pairs"), *runs):
         assert torch.isfinite(a).all() and torch.equal(a, b), f"T={T}: Gluon {name} differs from the Triton walk"
+
+
+@pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
+@pytest.mark.parametrize("knob", [True, False])
+def test_walk_row_prefetch_knob_reaches_the_walk_kernel(monkeypatch, knob):
+    """SelectTuning.gluon_walk_row_prefetch goes from slc_dkdv to the Gluon walk's ROW_PF (no GPU: the walk is a
+    stand-in that records its constexprs and returns), and never with dq partials, where the prefetch spills."""
+    from nsa.ops.triton import select as tsel
+    from test_triton_tile import make_block_idx
+    seen = []
+
+    class Walk:   # kernel[grid](*args, **constexprs)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: seen.append((kw["ROW_PF"], kw["DQ_PAIRS"]))
+
+    monkeypatch.setattr(wg, "_walk_kernel", lambda: Walk())
+    monkeypatch.setattr(tsel, "gluon_walk_ok", lambda *a: True)
+    monkeypatch.setattr(tg, "_OFF", {})
+    T, HQ, H, D = 128, 64, 4, 128
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, T, HQ, D, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, T, H, D, generator=g).bfloat16() for _ in range(2))
+    lse = torch.zeros(1, T, HQ)
+    bi = make_block_idx(1, T, H, 2, 64, "random", torch.Generator().manual_seed(1), device="cpu")
+    tn = SelectTuning(gluon_walk_stages=2, gluon_dq_walk_stages=2, gluon_walk_row_prefetch=knob)
+    tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn)
+    inv = tsel.invert_selection(bi, 64, 1024, ranks=True)
+    tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn, inv=inv,
+                  dq_pairs=torch.empty(inv["toks"].numel() * (HQ // H), D).bfloat16())
+    assert seen == [(knob, False), (False, True)] and tg._OFF == {}

@@ -127,12 +127,11 @@ class SelectTuning:
     # 0: a plain loop under the kernel's dkdv_stages, which pipelines only the loads feeding its dots. At
     # the paper shape the plain loop's q / dO gathers compiled to plain loads (sm_90: 27 LDG, no LDGSTS in
     # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
-    # (H100, walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k; on captured inputs 16.1 -> 13.7; bench/RESULTS.md
-    # table 15); 2 / 4 stages: 2.02 / 1.71 ms at 8k against 3's 1.70
+    # (H100, table 15: walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k, captured 16.1 -> 13.7; 2 / 4 stages 2.02 / 1.71)
     walk_loop_stages: int = 0
     # the same for the walk that writes dq pair partials (the per-token path's), for G >= dq_walk_loop_min_g
-    # query heads per KV head. Compiled for sm_90 its gathers are plain loads too (production shape: 20 LDG,
-    # no LDGSTS). H100, 64k, random inputs (table 15): G=16 (paper) 25.7 -> 24.3 ms at 2 stages (3 spilled and
+    # query heads per KV head; its gathers are plain loads too (production shape, sm_90: 20 LDG, no LDGSTS).
+    # H100, 64k, random inputs (table 15): G=16 (paper) 25.7 -> 24.3 ms at 2 stages (3 spilled and
     # lost: 27.5); G=6 (production) 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4 stages, so it keeps the prefetch
     dq_walk_loop_stages: int = 0
     dq_walk_loop_min_g: int = 1
@@ -142,10 +141,12 @@ class SelectTuning:
     # captured selections, dK/dV incl. its reduction: 14.1 -> 12.6 / 13.7 -> 12.9 ms at 64k, 3-4% at 8k;
     # 3 slots (one program per SM) 25-40% slower (bench/RESULTS.md table 16)
     gluon_walk_stages: int = 0
-    # the same for the walk that writes dq pair partials (the per-token path's: random paper-shape inputs from
-    # 16k). Bitwise the Triton walk's dK / dV / pair partials; H100, random inputs: 5.96 -> 5.64 ms at 16k,
-    # 24.4 -> 22.9 at 64k (bench/RESULTS.md table 17)
+    # the same for the walk with dq pair partials (the per-token path's: random paper-shape inputs from 16k); bitwise
+    # the Triton walk's outputs; H100, random: 5.96 -> 5.64 ms at 16k, 24.4 -> 22.9 at 64k (table 17)
     gluon_dq_walk_stages: int = 0
+    # the Gluon walk without dq partials loads each step's row lse / delta / gate a step ahead (token ids two),
+    # bitwise the same: H200, paper shape, random, the walk 2.40 -> 2.14 ms at 16k, 10.0 -> 8.7 at 64k (table 28)
+    gluon_walk_row_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gluon_walk_stages", "gluon_dq_walk_stages"):

@@ -471,7 +471,7 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
         if gstages and walk_group(HQ // H, tn) == HQ // H and gluon_walk_ok(q, k, v, do, rows, l_sel) and \
                 gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv, chunk=chunk,
                            scale=scale, stages=gstages, has_gate=gate is not None, dq_pairs=dqp,
-                           guard=None if gm == 0 else (flag, gm)):
+                           guard=None if gm == 0 else (flag, gm), row_prefetch=tn.gluon_walk_row_prefetch):
             continue
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],

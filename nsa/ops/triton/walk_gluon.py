@@ -5,8 +5,9 @@ dK / dV / partials are bitwise the Triton walk's, bench/RESULTS.md table 17).
 One program per work item (segment = (b, h, block j), chunk of its token list). The block's K / V tiles come
 by TMA once; each step's q / dO rows (QB tokens x G heads = 64 rows, one [G, d] box per token) arrive by TMA
 into a ring of mbarrier-guarded slots filled a step ahead. Without dq partials the rows' token ids are read two
-steps ahead and their lse / delta / gate one (WALK_ROW_PREFETCH), so no step waits on a dependent gather; with
-them the ids are read one step ahead and the row values at the step's start.
+steps ahead and their lse / delta / gate one (row_prefetch: SelectTuning.gluon_walk_row_prefetch), so no step
+waits on a dependent gather; with them (where the prefetch would spill 12 B more) the ids are read one step ahead
+and the row values at the step's start.
 
 Eligible (gluon_walk_ok): tile_gluon.gluon_tile_ok's conditions (Hopper, bf16 / fp16, d = 128, l_sel = 64,
 K / V as 2-D [B*T, H*d]) with 64 rows of whole tokens' heads per step and q / dO as [B*T*HQ, d]. A failure to
@@ -27,10 +28,6 @@ ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exa
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
 # before the token-id prefetch, which adds 16 B)
 _DQC = 2
-# the walk without dq partials loads each step's per-row lse / delta / gate a step ahead (token ids two) instead of
-# at the step's start: H200, paper shape, random inputs, the walk 2.40 -> 2.14 ms at 16k, 10.0 -> 8.7 at 64k, dK / dV
-# bitwise (bench/RESULTS.md table 28). The walk with dq partials keeps the in-step loads (it spills 12 B more with them)
-WALK_ROW_PREFETCH = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,16 +228,17 @@ def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.T
 
 def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
                scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
-               guard: Guard | None = None) -> bool:
+               guard: Guard | None = None, row_prefetch: bool = True) -> bool:
     """select.slc_dkdv's walk for inputs gluon_walk_ok accepts: fills dk32 / dv32 / xdk / xdv as
     _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
-    there. False as gtile_fwd's."""
+    there; row_prefetch (without dq_pairs): the rows' values a step ahead. False as gtile_fwd's."""
     return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
-                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard))
+                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard,
+                                                            row_prefetch and dq_pairs is None))
 
 
 def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_pairs, chunk, scale, stages,
-          has_gate, guard) -> None:
+          has_gate, guard, row_pf) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, T, HQ, D = q.shape
@@ -257,4 +255,4 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
                                   dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, ROW_PF=WALK_ROW_PREFETCH and dq_pairs is None, num_warps=4)
+                                  GUARD=mode, ROW_PF=row_pf, num_warps=4)
