@@ -129,10 +129,9 @@ class SelectTuning:
     # the loop) and the walk waited on them half the time; n=3 makes them async copies a step or two ahead
     # (H100, table 15: walk 2.07 -> 1.74 ms at 8k, 16.0 -> 13.9 at 64k, captured 16.1 -> 13.7; 2 / 4 stages 2.02 / 1.71)
     walk_loop_stages: int = 0
-    # the same for the walk that writes dq pair partials (the per-token path's), for G >= dq_walk_loop_min_g
-    # query heads per KV head; its gathers are plain loads too (production shape, sm_90: 20 LDG, no LDGSTS).
-    # H100, 64k, random inputs (table 15): G=16 (paper) 25.7 -> 24.3 ms at 2 stages (3 spilled and
-    # lost: 27.5); G=6 (production) 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4 stages, so it keeps the prefetch
+    # the same for the walk with dq pair partials (the per-token path's), for G >= dq_walk_loop_min_g; its gathers
+    # are plain loads too (production shape, sm_90: 20 LDG, no LDGSTS). H100, 64k, random (table 15): G=16 25.7 ->
+    # 24.3 ms at 2 stages (3 spilled: 27.5); G=6 2.39 -> 2.73 / 2.64 / 2.66 at 2 / 3 / 4, so it keeps the prefetch
     dq_walk_loop_stages: int = 0
     dq_walk_loop_min_g: int = 1
     # the walk without dq partials on the Gluon kernel (nsa/ops/triton/walk_gluon.py: the block's K/V and
@@ -144,8 +143,7 @@ class SelectTuning:
     # the same for the walk with dq pair partials (the per-token path's: random paper-shape inputs from 16k); bitwise
     # the Triton walk's outputs; H100, random: 5.96 -> 5.64 ms at 16k, 24.4 -> 22.9 at 64k (table 17)
     gluon_dq_walk_stages: int = 0
-    # the Gluon walk without dq partials loads each step's row lse / delta / gate a step ahead (token ids two),
-    # bitwise the same: H200, paper shape, random, the walk 2.40 -> 2.14 ms at 16k, 10.0 -> 8.7 at 64k (table 28)
+    # the Gluon walk without dq partials: each step's row lse / delta / gate a step ahead (token ids two; table 28)
     gluon_walk_row_prefetch: bool = True
 
     def __post_init__(self) -> None:
@@ -247,29 +245,27 @@ class TileTuning:
     fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
     dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))
     big_keys: int = 32              # cap on keys per stage for padded head dims > 128
-    # dK/dV: "token" walks, per block, the tokens that selected it (select.py's kernel, launched with
-    # SelectTuning's dkdv_*: every row it loads is a member); "tile" walks the tiles whose union holds
-    # the block, masking the rows of tokens that did not select it, i.e. union_fraction * m times the
-    # token walk's MMA work for the same q/dO traffic (K/V are loaded once per program either way).
+    # dK/dV: "token" walks, per block, the tokens that selected it (select.py's kernel, SelectTuning's dkdv_*:
+    # every row it loads is a member); "tile" walks the tiles whose union holds the block, masking the rows of
+    # tokens that did not select it (union_fraction * m times the token walk's MMA work, the same q/dO traffic).
     # H100, 8k, HQ=64, H=4, d=128: token 2.2 ms, tile (64 rows per step) 8.5 (m=1) / 12.2 (m=4) / 12.1 (m=8).
     dkdv_by: str = "token"
-    # m > 1: per call, the tile kernels only when the tiles' mean union fraction (measured on the
-    # device from the block indices: no host sync) is <= auto_union, else the per-token kernels (both
-    # launched, the other one's programs return at once: nsa/ops/triton/guard.py); 0 = always tiles
+    # m > 1: per call, the tile kernels only when the tiles' mean union fraction (measured on the device from the
+    # block indices: no host sync) is <= auto_union, else the per-token kernels (both launched, the other one's
+    # programs return at once: nsa/ops/triton/guard.py); 0 = always tiles
     auto_union: float = 0.0
-    # tiles only for calls whose KV heads serve at least min_g query heads (G = HQ / H), the per-token /
-    # block-order kernels below: at G <= 8 the block-order kernels already fill their MMA rows with
-    # several tokens' heads, at G = 16 the per-token programs have 16 rows (bench/RESULTS.md table 12)
+    # tiles only for calls whose KV heads serve at least min_g query heads (G = HQ / H), the per-token / block-order
+    # kernels below: at G <= 8 the block-order kernels already fill their MMA rows with several tokens' heads, at
+    # G = 16 the per-token programs have 16 rows (bench/RESULTS.md table 12)
     min_g: int = 1
-    # forward on the Gluon kernel (nsa/ops/triton/tile_gluon.py: TMA ring of this many K/V slots, q in
-    # registers) where it is eligible, else 0: the Triton kernel. Same output bit for bit; H100, paper
-    # shape, m=4, captured selections: forward 10.3-13.0 -> 8.1-11.1 ms at 64k, 1.2-1.4 -> 0.9-1.2 at 8k;
-    # dq (2 slots; 3 win at 8k and one 64k layer, lose at the other) 12.0-15.7 -> 10.5-12.6 ms at 64k
-    # (bench/RESULTS.md table 16)
+    # forward on the Gluon kernel (nsa/ops/triton/tile_gluon.py: TMA ring of this many K/V slots, q in registers)
+    # where it is eligible, else 0: the Triton kernel. Same output bit for bit; H100, paper shape, m=4, captured:
+    # forward 10.3-13.0 -> 8.1-11.1 ms at 64k, 1.2-1.4 -> 0.9-1.2 at 8k; dq (2 slots; 3 win at 8k and one 64k
+    # layer, lose at the other) 12.0-15.7 -> 10.5-12.6 ms at 64k (bench/RESULTS.md table 16)
     gluon_fwd_stages: int = 0
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
-    # below gluon_dq_short_t tokens (0: never) the Gluon dq on gluon_dq_short_stages slots: 3 won at 8k on an
-    # H100 (table 16); on an H200 the op at 8k gains 0.3% on either captured layer (table 27)
+    # below gluon_dq_short_t tokens (0: never) the Gluon dq on gluon_dq_short_stages slots (dq_stages_for): 3 won at
+    # 8k on an H100 (table 16); on an H200 the op at 8k gains 0.3% on either captured layer (table 27)
     gluon_dq_short_t: int = 0
     gluon_dq_short_stages: int = 3
     # the Gluon forward also writes the op's output (the branches' gated sum) from its tile's rows: no separate
@@ -305,6 +301,11 @@ class TileTuning:
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
         return self.m if G >= self.min_g else 1
+
+    def dq_stages_for(self, T: int) -> int:
+        """K/V ring slots of the Gluon tile dq for a call of T tokens (0: the Triton kernel)."""
+        return self.gluon_dq_short_stages if 0 < self.gluon_dq_stages and T < self.gluon_dq_short_t \
+            else self.gluon_dq_stages
 
     def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
         return pair[0] if rows <= 64 else pair[1]

@@ -246,11 +246,12 @@ class NSATritonFunction(torch.autograd.Function):
         fwd_pairs = pairs and tuning.select.by_block(G)
         ctx.dq_pairs = pairs and tuning.select.dq_by_block(G)
         ctx.inv = inv_fwd = invert_selection(block_idx, l_sel, chunk, ranks=True) if fwd_pairs else None
+        n_blocks = triton.cdiv(k_slc.shape[1], l_sel)   # a bound on the block ids, for the tiles' grouping
         if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
             flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
             on_tile, on_token = pair(flag)
             union = tile_unions(block_idx, m, guard=on_tile, group=tuning.tile.group,   # written only when tiles run
-                                n_blocks=triton.cdiv(k_slc.shape[1], l_sel))
+                                n_blocks=n_blocks)
             B, T, HQ = q.shape[:3]
             out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
             _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
@@ -261,7 +262,7 @@ class NSATritonFunction(torch.autograd.Function):
                 combine(o_cmp, o_slc, o_win, gates, cmp_rows, out=fused.out, guard=on_token)
             union = (*union, flag)
         elif m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
-            union = tile_unions(block_idx, m, group=tuning.tile.group, n_blocks=triton.cdiv(k_slc.shape[1], l_sel))
+            union = tile_unions(block_idx, m, group=tuning.tile.group, n_blocks=n_blocks)
             o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
                                           union=union, tuning=tuning.tile, combine=fused)
         else:

@@ -508,8 +508,7 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
     if tn.gluon_dq_stages and gluon_tile_ok(q, k, v, m, l_sel, do) and \
             gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                     stages=tn.gluon_dq_short_stages if q.shape[1] < tn.gluon_dq_short_t else tn.gluon_dq_stages,
-                     has_gate=gate is not None, guard=guard, add=add):
+                     stages=tn.dq_stages_for(q.shape[1]), has_gate=gate is not None, guard=guard, add=add):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
     flag, mode = guard if guard is not None else (lse, 0)

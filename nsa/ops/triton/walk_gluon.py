@@ -154,17 +154,17 @@ def _walk_kernel():
             e = start + st * QB + rs // G
             row_ok = e < end
             if ROW_PF:   # this step's values arrived a step ago; t_next holds step st+1's tokens
-                t = t_cur.to(gl.int64)
+                t32 = t_cur
                 lse, delta, gate = lse_n, delta_n, gate_n
                 lse_n, delta_n, gate_n = _row_vals(LSE, DELTA, GATE, row_b, t_next, e + QB < end, h * G + rs % G,
                                                    HQ, sgt, HAS_GATE)
                 t_cur = t_next
                 t_next = gl.load(TOKS + e + 2 * QB, mask=e + 2 * QB < end, other=0).to(gl.int32)
             else:
-                t = t_next.to(gl.int64)
+                t32 = t_next
                 t_next = gl.load(TOKS + e + QB, mask=e + QB < end, other=0).to(gl.int32)
-                lse, delta, gate = _row_vals(LSE, DELTA, GATE, row_b, t.to(gl.int32), row_ok, h * G + rs % G, HQ,
-                                             sgt, HAS_GATE)
+                lse, delta, gate = _row_vals(LSE, DELTA, GATE, row_b, t32, row_ok, h * G + rs % G, HQ, sgt, HAS_GATE)
+            t = t32.to(gl.int64)
             limit = gl.where(row_ok, gl.minimum(t - j * LS, LS - 1), -1).to(gl.int32)   # select.walk_limit
             mbarrier.wait(bars.index(slot), phase=(st // NSTAGE) & 1)
             sacc = warpgroup_mma(qs, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
