@@ -86,6 +86,26 @@ def test_gluon_dq_slots_follow_the_call_length(T, short_t, want, monkeypatch):
     assert seen == [want]
 
 
+@pytest.mark.parametrize("knob", [True, False])
+def test_union_prefetch_knob_reaches_both_tile_kernels(monkeypatch, knob):
+    """TileTuning.gluon_union_prefetch goes from slc_fwd_tile / tile_dq to both Gluon launchers (stubbed to
+    record it and report a failed launch: no Gluon on the CPU, the Triton kernels then run)."""
+    from test_triton_tile import make_block_idx
+    gen = torch.Generator().manual_seed(5)
+    B, T, HQ, H, d, m = 1, 64, 8, 2, 16, 4
+    q, k, v, do = (torch.randn(B, T, n, d, generator=gen) for n in (HQ, H, H, HQ))
+    bi = make_block_idx(B, T, H, 2, 16, "random", gen, device="cpu")
+    un = tt.tile_unions(bi, m)
+    seen = []
+    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: True)
+    for name in ("gtile_fwd", "gtile_dq"):
+        monkeypatch.setattr(tt, name, lambda *a, prefetch, _n=name, **kw: seen.append((_n, prefetch)) and False)
+    tn = TileTuning(m=m, gluon_fwd_stages=2, gluon_dq_stages=2, gluon_union_prefetch=knob)
+    o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=tn)
+    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn)
+    assert seen == [("gtile_fwd", knob), ("gtile_dq", knob)]
+
+
 def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
     """Gluon is experimental: a build / launch failure warns once, is counted, and the Triton kernels take
     that call and every later one on the device (the interpreter runs them here)."""
@@ -214,24 +234,29 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
         un = tt.tile_unions(bi, m, group=group)
-        run = {s: tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
-                                  tuning=TileTuning(m=m, gluon_fwd_stages=s, **same)) for s in (0, 2, 3)}
+        # ring slots (0: the Triton kernel), union entries read a step ahead (TileTuning.gluon_union_prefetch)
+        run = {(s, pf): tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
+                                        tuning=TileTuning(m=m, gluon_fwd_stages=s, gluon_union_prefetch=pf, **same))
+               for s, pf in ((0, True), (2, True), (3, True), (2, False))}
+        run[0] = run[0, True]
         if group:   # every row attends its own blocks in the same order: bitwise the consecutive tiles'
             plain = tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, tuning=TileTuning(m=m, **same))
             assert all(torch.equal(a, b) for a, b in zip(run[0], plain)), f"{mode}: regrouped tiles differ"
-        for s in (2, 3):
-            for name, a, b in zip(("o", "lse"), run[s], run[0]):
-                assert torch.equal(a, b), f"{mode} stages={s}: {name} differs from the Triton kernel"
+        for key in ((2, True), (3, True), (2, False)):
+            for name, a, b in zip(("o", "lse"), run[key], run[0]):
+                assert torch.equal(a, b), f"{mode} stages, prefetch={key}: {name} differs from the Triton kernel"
         # dq: with the branch gate and an fp32 dq_in to accumulate, and without either
         do = torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype)
         lse, delta = run[0][1], torch.randn(B, T, HQ, generator=gen, device="cuda")
         gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").to(dtype)[..., 1]
         dq_in = torch.randn(B, T, HQ, d, generator=gen, device="cuda")
         for g, acc in ((gate, dq_in), (None, None)):
-            got, want = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
-                                    dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
-                                    tuning=TileTuning(m=m, gluon_dq_stages=s, **same)) for s in (2, 0))
-            assert torch.equal(got, want), f"{mode} gate={g is not None}: Gluon dq differs from the Triton kernel"
+            want, *got = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
+                                     dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
+                                     tuning=TileTuning(m=m, gluon_dq_stages=s, gluon_union_prefetch=pf, **same))
+                          for s, pf in ((0, True), (2, True), (2, False)))
+            for pf, x in zip((True, False), got):
+                assert torch.equal(x, want), f"{mode} gate={g is not None} prefetch={pf}: Gluon dq differs"
         # the op's output written by the forward's epilogue (TileTuning.gluon_combine), o_cmp in q's rows and
         # in the dense compressed problem's: bitwise the combine kernel's
         from nsa.ops.triton.cmp_dense import _maps

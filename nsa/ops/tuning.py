@@ -229,17 +229,15 @@ class TileTuning:
     """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
     of a KV head per program, loading each block of the tile's union of selections once.
 
-    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (on an H100 the tiles
-    beat the per-token kernels on local layers, but not the block-order ones that G <= 8 runs,
-    bench/RESULTS.md table 8: the Hopper preset tiles only G >= 16, min_g).
-    Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch for rows <= 64, launch
-    for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
-    accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16,
-    d=128, 64 keys): K + V tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB.
-    H100, 64k, B=1, l_sel=64, n_sel=16, local selections (union 0.25 at m=4, 0.12 at m=8), fwd ms:
-    HQ=64/H=4/d=128 m=4 (64 rows) 4 warps 3 stages 64 keys 6.5 vs 2 stages 6.9; m=8 (128 rows)
-    8 warps 3 stages 32 keys 6.4 vs 2 stages 64 keys 7.5; HQ=12/H=2/d=64 m=8 (64 rows) 1.2 (3 stages
-    the same within 0.05); per-token 16.3 / 4.2. dq: 2 stages as good as 3."""
+    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (on an H100 the tiles beat the
+    per-token kernels on local layers, but not the block-order ones that G <= 8 runs, bench/RESULTS.md table 8: the
+    Hopper preset tiles only G >= 16, min_g). Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch
+    for rows <= 64, launch for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
+    accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16, d=128, 64 keys): K
+    + V tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB. H100, 64k, B=1, l_sel=64, n_sel=16,
+    local selections (union 0.25 at m=4, 0.12 at m=8), fwd ms: HQ=64/H=4/d=128 m=4 (64 rows) 4 warps 3 stages 64 keys
+    6.5 vs 2 stages 6.9; m=8 (128 rows) 8 warps 3 stages 32 keys 6.4 vs 2 stages 64 keys 7.5; HQ=12/H=2/d=64 m=8 (64
+    rows) 1.2 (3 stages the same within 0.05); per-token 16.3 / 4.2. dq: 2 stages as fast as 3."""
 
     m: int = 1
     fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
@@ -268,6 +266,8 @@ class TileTuning:
     # 8k on an H100 (table 16); on an H200 the op at 8k gains 0.3% on either captured layer (table 27)
     gluon_dq_short_t: int = 0
     gluon_dq_short_stages: int = 3
+    # both Gluon kernels read each union entry's block id / bits a step before use (tile_gluon._kv_step): table 29
+    gluon_union_prefetch: bool = True
     # the Gluon forward also writes the op's output (the branches' gated sum) from its tile's rows: no separate
     # combine pass (H100, paper shape, captured: op device time 6.90 -> 6.80 ms at 8k, 87.3 -> 85.0 at 64k; table 18)
     gluon_combine: bool = False

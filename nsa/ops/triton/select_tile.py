@@ -466,7 +466,8 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
-            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine):
+            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine,
+                      prefetch=tn.gluon_union_prefetch):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
@@ -508,7 +509,8 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
     if tn.gluon_dq_stages and gluon_tile_ok(q, k, v, m, l_sel, do) and \
             gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                     stages=tn.dq_stages_for(q.shape[1]), has_gate=gate is not None, guard=guard, add=add):
+                     stages=tn.dq_stages_for(q.shape[1]), has_gate=gate is not None, guard=guard, add=add,
+                     prefetch=tn.gluon_union_prefetch):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
     flag, mode = guard if guard is not None else (lse, 0)

@@ -36,8 +36,8 @@ from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper,
 TILE_ROWS = (64, 128)
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
-# the forward that also writes the op's output: three 4-warp programs per SM need <= 168 registers (Triton 3.6
-# allocates 164 for it, 3.9 171 uncapped)
+# the forward: three 4-warp programs per SM need <= 168 registers (Triton 3.6 allocates 164 for the one that also
+# writes the op's output, 3.9 171 uncapped; 3.9 174 for the plain one with the union prefetch)
 FWD_MAX_REGS = 168
 _OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
@@ -96,13 +96,18 @@ def _kernel():
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier      # renamed likewise
 
     @gluon.jit
-    def _load_block(k_desc, v_desc, bar, ks, vs, UB, idx, row0, h, LS: gl.constexpr, D: gl.constexpr,
-                    DV: gl.constexpr):
-        """Union entry idx's block: its K / V tiles [LS, d] of head h into one ring slot, counted on bar."""
-        j = gl.load(UB + idx)
+    def _issue_block(k_desc, v_desc, bar, ks, vs, j, row0, h, LS, D, DV):
+        """Block j's K / V tiles [LS, d] of head h into one ring slot, counted on bar (the sizes: the callers'
+        constexprs; unannotated, as gl is no free name of this body)."""
         mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma_load(k_desc, [row0 + j * LS, h * D], bar, ks)
         tma_load(v_desc, [row0 + j * LS, h * DV], bar, vs)
+
+    @gluon.jit
+    def _load_block(k_desc, v_desc, bar, ks, vs, UB, idx, row0, h, LS: gl.constexpr, D: gl.constexpr,
+                    DV: gl.constexpr):
+        """Union entry idx's block: its K / V tiles [LS, d] of head h into one ring slot, counted on bar."""
+        _issue_block(k_desc, v_desc, bar, ks, vs, gl.load(UB + idx), row0, h, LS, D, DV)
 
     @gluon.jit
     def _tile_program(USZ, T, H, NT, UW: gl.constexpr):
@@ -155,20 +160,43 @@ def _kernel():
         return k_smem, v_smem, bars
 
     @gluon.jit
-    def _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE, LS, D, DV):
+    def _kv_ahead(UB, UBITS, ubase, nu, NSTAGE: gl.constexpr):
+        """_kv_step's carried union entries before step 0: the block of entry NSTAGE - 1 (the first refill) and
+        entry 0's block and bits (0 past the union)."""
+        return (gl.load(UB + ubase + NSTAGE - 1, mask=NSTAGE - 1 < nu, other=0), gl.load(UB + ubase, mask=nu > 0,
+                other=0), gl.load(UBITS + ubase, mask=nu > 0, other=0))
+
+    @gluon.jit
+    def _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, ahead, NSTAGE, LS, D, DV,
+                 PF: gl.constexpr):
         """Step it of a tile kernel's union walk: union entry it + NSTAGE - 1 into the slot step it - 1 read
         (the CTA barrier first puts every warp past that step's wgmma waits), then wait for entry it's slot.
-        Returns (slot, block j, bits of the tile's tokens that chose j). (The sizes are the caller's
-        constexprs, passed through.)"""
+        Returns (slot, block j, bits of the tile's tokens that chose j, ahead). With PF the union entries come a
+        step before their use (ahead = _kv_ahead's three, carried): neither the refill's TMA issue nor the step's
+        mask then waits on a global load (bench/RESULTS.md table 29). (The sizes are the caller's constexprs.)"""
+        jt, jc, bc = ahead
         nxt = it + NSTAGE - 1
         if nxt < nu:
             cta_barrier()
             s2 = nxt % NSTAGE
-            _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt, row0, h,
-                        LS, D, DV)
+            if PF:
+                _issue_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), jt, row0, h, LS, D,
+                             DV)
+            else:
+                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt,
+                            row0, h, LS, D, DV)
+        if PF:
+            j = jc
+            bits = bc
+            jt = gl.load(UB + ubase + nxt + 1, mask=nxt + 1 < nu, other=0)
+            jc = gl.load(UB + ubase + it + 1, mask=it + 1 < nu, other=0)
+            bc = gl.load(UBITS + ubase + it + 1, mask=it + 1 < nu, other=0)
+        else:
+            j = gl.load(UB + ubase + it)
+            bits = gl.load(UBITS + ubase + it)
         slot = it % NSTAGE
         mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
-        return slot, gl.load(UB + ubase + it), gl.load(UBITS + ubase + it)
+        return slot, j, bits, (jt, jc, bc)
 
     @gluon.jit
     def _combine_rows(ob, GT, OC, OW, O2, SLOT, PB, b, h, n, T, H, n_per_b, s_rows, G: gl.constexpr, M: gl.constexpr,
@@ -202,7 +230,8 @@ def _kernel():
     def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, PERM, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot,
                    soh, T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
                    D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
-                   COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr, num_warps: gl.constexpr):
+                   COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr, PF: gl.constexpr,
+                   num_warps: gl.constexpr):
         R: gl.constexpr = G * M
         if GUARD != 0:
             if skip_program(FLAG, GUARD):
@@ -224,9 +253,10 @@ def _kernel():
         l_i = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, mma_s))
         acc = gl.zeros([R, DV], gl.float32, layout=mma_o)
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
+        ahead = _kv_ahead(UB, UBITS, ubase, nu, NSTAGE)
         for it in range(nu):
-            slot, j, bits = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE,
-                                     LS, D, DV)
+            slot, j, bits, ahead = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h,
+                                            ahead, NSTAGE, LS, D, DV, PF)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, ))
             # the row's token chose block j, and causality (keys past T are past every token)
@@ -278,7 +308,7 @@ def _kernel():
                   LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
                   HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, HAS_GC: gl.constexpr,
                   HAS_GW: gl.constexpr, GC_ACC: gl.constexpr, GW_ACC: gl.constexpr, HAS_PERM: gl.constexpr,
-                  num_warps: gl.constexpr):
+                  PF: gl.constexpr, num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
         if GUARD != 0:
@@ -307,9 +337,10 @@ def _kernel():
         kk = gl.arange(0, LS, layout=gl.SliceLayout(0, mma_s))
         s_zero = gl.zeros([R, LS], gl.float32, layout=mma_s)
         dq = gl.zeros([R, D], gl.float32, layout=mma_q)
+        ahead = _kv_ahead(UB, UBITS, ubase, nu, NSTAGE)
         for it in range(nu):
-            slot, j, bits = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, NSTAGE,
-                                     LS, D, DV)
+            slot, j, bits, ahead = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h,
+                                            ahead, NSTAGE, LS, D, DV, PF)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpa = warpgroup_mma(doa, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
@@ -356,15 +387,17 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None) -> bool:
+              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None, prefetch: bool = True) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
     gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
-    function.Combine whose out also gets the gated sum of the three branches. False (nothing written)
-    when the Gluon kernel failed to build or launch (_launch)."""
-    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine))
+    function.Combine whose out also gets the gated sum of the three branches; prefetch: the union entries a
+    step ahead (TileTuning.gluon_union_prefetch). False (nothing written) when the Gluon kernel failed to
+    build or launch (_launch)."""
+    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine,
+                                                               prefetch))
 
 
-def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
+def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine, prefetch) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
@@ -379,8 +412,8 @@ def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine) -> None:
                               q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
                               NSTAGE=stages, GUARD=mode, COMBINE=combine is not None, HAS_PERM=un.perm is not None,
-                              CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
-                              **({"maxnreg": FWD_MAX_REGS} if combine is not None else {}))
+                              CROWS=combine is not None and combine.rows, PF=prefetch, num_warps=m * (HQ // H) // 16,
+                              maxnreg=FWD_MAX_REGS)
 
 
 def _descriptors(k: torch.Tensor, v: torch.Tensor):
@@ -394,15 +427,16 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
-             has_gate: bool, guard: Guard | None = None, add=None) -> bool:
+             has_gate: bool, guard: Guard | None = None, add=None, prefetch: bool = True) -> bool:
     """select_tile.tile_dq's kernel for inputs gluon_tile_ok accepts (do with a unit last stride): writes
     dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given, + add's terms: a
     qsum.QAdd); lse / delta contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
     return _launch("the Gluon tile dq", q, lambda: _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m,
-                                                         scale, stages, has_gate, guard, add))
+                                                         scale, stages, has_gate, guard, add, prefetch))
 
 
-def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard, add) -> None:
+def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard, add,
+        prefetch) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
@@ -414,5 +448,4 @@ def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages,
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
                               HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, HAS_PERM=un.perm is not None,
-                              **add_kw,
-                              num_warps=m * (HQ // H) // 16)
+                              PF=prefetch, **add_kw, num_warps=m * (HQ // H) // 16)
