@@ -6,7 +6,8 @@ Same programs and the same arithmetic in the same order as the Triton kernels (t
 the Triton kernels', bench/RESULTS.md tables 16 and 17), written at the level Triton leaves to its compiler: the
 K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
 by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
-shared-memory slots filled a step ahead; the tile kernels keep q (and dO) in registers as wgmma's A
+shared-memory slots filled a step ahead (the block ids and bits that steer them read a step before that:
+TileTuning.gluon_union_prefetch, table 29); the tile kernels keep q (and dO) in registers as wgmma's A
 operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two). The
 forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine; table 18).
 
@@ -387,7 +388,8 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None, prefetch: bool = True) -> bool:
+              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None,
+              prefetch: bool = True) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
     gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
     function.Combine whose out also gets the gated sum of the three branches; prefetch: the union entries a
