@@ -440,7 +440,8 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
     for m, by in ((2, "tile"), (4, "token"), (8, "tile"), (10, "token")):   # 10*G fills 64/128 rows at G=6
         tn = TileTuning(dkdv_by=by)
         un, ref_un = tt.tile_unions(bi, m), tt._tile_unions_torch(bi, m)   # kernel vs torch ops
-        assert all(torch.equal(a, b) for a, b in zip(un, ref_un)), f"m={m}: union kernel differs"
+        assert un.perm is None and ref_un.perm is None   # consecutive tiles: no token permutation
+        assert all(torch.equal(a, b) for a, b in zip(un[:3], ref_un[:3])), f"m={m}: union kernel differs"
         per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, d ** -0.5, m, 1024, tuning=tn)
         for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), tile, per_tok):
             assert torch.isfinite(a).all(), f"m={m}: non-finite {name}"
