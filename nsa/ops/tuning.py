@@ -229,12 +229,11 @@ class TileTuning:
     """Selection on query tiles (nsa/ops/triton/select_tile.py): m consecutive tokens x the G heads
     of a KV head per program, loading each block of the tile's union of selections once.
 
-    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (on an H100 the tiles beat the
-    per-token kernels on local layers, but not the block-order ones that G <= 8 runs, bench/RESULTS.md table 8: the
-    Hopper preset tiles only G >= 16, min_g). Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold (launch
-    for rows <= 64, launch for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
-    accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16, d=128, 64 keys):
-    K + V tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB. H100, 64k, B=1, l_sel=64, n_sel=16,
+    m: tokens per tile; 1 runs the per-token / block-order kernels of SelectTuning (the Hopper preset tiles only G>=16:
+    min_g below, bench/RESULTS.md tables 8 and 12). Rows = m*G padded to a power of two (>= 16); `fwd` and `dq` hold
+    (launch for rows <= 64, launch for rows > 64). Hopper's wgmma wants >= 64 rows per program; at d=128 a 128-row fp32
+    accumulator needs 8 warps to stay in registers, 64 rows fit in 4. Shared memory per stage (bf16, d=128, 64 keys): K
+    + V tiles 32 KB, so 3 stages plus the q/dO operands stay under sm_80's 164 KB. H100, 64k, B=1, l_sel=64, n_sel=16,
     local selections (union 0.25 at m=4, 0.12 at m=8), fwd ms: HQ=64/H=4/d=128 m=4 (64 rows) 4 warps 3 stages 64 keys
     6.5 vs 2 stages 6.9; m=8 (128 rows) 8 warps 3 stages 32 keys 6.4 vs 2 stages 64 keys 7.5; HQ=12/H=2/d=64 m=8 (64
     rows) 1.2 (3 stages the same within 0.05); per-token 16.3 / 4.2. dq: 2 stages as fast as 3."""
