@@ -192,23 +192,91 @@ def pick_best(res: dict, variants: list[dict]) -> dict:
 
 
 def stage_costs(c, S, reps, tuning) -> dict:
-    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4,
-    and of a graph with one trivial kernel: the differences are each launch's cost on the critical
-    path (the truncated steps compute garbage; only their time is used). The truncation wraps the
-    launcher's internal launch function for the duration of this call only."""
+    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4
+    (5 with the early launch), and of a graph with one trivial kernel: the differences are each launch's
+    cost on the critical path (the truncated steps compute garbage; only their time is used). The
+    truncation wraps the launcher's internal launch function for the duration of this call only."""
     from nsa.ops.triton import decode as tdec
     args, pos, win = step_inputs(c, S)
     orig = tdec._launch_with_pdl_fallback
     one = torch.zeros(1, device="cuda")
     trivial = common.graphed(lambda: one.add_(1))
     out = {"trivial": {"cold_us": time_cold(trivial, reps), "hot_us": time_hot(trivial, reps)}}
+    names: list = []
     try:
-        for n in (1, 2, 3, 4):
-            tdec._launch_with_pdl_fallback = lambda specs, pdl, *rest, n=n: orig(specs[:n], pdl, *rest)
+        for n in (1, 2, 3, 4, 5):
+            def launch(specs, pdl, *rest, n=n):
+                names[:] = [sp[0] for sp in specs]
+                orig(specs[:n], pdl, *rest)
+            tdec._launch_with_pdl_fallback = launch
             replay = common.graphed(lambda: common.decode_op(args, pos, win, tuning))
-            out[f"first_{n}"] = {"cold_us": time_cold(replay, reps), "hot_us": time_hot(replay, reps)}
+            if n > len(names):
+                break
+            out[f"first_{n}"] = {"cold_us": time_cold(replay, reps), "hot_us": time_hot(replay, reps),
+                                 "last": names[n - 1]}
     finally:
         tdec._launch_with_pdl_fallback = orig
+    return out
+
+
+def _roof_kernels():
+    """Two probe kernels, built on first use: a streaming read (persistent programs summing [BLOCK] bf16
+    slices) and a one-program hop (reads the previous hop's value, writes it + 1; PDL waits before the read)."""
+    import triton
+    import triton.language as tl
+    from nsa.ops.triton.decode import _pdl_launch_dependents, _pdl_wait
+
+    @triton.jit
+    def stream(X, OUT, n, BLOCK: tl.constexpr):
+        acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = i.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            acc += tl.load(X + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
+
+    @triton.jit
+    def hop(X, PDL: tl.constexpr):
+        _pdl_launch_dependents(PDL)
+        _pdl_wait(PDL)
+        tl.store(X, tl.load(X) + 1)
+    return stream, hop
+
+
+def roofs(Bs, S, shape, reps) -> dict:
+    """What the decode targets ask of the GPU: the streaming read roof (cold L2, graph replay) at the byte
+    counts of the step's compressed pass and of its selection + window pass, and the critical-path cost of
+    each dependent launch (a chain of n one-program kernels, plain or programmatic)."""
+    from nsa.ops.common import num_cmp_tokens
+    HQ, H, dk, dv = shape
+    stream, hop = _roof_kernels()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out = {"read": {}, "chain": {}}
+    N = num_cmp_tokens(S, HP["l"], HP["d"])
+    for B in Bs:
+        cmp_b = B * N * H * (dk + dv) * 2
+        sw_b = B * H * (HP["n_sel"] * HP["l_sel"] + HP["w"]) * (dk + dv) * 2
+        for what, nb in (("cmp", cmp_b), ("slc_win", sw_b), ("both", cmp_b + sw_b)):
+            x = torch.ones(nb // 2, device="cuda", dtype=torch.bfloat16)
+            part = torch.empty(sms * 8, device="cuda")
+            best = None
+            for progs in (2 * sms, 4 * sms, 8 * sms):
+                us = time_cold(common.graphed(lambda: stream[(progs,)](x, part, x.numel(), BLOCK=4096,
+                                                                       num_warps=8)), reps)
+                best = us if best is None else min(best, us)
+            out["read"][f"B{B}_{what}"] = {"MB": nb / 1e6, "us": best, "TB_s": nb / best / 1e6}
+            print(f"roof B={B} {what}: {nb / 1e6:.1f} MB in {best:.1f} us = {nb / best / 1e6:.2f} TB/s", flush=True)
+            del x
+    x = torch.zeros(1, device="cuda", dtype=torch.int32)
+    for pdl in (False, True):
+        for n in (1, 2, 3, 4, 5):
+            def chain(n=n, pdl=pdl):
+                for i in range(n):
+                    hop[(1,)](x, PDL=pdl, **(dict(launch_pdl=True) if pdl and i else {}))
+            us = time_cold(common.graphed(chain), reps)
+            out["chain"][f"{'pdl' if pdl else 'plain'}_{n}"] = us
+        c = out["chain"]
+        k = "pdl" if pdl else "plain"
+        print(f"chain ({k}): " + ", ".join(f"{n}: {c[f'{k}_{n}']:.1f}" for n in range(1, 6)) + " us (cold)", flush=True)
     return out
 
 
@@ -225,6 +293,8 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
     ap.add_argument("--stages", action="store_true",
                     help="at the largest S: graph times of the first 1..4 launches (critical-path cost of each)")
+    ap.add_argument("--roofs", action="store_true",
+                    help="first: the read roof at the step's byte counts and the cost of a dependent launch")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the SWEEP variants first")
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the SWEEP variants (--jobs processes) and exit")
@@ -243,6 +313,8 @@ def main() -> None:
     tuning = common.base_tuning()
     result = {"hparams": HP, "shape": dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv, dtype="bf16"),
               "dense_available": common.print_dense_available(), "runs": []}
+    if a.roofs:
+        result["roofs"] = roofs(a.B, max(a.S), shape, a.reps)
     if a.sweep:  # first: choose the launch knobs per batch size at the largest S, then the table
         S, sweeps, best = max(a.S), {}, {}
         for B in a.B:
