@@ -69,14 +69,11 @@ def test_score_constants_match_common():
 
 # launch geometries (tests/CPU assume 4 "multiprocessors"): few fat programs (several sub-tiles per
 # split-K chunk, several selected blocks / window tiles per program, 2-block scoring slices), many thin
-# ones (one sub-tile / block / window tile each, 4-block slices), and the defaults on small tiles; the
-# forced slots and the window in a launch of their own (early) with fat and with thin programs
+# ones (one sub-tile / block / window tile each, 4-block slices), and the defaults on small tiles
 TUNES = tuple(tuning_for(DEV).decode.with_knobs(**kn) for kn in (
     dict(cmp_tile=16, cmp_per_sm=0.25, sw_per_sm=0.25, score_slice=2, tile=16),
     dict(cmp_tile=16, cmp_per_sm=250, sw_per_sm=250, score_slice=4, tile=16),
-    dict(cmp_tile=16),
-    dict(cmp_tile=16, sw_per_sm=0.25, tile=16, early=True),
-    dict(cmp_tile=16, sw_per_sm=250, tile=16, early=True)))
+    dict(cmp_tile=16)))
 
 
 def test_plans_cover_every_split():
@@ -86,10 +83,10 @@ def test_plans_cover_every_split():
         for tn in TUNES:
             pl = tdec.decode_plan(rows_h=2 * H, n_cap=common.num_cmp_tokens(T, hp["l"], hp["d"]), s_cap=T,
                                   sms=tdec.CPU_SMS, knobs=tn.small, **hp)
-            seen |= {k for k in ("SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC", "SPE", "NSE") if pl[k] > 1}
+            seen |= {k for k in ("SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC") if pl[k] > 1}
             # scoring slices that sort and keep their best KR keys, and slices that keep them all
             seen |= {"SORT" if pl["SL"] > pl["NSEL_P2"] else "KEEP"}
-    assert seen == {"SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC", "SPE", "NSE", "SORT", "KEEP"}
+    assert seen == {"SUBS", "NCH", "NSL", "SPB", "NSS", "WSUB", "NWC", "SORT", "KEEP"}
 
 
 def test_single_token_matches_prefill(case):
@@ -202,23 +199,6 @@ def test_many_sorted_scoring_slices():
         check(od, id_, ro, ridx, 1e-5, (t, tn, zero_q))
     # the slices' split-K semaphores are back at zero for the next launch
     assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())
-
-
-def test_early_launch_matches_the_reference():
-    """Forced slots and the window in a launch of their own: each row's own, first and previous block are
-    taken from its position (before any score exists, cur = 0, 1, 2 and later), the rest from the ranking."""
-    HQ, H, dk, dv = 4, 2, 16, 16
-    hp = dict(l=16, d=8, l_sel=16, n_sel=6, w=24)
-    xs = make_inputs(2, 200, HQ, H, dk, dv, l=hp["l"], d=hp["d"], seed=33, q_scale=2.0, device=DEV)
-    for i, t in enumerate((5, 16, 31, 40, 120, 199)):
-        tn = tuning_for(DEV).decode.with_knobs(early=True, sw_per_sm=(0.5, 250)[i % 2], tile=16)
-        pl = tdec.decode_plan(rows_h=2 * H, n_cap=common.num_cmp_tokens(t + 1, hp["l"], hp["d"]), s_cap=t + 1,
-                              sms=tdec.CPU_SMS, knobs=tn.small, **hp)
-        assert pl["NF"] == 3 and pl["NSLC"] == pl["NSS"] + pl["NSE"], pl
-        views, pos0, win_pos0 = decode_views(xs, t, 1, hp["w"], hp["l"], hp["d"])
-        ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
-        od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
-        check(od, id_, ro, ridx, 1e-5, (t, tn))
 
 
 def test_fp16_inputs():

@@ -28,15 +28,11 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
    Selection programs read the block ids of their SPB slots and attend over them; window programs
    attend over WSUB*TW window tokens.
    Key tiles are dealt evenly over the programs. Softmax partials.
-   With the `early` knob this is two launches: the first, right after the score kernel, takes the
-   forced slots (own, first and previous block: known from the position) and the window, and streams
-   them while the scores are ranked; the second takes the other slots once they are known.
 4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes every launch after the first a programmatic
-dependent launch (each kernel lets its dependent start early; the dependent waits with
-griddepcontrol.wait right before reading the previous results): a gain for few rows, a loss for many
-(bandwidth-bound). The early launch is always one, waiting only after its own stores.
+The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2-4 programmatic dependent launches
+(each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait right before
+reading the previous results): a gain for few rows, a loss for many (bandwidth-bound).
 
 Shapes: q [B,Tq,HQ,dk], k_cmp/v_cmp [B,Ncap,H,*], k_slc/v_slc [B,Scap,H,*], k_win/v_win [B,Swcap,H,*]
 (linear from win_pos0, or a ring of win_ring rows: position p at row p % win_ring),
@@ -318,17 +314,13 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
 def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
-                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, SLOT0, SLOT_END, XOFF, scale_log2,
+                    spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
-                    WSUB: tl.constexpr, EARLY: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
-    """p < NSS: attention over the blocks of slots SLOT0 + p*SPB .. (below SLOT_END); else window chunk
-    p - NSS. Both kinds run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers);
-    partial p goes to index XOFF + p of the row's NP2. EARLY: the slots are the forced ones, their blocks
-    known from t alone, so nothing waits for the scores; with PDL every program waits for the previous
-    launch only after its stores, so this launch ends after it (what the next launch relies on)."""
+                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -351,8 +343,7 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                 mask=g_ok[:, None] & dk_ok, other=0.0)
     is_slc = p < NSS
     sb = SEL + rh.to(tl.int64) * NSEL_P2                    # slot -> block, slots in rank order
-    cur = t // LSEL
-    if is_slc and not EARLY:
+    if is_slc:
         _pdl_wait(PDL)
     if POS_PTR:
         w0 = tl.load(WIN0 + b * swin).to(tl.int64)             # absolute position of window row 0
@@ -372,12 +363,8 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
     l_run = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BDV], tl.float32)
     for it in range(n_it):
-        slot = SLOT0 + p * SPB + it // NBS
-        s_ok = is_slc & (slot < SLOT_END)
-        if EARLY:  # slot 0: cur, 1: block 0, 2: cur - 1; each exists once cur >= slot
-            jsel = tl.where(s_ok & (slot <= cur), tl.where(slot == 0, cur, tl.where(slot == 1, 0, cur - 1)), -1)
-        else:
-            jsel = tl.load(sb + slot, mask=s_ok, other=-1)
+        slot = p * SPB + it // NBS
+        jsel = tl.load(sb + slot, mask=is_slc & (slot < NSEL), other=-1)
         kk2 = (it % NBS) * TW + tw
         kp_s = jsel * LSEL + kk2                                                # -1 (empty slot): < 0
         kp_w = lo_w + (c_w + it) * TW + tw                                       # absolute positions
@@ -389,16 +376,14 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
         k = tl.load(k_base + rows[:, None] * k_st + offs_dk[None, :], mask=ok[:, None] & dk_ok, other=0.0)
         v = tl.load(v_base + rows[:, None] * v_st + offs_dv[None, :], mask=ok[:, None] & dv_ok, other=0.0)
         m_run, l_run, acc = _attend_tile(q, k, v, ok, m_run, l_run, acc, scale_log2, DOT_PREC)
-    part = (row * NP2 + XOFF + p).to(tl.int64) * HQ + hq
+    part = (row * NP2 + p).to(tl.int64) * HQ + hq
     tl.store(XM + part, m_run, mask=g_ok)
     tl.store(XL + part, l_run, mask=g_ok)
     tl.store(XO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
-    if EARLY:
-        _pdl_wait(PDL)
 
 
 @triton.jit
-def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, Tq, NCH, NSLC, NP2,
+def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, Tq, NCH, NSS, NP2,
                     HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr,
                     NP2_P2: tl.constexpr, PDL: tl.constexpr):
     """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for one (row, query head)."""
@@ -426,8 +411,8 @@ def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot,
     xl = tl.load(XL + xrow, mask=x_ok, other=0.0)
     xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok, other=0.0)
     o_cmp = _merge(cm, cl, co, c_ok)                       # exactly 0 when no compressed token is visible
-    o_slc = _merge(xm, xl, xo, x_ok & (x < NSLC))          # partials [selection | window]
-    o_win = _merge(xm, xl, xo, x_ok & (x >= NSLC))
+    o_slc = _merge(xm, xl, xo, x_ok & (x < NSS))
+    o_win = _merge(xm, xl, xo, x_ok & (x >= NSS))
     o = g0 * o_cmp + g1 * o_slc + g2 * o_win
     tl.store(O + b * sob + iq * sot + hq * soh + offs_dv, o.to(O.dtype.element_ty), mask=offs_dv < DV)
 
@@ -529,34 +514,23 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
                     LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
                     LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
                     num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
-    sw_head = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
+    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
                q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
                v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
                k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
-               win_base, int(win_ring), Tq, H)
-    nss, nse, nf = plan["NSS"], plan["NSE"], plan["NF"]
-    # (programs, slot range, partial offset, early) of the selection + window launches: with early forced
-    # slots [0, NF) and the window first (no scores needed), then slots [NF, n_sel); else all in one
-    sw = ([("early", nse + plan["NWC"], nse, 0, nf, nss, True, plan["SPE"]),
-           ("slc_win", nss, nss, nf, n_sel, 0, False, plan["SPB"])] if nf else
-          [("slc_win", nss + plan["NWC"], nss, 0, n_sel, 0, False, plan["SPB"])])
+               win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
+               sl2)
     sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
-                 TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
+                 SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
                  num_warps=tn.slc_warps, num_stages=tn.slc_stages)
     comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
-                 gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSLC"], NP2)
+                 gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
     np2_p2 = max(2, next_pow2(NP2))
     comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
                    num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
-    # (name, kernel, grid, args, constexprs, griddepcontrol compiled in, launch_pdl): with the pdl knob
-    # every launch after the first starts early; the early launch always does, so the score kernel
-    # compiles its trigger for it
-    chain = bool(tn.pdl)
-    specs = [("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw, chain, False),
-             ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw, chain or bool(nf), chain)]
-    for name, progs, n_slc, slot0, slot_end, xoff, early, spb in sw:
-        specs.append((name, _slc_win_kernel, (H, progs, R), sw_head + (n_slc, NP2, slot0, slot_end, xoff, sl2),
-                      dict(sw_kw, SPB=spb, EARLY=early), True if early else chain, early or chain))
-    specs.append(("combine", _combine_kernel, (HQ, R), comb_args, comb_kw, chain, chain))
-    _launch_with_pdl_fallback(specs, (chain or bool(nf)) and q.is_cuda, launch_info)
+    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
+                               ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
+                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
+                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
+                              bool(tn.pdl) and q.is_cuda, launch_info)
     return o, bi

@@ -14,9 +14,6 @@ from ._utils import next_pow2
 # of the installed Triton/driver, not a tuning knob, written only by _launch_with_pdl_fallback
 _PDL = {"ok": None}
 CPU_SMS = 4              # "multiprocessors" the plan assumes off-GPU (interpreter, offline compiles)
-# slots every row fills without scores: its own block (cur), the first (0), the previous (cur - 1), the score
-# kernel's priorities 3 / 2 / 1, so slots 0, 1, 2 hold them whenever they exist (-1 before: cur < slot)
-N_FORCED = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,38 +67,28 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     ck = min(sl, kr)                                # candidates per scoring slice
     ncand = (nb_p2 // sl) * ck
     # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
-    # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all. knobs.early: the
-    # forced slots and the window go to a launch of their own that needs no scores (it runs while they are
-    # ranked); the selection launch then takes slots NF .. n_sel - 1 only
+    # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
     tw = min(max(16, next_pow2(l_sel)), knobs.tile)      # key tile (tokens) of both kinds
     nbs = triton.cdiv(l_sel, tw)
     nwt = triton.cdiv(min(w, max(s_cap, 1)), tw)
     p2 = max(2, int(knobs.sw_per_sm * sms) // rows_h)
-    nf = N_FORCED if knobs.early and n_sel > N_FORCED else 0
-    nl = n_sel - nf
-    tpp = max(1, triton.cdiv(nl * nbs + (0 if nf else nwt), p2))
-    spb = triton.cdiv(nl, triton.cdiv(nl * nbs, tpp))     # blocks per selection program, balanced
-    nss = triton.cdiv(nl, spb)
-    tpe = max(1, triton.cdiv(nf * nbs + nwt, p2)) if nf else tpp
-    spe = triton.cdiv(nf, triton.cdiv(nf * nbs, tpe)) if nf else 1
-    nse = triton.cdiv(nf, spe) if nf else 0
-    wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpe))            # window tiles per window program
+    tpp = max(1, triton.cdiv(n_sel * nbs + nwt, p2))
+    spb = triton.cdiv(n_sel, triton.cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
+    nss = triton.cdiv(n_sel, spb)
+    wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpp))            # window tiles per window program
     nwc = triton.cdiv(nwt, wsub)
-    # partials per row: [selection launch NSS | early forced NSE | window NWC]; the first NSLC are selection's
     return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
                 NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
-                NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NF=nf, SPE=spe,
-                NSE=nse, NSLC=nss + nse, NP2=nss + nse + nwc)
+                NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
 
 
 def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
-    """Launch [(name, kernel, grid, args, constexprs, code, attr)] in order. With pdl, a kernel with `code`
-    compiles its griddepcontrol instructions (PDL=True) and one with `attr` gets the launch_pdl attribute
-    (starts before the previous kernel ends); without pdl neither. info, when given, receives name -> the
-    compiled kernel (register / spill diagnostics)."""
-    for name, kernel, grid, args, kw, code, attr in specs:
-        extra = dict(launch_pdl=True) if pdl and attr else {}
-        compiled = kernel[grid](*args, **kw, PDL=pdl and code, **extra)
+    """Launch [(name, kernel, grid, args, constexprs)] in order; with pdl the kernels get PDL=True
+    (griddepcontrol in the code) and every launch but the first the launch_pdl attribute. info, when
+    given, receives name -> the compiled kernel (register / spill diagnostics)."""
+    for i, (name, kernel, grid, args, kw) in enumerate(specs):
+        extra = dict(launch_pdl=True) if pdl and i > 0 else {}
+        compiled = kernel[grid](*args, **kw, PDL=pdl, **extra)
         if info is not None:
             info[name] = compiled
 
