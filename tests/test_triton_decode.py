@@ -302,30 +302,6 @@ def test_gpu_cuda_graph_replay_matches_eager():
         assert torch.equal(i_g, ie) and (o_g.float() - oe.float()).abs().max().item() <= 2e-2, t
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("B,S,HQ,H,d", [(16, 65536, 64, 4, 128), (1, 65536, 64, 4, 128), (3, 20001, 12, 2, 64)])
-def test_gpu_gluon_compressed_pass_matches_triton(B, S, HQ, H, d):
-    """The compressed pass in Gluon (decode_gluon.py, the default where eligible) against the Triton kernel on
-    the same cache: the same blocks, outputs equal to rounding, at positions before the first compressed token,
-    around the first emissions and at the end (device positions, as in a CUDA graph)."""
-    from nsa.ops.triton import decode_gluon
-    q, kc, vc, ks, vs, kw, vw, g = _gpu_cache(B, S, HQ, H, d, d, seed=B + S)
-    assert decode_gluon.gluon_cmp_ok(q, kc, vc, decode_gluon.BN), decode_gluon._OFF
-    on, off = (tuning_for("cuda").decode.with_knobs(gluon_cmp=x) for x in (True, False))
-    for t in (0, 31, 47, 100, 4095, S // 2, S - 1):
-        pos = torch.full((1,), t, dtype=torch.int64, device="cuda")
-        win = torch.zeros(1, dtype=torch.int64, device="cuda")
-        og, ig = tdec.nsa_decode_triton(q, kc, vc, ks, vs, kw, vw, g, pos0=pos, win_pos0=win, scale=d ** -0.5,
-                                        tuning=on, **PAPER)
-        ot, it = tdec.nsa_decode_triton(q, kc, vc, ks, vs, kw, vw, g, pos0=pos, win_pos0=win, scale=d ** -0.5,
-                                        tuning=off, **PAPER)
-        assert not decode_gluon._OFF, decode_gluon._OFF
-        assert torch.equal(ig, it), t
-        err = ((og.float() - ot.float()).norm() / ot.float().norm()).item()
-        assert torch.isfinite(og).all() and err <= 4e-3, (t, err)
-
-
 def test_static_cache_decode_matches_eager_decode():
     """TinyLM over StaticNSACaches (device position, ring window and raw tail, device-side appends,
     the kernel in its CUDA-graph form, no capture) gives the eager cached decode's logits token by

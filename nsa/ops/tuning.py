@@ -444,7 +444,8 @@ class DecodeKnobs:
     cmp_tile: compressed tokens loaded per sub-tile (own + halo); cmp_per_sm / sw_per_sm: programs
     per multiprocessor the split-K and the selection+window launches aim at; score_slice: blocks per
     scoring program (raised to NB/16); tile: key tokens per selection/window load (<= 64); pdl:
-    programmatic dependent launch of launches 2-4; gluon_cmp: the compressed pass in Gluon where eligible."""
+    programmatic dependent launch of launches 2-4."""
+
     cmp_tile: int = 64
     cmp_per_sm: float = 2
     cmp_warps: int = 4
@@ -457,7 +458,6 @@ class DecodeKnobs:
     tile: int = 64
     comb_warps: Warps = 4
     pdl: bool = True      # helps few rows (latency-bound)
-    gluon_cmp: bool = True
 
 
 # from large_rows (query row, kv head) pairs on the launches are bandwidth-bound: PDL off, auto warps

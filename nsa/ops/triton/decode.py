@@ -53,14 +53,27 @@ from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
 # _COUNTERS / CPU_SMS / decode_plan stay reachable here for tests and benchmarks, and bench_decode.py swaps
 # this module's _launch_with_pdl_fallback to time the first n launches
-from . import decode_gluon
-from .decode_launch import (CPU_SMS, _COUNTERS, _counters, _launch_with_pdl_fallback,  # noqa: F401
-                            _pdl_launch_dependents, _pdl_wait, _sm_count, _warps, decode_plan)
+from .decode_launch import (CPU_SMS, _COUNTERS, _counters, _launch_with_pdl_fallback, _sm_count,  # noqa: F401
+                            _warps, decode_plan)
 from .scores import SCORE_GRID, _bitonic_sort, _merge_rows
 
 
 
 # ----------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _pdl_launch_dependents(PDL: tl.constexpr):
+    if PDL:  # griddepcontrol: a no-op when the launch was not programmatic
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:  # waits until the previous kernel finished and its writes are visible
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 @triton.jit
 def _query_pos(POS, spos, pos_base, b, iq, POS_PTR: tl.constexpr):
     """Absolute position of query row (b, iq): device tensor (CUDA-graph replay) or host int."""
@@ -450,11 +463,6 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     n_cap = k_cmp.shape[1]
     plan = decode_plan(rows_h=R * H, n_cap=n_cap, s_cap=k_slc.shape[1], l=l, d=d, l_sel=l_sel,
                        n_sel=n_sel, w=w, sms=sms, knobs=tn)
-    # the compressed pass in Gluon (decode_gluon.py): its own programs per SM, NC softmax partials per chunk
-    gl_cmp = bool(tn.gluon_cmp) and decode_gluon.gluon_cmp_ok(q, k_cmp, v_cmp, plan["BN"])
-    if gl_cmp:
-        plan = decode_plan(rows_h=R * H, n_cap=n_cap, s_cap=k_slc.shape[1], l=l, d=d, l_sel=l_sel, n_sel=n_sel,
-                           w=w, sms=sms, knobs=dataclasses.replace(tn, cmp_per_sm=decode_gluon.PROGRAMS_PER_SM))
     if n_cap == 0:  # nothing compressed yet: any valid pointer, every load is masked off
         k_cmp, v_cmp = k_slc, v_slc
     pos_ptr = isinstance(pos0, torch.Tensor)
@@ -472,8 +480,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
         spos = swin = 0
         pos_base, win_base = int(pos0), (0 if win_ring else int(win_pos0))
     f32 = dict(device=dev, dtype=torch.float32)
-    NP2, NSUB = plan["NP2"], plan["NSUB"]
-    NCH = plan["NCH"] * (decode_gluon.NC if gl_cmp else 1)     # compressed-pass partials per row
+    NCH, NP2, NSUB = plan["NCH"], plan["NP2"], plan["NSUB"]
     GP = max(16, next_pow2(G))
     sp = torch.empty(R * HQ, plan["NBCAP"], **f32)
     ms = torch.empty(R * H, NSUB, GP, **f32)
@@ -490,23 +497,12 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     sl2 = scale * LOG2E
     geo = dict(L_CMP=l, STRIDE=d, LSEL=l_sel, POS_PTR=pos_ptr)
     nch_p2 = max(2, next_pow2(NCH))
-    if gl_cmp:
-        cmp_spec = decode_gluon.cmp_spec(q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, spos=spos, pos_base=pos_base,
-                                         Tq=Tq, nch=plan["NCH"], nsub=NSUB, nbcap=plan["NBCAP"], subs=plan["SUBS"],
-                                         scale_log2=sl2, l=l, d=d, l_sel=l_sel, nbj=plan["NBJ"], pos_ptr=pos_ptr)
-        if cmp_spec is None:   # it failed to build here: the whole call again on the Triton kernel's plan
-            return nsa_decode_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, pos0=pos0,
-                                     win_pos0=win_pos0, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale,
-                                     win_ring=win_ring, tuning=tuning, target_programs=target_programs,
-                                     cmp_tile=cmp_tile, launch_info=launch_info)
-    else:
-        cmp_spec = ("cmp", _cmp_kernel, (H, NCH, R),
-                    (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, q.stride(0), q.stride(1), q.stride(2),
-                     k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
-                     v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2),
-                    dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
-                         NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn.cmp_warps,
-                         num_stages=tn.cmp_stages, **geo))
+    cmp_args = (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, q.stride(0), q.stride(1), q.stride(2),
+                k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
+                v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2)
+    cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
+                  NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn.cmp_warps,
+                  num_stages=tn.cmp_stages, **geo)
     SL, NB_P2 = plan["SL"], plan["NB_P2"]
     gc = GP
     while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
@@ -532,7 +528,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     np2_p2 = max(2, next_pow2(NP2))
     comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
                    num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
-    _launch_with_pdl_fallback([cmp_spec,
+    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
                                ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
                                ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
                                ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],

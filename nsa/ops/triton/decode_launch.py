@@ -6,7 +6,6 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 
 from ..tuning import DecodeKnobs, Warps
 from ._utils import next_pow2
@@ -81,20 +80,6 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
                 NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
                 NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
-
-
-@triton.jit
-def _pdl_launch_dependents(PDL: tl.constexpr):
-    if PDL:  # griddepcontrol: a no-op when the launch was not programmatic
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    if PDL:  # waits until the previous kernel finished and its writes are visible
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
