@@ -1,7 +1,7 @@
 """Decode: one NSA decode step (one new token per sequence) against the best dense decode over the same
 cache, at paper sizes (l=32, d=16, l_sel=64, n_sel=16, w=512; HQ=64, H=4, d_k=d_v=128, bf16).
 
-    python bench/bench_decode.py [--S 8192 16384 32768 65536] [--B 1 16] [--breakdown] [--stages]
+    python bench/bench_decode.py [--S 8192 16384 32768 65536] [--B 1 16] [--breakdown] [--stages] [--roofs]
                                  [--sweep [--jobs 8]] [--precompile-only --jobs 8]
 
 NSA: the Triton decode kernel, eager through nsa.ops.nsa_decode (host-int position, validation
@@ -16,7 +16,8 @@ layer's cache; "hot": back-to-back calls (inner loop of 10), the cache may sit i
 largest S first; the fastest per batch size (small batch -> the small regime, large batch -> the large
 one) is used for the table. --jobs N compiles the variants in N processes first (Triton's on-disk
 cache), so the timed process compiles nothing. --stages: graph replays of the first 1..4 launches (the
-critical-path cost of each). --breakdown: per-kernel device times and registers at the largest S.
+critical-path cost of each). --breakdown: per-kernel device times and registers at the largest S. --roofs:
+what the step's bytes cost read once (cold) and what one dependent launch costs (bench/RESULTS.md table 30).
 
 JSON: bench/out/decode_<stamp>.json; --save copies it to bench/results/decode.json.
 """
