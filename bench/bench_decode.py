@@ -48,11 +48,20 @@ def time_hot(fn, reps: int) -> float:
     return common.gpu_time(fn, 3, max(5, reps // 5), inner=10, sync_each=False) * 1e3
 
 
+LAYOUT = {"cache": "bshd"}   # how make_cache stores the cache tensors (--layout); always handed as [B, S, H, d]
+
+
 def make_cache(B, S, HQ, H, dk, dv, dtype=torch.bfloat16):
-    """One decode step's inputs at context S: the query at position S - 1 and the cache before it."""
+    """One decode step's inputs at context S: the query at position S - 1 and the cache before it. The cache
+    tensors are [B, S, H, d] views of token-major storage, or with LAYOUT "bhsd" of head-major storage (each head's
+    rows contiguous, SDPA's own layout)."""
     from nsa.ops.common import num_cmp_tokens
     N = num_cmp_tokens(S, HP["l"], HP["d"])
-    r = lambda *s: torch.randn(*s, device="cuda", dtype=dtype)  # noqa: E731
+
+    def r(*s):
+        if LAYOUT["cache"] == "bhsd" and len(s) == 4 and s[1] > 1:
+            return torch.randn(s[0], s[2], s[1], s[3], device="cuda", dtype=dtype).transpose(1, 2)
+        return torch.randn(*s, device="cuda", dtype=dtype)
     w = min(HP["w"], S)
     return dict(q=r(B, 1, HQ, dk), k_cmp=r(B, N, H, dk), v_cmp=r(B, N, H, dv), k_slc=r(B, S, H, dk),
                 v_slc=r(B, S, H, dv), k_win=r(B, w, H, dk), v_win=r(B, w, H, dv),
@@ -294,12 +303,15 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="per-kernel times at the largest S")
     ap.add_argument("--stages", action="store_true",
                     help="at the largest S: graph times of the first 1..4 launches (critical-path cost of each)")
+    ap.add_argument("--layout", choices=("bshd", "bhsd"), default="bshd",
+                    help="cache storage: token-major (as the model's caches) or head-major (SDPA's own)")
     ap.add_argument("--roofs", action="store_true",
                     help="first: the read roof at the step's byte counts and the cost of a dependent launch")
     ap.add_argument("--jobs", type=int, default=1, help="processes compiling the SWEEP variants first")
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the SWEEP variants (--jobs processes) and exit")
     a = ap.parse_args()
+    LAYOUT["cache"] = a.layout
     shape = (a.HQ, a.H, a.dk, a.dv)
     variants = SWEEP if a.variants is None else [
         common.parse_changes([x for x in v.split(",") if x.strip()]) for v in a.variants]
@@ -312,7 +324,7 @@ def main() -> None:
             return
     torch.manual_seed(0)
     tuning = common.base_tuning()
-    result = {"hparams": HP, "shape": dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv, dtype="bf16"),
+    result = {"hparams": HP, "shape": dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv, dtype="bf16"), "layout": a.layout,
               "dense_available": common.print_dense_available(), "runs": []}
     if a.roofs:
         result["roofs"] = roofs(a.B, max(a.S), shape, a.reps)
