@@ -202,10 +202,10 @@ def pick_best(res: dict, variants: list[dict]) -> dict:
 
 
 def stage_costs(c, S, reps, tuning) -> dict:
-    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1..4
-    (5 with the early launch), and of a graph with one trivial kernel: the differences are each launch's
-    cost on the critical path (the truncated steps compute garbage; only their time is used). The
-    truncation wraps the launcher's internal launch function for the duration of this call only."""
+    """Graph replay microseconds (cold L2, hot) of the first n launches of the decode step, n = 1 .. the
+    step's launches (each row names its last one), and of a graph with one trivial kernel: the differences are
+    each launch's cost on the critical path (the truncated steps compute garbage; only their time is used).
+    The truncation wraps the launcher's internal launch function for the duration of this call only."""
     from nsa.ops.triton import decode as tdec
     args, pos, win = step_inputs(c, S)
     orig = tdec._launch_with_pdl_fallback
