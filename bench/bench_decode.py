@@ -48,18 +48,15 @@ def time_hot(fn, reps: int) -> float:
     return common.gpu_time(fn, 3, max(5, reps // 5), inner=10, sync_each=False) * 1e3
 
 
-LAYOUT = {"cache": "bshd"}   # how make_cache stores the cache tensors (--layout); always handed as [B, S, H, d]
-
-
-def make_cache(B, S, HQ, H, dk, dv, dtype=torch.bfloat16):
+def make_cache(B, S, HQ, H, dk, dv, dtype=torch.bfloat16, layout: str = "bshd"):
     """One decode step's inputs at context S: the query at position S - 1 and the cache before it. The cache
-    tensors are [B, S, H, d] views of token-major storage, or with LAYOUT "bhsd" of head-major storage (each head's
-    rows contiguous, SDPA's own layout)."""
+    tensors are [B, S, H, d] views of token-major storage, or with layout "bhsd" of head-major storage (each
+    head's rows contiguous, SDPA's own layout)."""
     from nsa.ops.common import num_cmp_tokens
     N = num_cmp_tokens(S, HP["l"], HP["d"])
 
     def r(*s):
-        if LAYOUT["cache"] == "bhsd" and len(s) == 4 and s[1] > 1:
+        if layout == "bhsd" and len(s) == 4 and s[1] > 1:
             return torch.randn(s[0], s[2], s[1], s[3], device="cuda", dtype=dtype).transpose(1, 2)
         return torch.randn(*s, device="cuda", dtype=dtype)
     w = min(HP["w"], S)
@@ -311,7 +308,6 @@ def main() -> None:
     ap.add_argument("--precompile-only", action="store_true",
                     help="only compile the SWEEP variants (--jobs processes) and exit")
     a = ap.parse_args()
-    LAYOUT["cache"] = a.layout
     shape = (a.HQ, a.H, a.dk, a.dv)
     variants = SWEEP if a.variants is None else [
         common.parse_changes([x for x in v.split(",") if x.strip()]) for v in a.variants]
@@ -331,7 +327,7 @@ def main() -> None:
     if a.sweep:  # first: choose the launch knobs per batch size at the largest S, then the table
         S, sweeps, best = max(a.S), {}, {}
         for B in a.B:
-            c = make_cache(B, S, *shape)
+            c = make_cache(B, S, *shape, layout=a.layout)
             sweeps[B] = sweep(c, S, a.reps, tuning, variants)
             best[B] = pick_best(sweeps[B], variants)
             del c
@@ -344,7 +340,7 @@ def main() -> None:
         print(f"chosen: {result['sweep']['chosen']}", flush=True)
     if a.stages:
         for B in a.B:
-            c = make_cache(B, max(a.S), *shape)
+            c = make_cache(B, max(a.S), *shape, layout=a.layout)
             result[f"stages_B{B}"] = st = stage_costs(c, max(a.S), a.reps, tuning)
             print(f"stages B={B} S={max(a.S)}: " + ", ".join(
                 f"{k} {v['cold_us']:.1f}/{v['hot_us']:.1f}" for k, v in st.items()) + " us (cold/hot)", flush=True)
@@ -352,7 +348,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     result["tuning"] = common.tuning_dict(tuning)["decode"]
     for B in a.B:
-        c = make_cache(B, max(a.S), *shape)
+        c = make_cache(B, max(a.S), *shape, layout=a.layout)
         result[f"check_B{B}_S{max(a.S)}"] = chk = check_against_torch(c, max(a.S), tuning)
         print(f"check vs torch fp32 B={B} S={max(a.S)}: {chk}", flush=True)
         del c
@@ -360,7 +356,7 @@ def main() -> None:
     rows = []
     for B in a.B:
         for S in a.S:
-            c = make_cache(B, S, *shape)
+            c = make_cache(B, S, *shape, layout=a.layout)
             nsa = bench_nsa(c, S, a.reps, tuning)
             if nsa.pop("tuning_used") is not tuning:
                 nsa["pdl"] = False
