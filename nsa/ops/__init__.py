@@ -41,7 +41,7 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
                   tile: int | None = None, recompute: bool | None = None,
                   tuning: KernelTuning | None = None,
                   allow_flash: bool = True, flash_branches: str = "preset") -> tuple[torch.Tensor, torch.Tensor]:
-    """Native Sparse Attention over a full sequence (NSA_SPEC.md).
+    """Native Sparse Attention over a full sequence (docs/nsa.md).
 
     q [B,T,HQ,dk]; k_cmp/v_cmp [B,N,H,dk|dv] compressed (N = floor((T-l)/d)+1, 0 when T < l);
     k_slc/v_slc/k_win/v_win [B,T,H,dk|dv] raw; gates [B,T,HQ,3] (cmp, slc, win), already in [0,1].

@@ -9,7 +9,7 @@ aligned bottom-right, as flash-attn does: query i sits at position Tk - Tq + i, 
 (Tq new tokens after Tk - Tq cached ones) is the same call as a full forward. `window=w` keeps the
 w most recent keys of each query (itself included): flash-attn's window_size=(w - 1, 0).
 
-Backends, in the order "auto" tries them on CUDA (FLASH_NOTES.md: FA4 was 9-15% faster than cuDNN
+Backends, in the order "auto" tries them on CUDA (docs/flash.md: FA4 was 9-15% faster than cuDNN
 SDPA forward+backward at 8k-64k on an H200, d=128 GQA bf16; cuDNN leads torch's own SDPA kernels
 on Hopper; "math" is the always-working floor):
 
@@ -55,7 +55,7 @@ CUDA_ORDER = FLASH_BACKENDS + SDPA_BACKENDS
 # to enable_gqa=True while cuDNN and flash ran it; bench/results/attention_prod.json)
 SDPA_NO_GQA = ("sdpa_efficient",)
 BACKENDS = CUDA_ORDER + ("sdpa", "reference", "auto")
-ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa_math (FLASH_NOTES.md, H200: "
+ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa_math (docs/flash.md, H200: "
               "FA4 9-15% faster than cuDNN SDPA fwd+bwd at 8k-64k)")
 
 _lock = threading.Lock()

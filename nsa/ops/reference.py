@@ -1,4 +1,4 @@
-"""The obviously-correct NSA oracle (NSA_SPEC.md), written for clarity, not speed.
+"""The obviously-correct NSA oracle (docs/nsa.md), written for clarity, not speed.
 
 Loops over query positions (and over batch/KV head for the selection), computes in fp64 and
 returns in q's dtype. Differentiable through plain torch ops, so it also gives reference

@@ -1,6 +1,6 @@
 """Compressed-attention branch on a dense causal SDPA kernel (cuDNN or flash), via a residue split.
 
-Query t sees compressed token i iff i*d + l - 1 <= t (NSA_SPEC). Write t = d*m + r (0 <= r < d): the
+Query t sees compressed token i iff i*d + l - 1 <= t (docs/nsa.md). Write t = d*m + r (0 <= r < d): the
 condition is i <= m + c_r with c_r = floor((r - l + 1) / d), a constant per residue. So the queries
 of one residue r, indexed by j = m + c_r, see exactly the compressed tokens 0..j: a plain top-left
 causal mask over a square [N, N] problem (N compressed tokens; j < N for every t < T). All d
