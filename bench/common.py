@@ -34,7 +34,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 OUT_DIR = BENCH / "out"
 RESULTS_DIR = BENCH / "results"
-# paper sizes (NSA_SPEC.md): compression block l, stride d, selection block l_sel, n_sel blocks, window w
+# paper sizes (docs/nsa.md): compression block l, stride d, selection block l_sel, n_sel blocks, window w
 HP = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
 SHAPE = dict(B=1, HQ=64, H=4, dk=128, dv=128)   # the op benchmarks' default heads and head dims (bf16)
 

@@ -71,7 +71,7 @@ peers() {  # fla-core (and einops) from carried wheels, when present
   fi
 }
 
-ray_bundle() {  # Ray and its dependencies from .gpu_bundle (../shared/tools/gpu_bundle.sh .gpu_bundle)
+ray_bundle() {  # Ray and its dependencies from .gpu_bundle (a wheel folder built where there is network; docs/ray.md)
   local site
   site=$(mktemp -d) && tar -xJf .gpu_bundle/ray.tar.xz -C "$site" && \
     python3 -m pip install -q --no-index --no-deps --target "$site" .gpu_bundle/*.whl || exit 1

@@ -1,4 +1,4 @@
-"""One typed configuration tree for every entry point (DESIGN.md, principle 3).
+"""One typed configuration tree for every entry point (docs/design.md, principle 3).
 
     RunConfig
       model    ModelConfig    TinyLM shape
@@ -111,7 +111,7 @@ class NSAConfig:
 class RuntimeConfig:
     num_workers: int = 2                 # Ray Train workers; 0 = loop in the driver; -1 = gpus / gpus_per_worker
     use_gpu: bool = False
-    cpus_per_worker: float = 0.5         # fractional on purpose: RAY_NOTES "the 2-core deadlock"
+    cpus_per_worker: float = 0.5         # fractional on purpose: docs/ray.md "The 2-core deadlock"
     gpus_per_worker: float = 1.0
     # the GPUs the job wants when num_workers=-1 (the world size, so the global batch, follows from the
     # profile, not from what happens to be alive); None: the GPUs alive in the cluster at start
@@ -202,7 +202,9 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "parquet"          # parquet (FineWeb-Edu-format shards) | synthetic (explicit opt-in)
-    path: str = "data/fineweb_local"  # shard directory (prepare_data.py writes it) or hf://datasets/<org>/<name>/<glob>
+    # shard directory (prepare_data.py writes it) or hf://datasets/<org>/<name>/<glob>; the default is the
+    # offline Python-source corpus (nsa.data.sources.OFFLINE_DATA_PATH), built on first use (auto_prepare)
+    path: str = "data/offline_python"
     val_path: Optional[str] = None   # held-out shard; default: the val-*.parquet beside the train shards
     auto_prepare: bool = True        # default path missing -> build it from the offline local corpus
     tokenizer: str = "byte"          # byte | gpt2 (tiktoken, needs a local encoding file)

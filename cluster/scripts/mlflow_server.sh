@@ -48,7 +48,7 @@ start() {
     --backend-store-uri "$MLFLOW_BACKEND_URI" --artifacts-destination "$MLFLOW_ROOT/artifacts" \
     >"$LOG_FILE" 2>&1 < /dev/null &
   echo $! > "$PID_FILE"
-  for _ in $(seq 1 60); do   # ~30 s to become healthy was measured on a small machine (RAY_NOTES)
+  for _ in $(seq 1 60); do   # ~30 s to become healthy was measured on a small machine (docs/ray.md)
     if healthy; then
       echo "mlflow server up at $(uri) (backend $MLFLOW_BACKEND_URI, log $LOG_FILE)"
       return 0

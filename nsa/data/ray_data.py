@@ -10,7 +10,7 @@ The files are local paths or parquet URLs (`hf://datasets/...`, `file:///...`): 
 `read_parquet(paths, filesystem=<its fsspec filesystem>)`, the rest of the pipeline and the split are
 the same (nsa.data.sources).
 
-The 2-core deadlock (shared/RAY_NOTES.md): Train workers hold their CPUs in a placement group and
+The 2-core deadlock (docs/ray.md): Train workers hold their CPUs in a placement group and
 Ray Data's read/map tasks need CPUs too. On a small machine (e.g. `ray.init(num_cpus=2)` with two
 workers) the dataset never produces a batch if each worker reserves a whole CPU. Train workers must
 use fractional CPUs (`ScalingConfig(resources_per_worker={"CPU": 0.5})`) so that at least one CPU

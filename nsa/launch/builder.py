@@ -1,4 +1,4 @@
-"""The one place that turns a RunConfig into a Ray ``TorchTrainer`` (DESIGN principle 7), plus the driver
+"""The one place that turns a RunConfig into a Ray ``TorchTrainer`` (docs/design.md, principle 7), plus the driver
 steps every entry point shares: validate inputs, prepare the run directory, connect to Ray, launch.
 
     cfg, sources = resolve_config(...)
@@ -17,7 +17,7 @@ On several nodes ``logging.root`` must be shared storage. Relative paths resolve
 working-dir copy of a ``ray job submit`` (refused, naming the field: nsa/launch/storage.py).
 
 Environment for Ray (documented choices): ``RAY_TRAIN_ENABLE_PRINT_PATCH=0`` (plain worker prints, as
-RAY_NOTES measured) always; ``RAY_AUTH_MODE=disabled`` only when this process starts a local instance
+docs/ray.md) always; ``RAY_AUTH_MODE=disabled`` only when this process starts a local instance
 (token auth on a private single-machine instance only gets in the way of ``ray job submit``); both are
 ``setdefault`` so an explicit value wins. A local instance gets the ``nsa`` package via
 ``runtime_env={"py_modules": [nsa]}``; on a cluster use ``ray job submit --working-dir .``.
@@ -41,7 +41,7 @@ from nsa.launch.cli import UserError
 from nsa.train.checkpoint import list_checkpoints, load_checkpoint, verify_checkpoint
 
 DEFAULT_DATA_PATH = DataConfig.path
-MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the train workers (RAY_NOTES)
+MIN_FREE_DATA_CPUS = 0.5   # Ray Data read/tokenize tasks need CPU beside the train workers (docs/ray.md)
 
 
 # ------------------------------------------------------------------------------------------ validation
@@ -55,10 +55,12 @@ def prepare_local_corpus(out: Path) -> None:
     from nsa.data.shards import write_shards
     from nsa.data.sources import iter_source
     print(f"data: {out} is missing and data.auto_prepare=true: building it from the offline local corpus "
-          "(Python installation's own text files, ~30 MB) ...", flush=True)
+          "(the Python installation's own source and text files, ~30 MB) ...", flush=True)
     t0 = time.time()
-    manifest = write_shards(iter_source("local", None, max_bytes=30_000_000, seed=0), out, val_docs=64,
-                            source="local:python-stdlib")
+    from nsa.data.sources import OFFLINE_MAX_BYTES, OFFLINE_VAL_DOCS, prepare_inputs
+    # the same inputs as a plain `prepare_data.py`, recorded so that running it afterwards is a no-op
+    manifest = write_shards(iter_source("local", None, max_bytes=OFFLINE_MAX_BYTES, seed=0), out,
+                            val_docs=OFFLINE_VAL_DOCS, source="local:python-stdlib", inputs=prepare_inputs("local"))
     t = manifest["totals"]
     print(f"data: wrote {t['train_shards']} train shards ({t['train_tokens']:,} tokens) + val in "
           f"{time.time() - t0:.1f}s", flush=True)

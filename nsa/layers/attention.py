@@ -1,6 +1,6 @@
 """NSAAttention: projections, RoPE, compression, gates and output projection around nsa.ops.
 
-Data flow for x [B, T, dim] (NSA_SPEC.md of the developer guide):
+Data flow for x [B, T, dim] (docs/nsa.md):
   q = W_Q x                          [B, T, HQ, d_k]
   k_c, v_c = W_K^c x, W_V^c x        [B, T, H, d_k|d_v] for c in (cmp, slc, win)
   RoPE on q and on k_cmp/k_slc/k_win at absolute positions (before compression)

@@ -1,7 +1,7 @@
 """Metric sinks behind one interface: CSV, TensorBoard, MLflow, and a fan-out that isolates failures.
 
 The loop only calls ``logger.log(metrics, step)`` with host floats (see ``stats.to_host``); it never
-imports mlflow or tensorboard (DESIGN principle 5). Heavy libraries are imported lazily, when a sink
+imports mlflow or tensorboard (docs/design.md, principle 5). Heavy libraries are imported lazily, when a sink
 is constructed.
 """
 from __future__ import annotations
@@ -251,7 +251,7 @@ class MLflowLogger(MetricLogger):
     """One MLflow run through ``MlflowClient`` (no fluent global state, no ``set_experiment``).
 
     ``tracking_uri``: e.g. ``sqlite:////abs/path/mlflow.db``. The experiment is created with
-    ``MlflowClient.create_experiment`` if missing (see RAY_NOTES: ``mlflow.set_experiment`` leaks
+    ``MlflowClient.create_experiment`` if missing (see docs/ray.md: ``mlflow.set_experiment`` leaks
     ``MLFLOW_EXPERIMENT_ID`` into Ray). ``run_id`` continues an existing run (a resumed job: keep
     ``logger.run_id`` in the checkpoint). Params are flattened with dotted keys and truncated to
     MLflow's limits; metrics are batch-logged. Each synchronous ``log`` is a SQLite transaction

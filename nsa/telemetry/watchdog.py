@@ -6,7 +6,7 @@ daemon thread calls ``on_stall(seconds_since_kick)`` once per stall episode when
 within ``stall_seconds``. :func:`make_stall_handler` builds the handler the trainer passes: it dumps
 all stacks to ``run_dir/stackdump_*.txt`` and writes a ``stall`` heartbeat.
 
-For a hard per-run timeout (Ray Tune has none per trial, see RAY_NOTES), run a second Watchdog with
+For a hard per-run timeout (Ray Tune has none per trial, see docs/ray.md), run a second Watchdog with
 a larger ``stall_seconds`` and ``make_stall_handler(..., exit_code=...)``: it records the stall and
 ends the process so the lane fails instead of hanging.
 """

@@ -1,4 +1,4 @@
-"""Self-describing checkpoints (DESIGN principle 6), loadable with ``torch.load(weights_only=True)``.
+"""Self-describing checkpoints (docs/design.md, principle 6), loadable with ``torch.load(weights_only=True)``.
 
 A checkpoint is a directory holding ``checkpoint.pt`` and ``meta.json``:
 
