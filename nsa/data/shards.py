@@ -133,14 +133,15 @@ def write_shards(docs: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike, 
                  val_docs: int | None = None, val_fraction: float | None = None,
                  overwrite: bool = False, tokenizer: Any = None, source: str = "",
                  progress: Callable[[int, int], None] | None = None,
-                 compression: str = "zstd") -> dict[str, Any]:
+                 compression: str = "zstd", inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Write `docs` as train/val parquet shards + manifest.json; return the manifest.
 
     Shards close at `docs_per_shard` documents if given, else at ~`shard_bytes` of text.
     Held-out set: the first `val_docs` documents, or the documents whose id hashes below
     `val_fraction` (both: hashed, capped at `val_docs`). `tokens` in the manifest are counted with
     `tokenizer` (its `encode_batch`), else as UTF-8 bytes (= byte-tokenizer tokens, EOS excluded).
-    `progress(docs_done, bytes_done)` is called after every document.
+    `progress(docs_done, bytes_done)` is called after every document. `inputs` (see
+    nsa.data.sources.prepare_inputs) go into the manifest so that a re-run can tell it has nothing to do.
     """
     if docs_per_shard is not None and docs_per_shard < 1:
         raise ValueError(f"docs_per_shard must be >= 1 or None, got {docs_per_shard}")
@@ -184,7 +185,7 @@ def write_shards(docs: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike, 
             raise ValueError(f"no training documents: the source gave {n_docs} document(s) and "
                              f"{n_val} went to the validation split; raise --max-docs/--max-bytes "
                              f"or lower --val-docs/--val-fraction")
-        manifest = _commit(out, staging, train.written, val.written, overwrite, source, tokenizer)
+        manifest = _commit(out, staging, train.written, val.written, overwrite, source, tokenizer, inputs)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not any(out.iterdir()):
@@ -195,7 +196,8 @@ def write_shards(docs: Iterable[Mapping[str, Any]], out_dir: str | os.PathLike, 
 
 
 def _commit(out: Path, staging: Path, train: list[dict[str, Any]], val: list[dict[str, Any]],
-            overwrite: bool, source: str, tokenizer: Any) -> dict[str, Any]:
+            overwrite: bool, source: str, tokenizer: Any,
+            inputs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Give train shards their final `-of-N` names, move everything into `out`, manifest last."""
     n = len(train)
     for i, entry in enumerate(train):
@@ -215,6 +217,7 @@ def _commit(out: Path, staging: Path, train: list[dict[str, Any]], val: list[dic
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source,
         "token_counter": getattr(tokenizer, "name", "byte") if tokenizer is not None else "byte",
+        **({"inputs": dict(inputs)} if inputs is not None else {}),
         "train": train,
         "val": val,
         "totals": {"train_shards": n, "train_docs": total(train, "docs"),

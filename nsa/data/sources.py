@@ -35,6 +35,38 @@ T = TypeVar("T")
 _OFFLINE_HINT = ("Use the offline corpus instead: python pipelines/prepare_data.py --source local "
                  "(or --source jsonl/txt --input <local files>).")
 
+# Default folders of prepare_data.py per source. The offline corpus (`local`) is the Python installation's
+# own sources and docs, so its folder says so and is never mistaken for FineWeb-Edu (the hub's folder).
+# OFFLINE_DATA_PATH is also data.path's default (nsa.config.DataConfig), which train.py auto-prepares.
+OFFLINE_DATA_PATH = "data/offline_python"
+DEFAULT_OUT: dict[str, str] = {"local": OFFLINE_DATA_PATH, "hub": "data/fineweb_edu",
+                               "jsonl": "data/jsonl_docs", "txt": "data/txt_docs"}
+OFFLINE_MAX_BYTES = 30_000_000   # sized for the tiny CPU profile: ~30M byte tokens
+OFFLINE_VAL_DOCS = 64
+SHARD_BYTES = 8_000_000
+
+
+def prepare_inputs(source: str, input_path: str | os.PathLike | None = None, *,
+                   max_docs: int | None = None, max_bytes: int | None = OFFLINE_MAX_BYTES,
+                   docs_per_shard: int | None = None, shard_bytes: int = SHARD_BYTES,
+                   val_docs: int | None = OFFLINE_VAL_DOCS, val_fraction: float | None = None,
+                   txt_split: str = "file", hub_name: str = "sample-10BT", seed: int | None = 0,
+                   count_tokenizer: str = "byte") -> dict[str, Any]:
+    """What decides the content of a prepared directory, recorded in its manifest as `inputs`: a re-run
+    of prepare_data with equal inputs is a no-op. Only the options the source uses are kept, so e.g.
+    --hub-name does not make a local corpus differ; the defaults are those of train.py's auto-prepare."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    inputs: dict[str, Any] = {"source": source}
+    if input_path is not None:
+        inputs["input"] = str(Path(input_path).expanduser().resolve())
+    inputs.update(max_docs=max_docs, max_bytes=max_bytes, docs_per_shard=docs_per_shard,
+                  shard_bytes=None if docs_per_shard is not None else shard_bytes,
+                  val_docs=val_docs, val_fraction=val_fraction, count_tokenizer=count_tokenizer)
+    inputs.update({"local": {"seed": seed}, "txt": {"txt_split": txt_split},
+                   "hub": {"hub_name": hub_name}}.get(source, {}))
+    return inputs
+
 
 def _expand(path: str | os.PathLike, patterns: tuple[str, ...], what: str) -> list[Path]:
     """A file, or the sorted matching files of a directory; errors name the path and the fix."""
