@@ -123,6 +123,19 @@ def install_signal_handlers(dump_dir: str | os.PathLike, on_checkpoint_request: 
     return True
 
 
+def close_dump_file(fh: Any) -> None:
+    """Close a file faulthandler was given, and delete it if no dump was written into it: faulthandler needs
+    the file open before any signal, but a run dir should hold a stackdump file only where a dump happened."""
+    try:
+        empty = os.fstat(fh.fileno()).st_size == 0
+    except (OSError, ValueError):      # already closed
+        empty = False
+    name = getattr(fh, "name", None)
+    fh.close()
+    if empty and isinstance(name, str):
+        Path(name).unlink(missing_ok=True)
+
+
 def _register_native_dump(dump_dir: Path) -> None:
     global _native_file
     try:
@@ -141,7 +154,7 @@ def restore_signal_handlers() -> None:
     global _native_file
     if _native_file is not None:
         faulthandler.unregister(signal.SIGUSR1)
-        _native_file.close()
+        close_dump_file(_native_file)
         _native_file = None
     if threading.current_thread() is not threading.main_thread():
         return

@@ -9,7 +9,7 @@ Requests come from three places and are turned into one set of flags all ranks a
   kills the process). ``faulthandler.register`` can: it installs a C-level handler from any thread.
   So each signal gets a faulthandler that writes all thread stacks to a per-rank file, and the loop
   checks the size of those files (one ``fstat`` each) at every step boundary:
-      SIGUSR1 -> stackdump_sigusr1_rank{r}.txt   (the dump is the point)
+      SIGUSR1 -> stackdump_sigusr1_rank{r}.txt   (the dump is the point; removed at close if still empty)
       SIGUSR2 -> .signals/signal_sigusr2_rank{r}.txt   grew -> checkpoint request
       SIGTERM -> .signals/signal_sigterm_rank{r}.txt   grew -> checkpoint, then stop
   While the loop runs, SIGTERM no longer kills the worker at once (Ray's own handler is restored when
@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from nsa.telemetry import ControlFiles, ControlFlags
+from nsa.telemetry.signals import close_dump_file
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,12 @@ class SignalFiles:
             try:
                 faulthandler.unregister(getattr(signal, name))
             finally:
-                fh.close()
+                # an empty SIGUSR1 file means no dump happened: do not leave it in the run dir. The
+                # request files stay (hidden bookkeeping whose sizes a restarted worker compares against)
+                if name == "SIGUSR1":
+                    close_dump_file(fh)
+                else:
+                    fh.close()
         self._files.clear()
 
 
