@@ -2,12 +2,18 @@
 """Prepare training data: documents -> parquet shards (FineWeb-Edu columns) + val shard + manifest.
 
 Examples:
-    python pipelines/prepare_data.py                                  # offline stdlib corpus, ~30 MB
+    python pipelines/prepare_data.py                                  # offline Python corpus, ~30 MB
     python pipelines/prepare_data.py --source jsonl --input /data/fineweb.jsonl --out data/fwe
     python pipelines/prepare_data.py --source txt --input notes/ --txt-split paragraph
     python pipelines/prepare_data.py --source hub --max-bytes 2e9 --out data/fineweb_edu  # online
     ray job submit --working-dir . -- python pipelines/prepare_data.py --source hub --max-bytes 2GB \
         --storage-root /mnt/shared --out data/fineweb_edu        # as a Ray job, onto shared storage
+
+The offline corpus (--source local) is the Python installation's own source files and documentation:
+code more than prose. Its default --out, data/offline_python, is data.path's default, which train.py
+builds itself when missing; the hub's default --out is data/fineweb_edu (prod_50k's data.path).
+Running again with the same inputs into a prepared --out does nothing and says so; other inputs into a
+non-empty --out are refused unless --overwrite is given.
 
 Training then points `data.path` at the --out directory (checked by nsa.data.shards.check_data_path).
 A relative --out resolves against --storage-root (default: $NSA_STORAGE_ROOT, which the cluster nodes set
@@ -21,18 +27,19 @@ import argparse
 import json
 import sys
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable
 
 from nsa.config import env_storage_root
-from nsa.data.shards import write_shards
-from nsa.data.sources import SOURCES, iter_source
+from nsa.data.shards import MANIFEST, read_manifest, write_shards
+from nsa.data.sources import (DEFAULT_OUT, OFFLINE_MAX_BYTES, OFFLINE_VAL_DOCS, SHARD_BYTES, SOURCES,
+                              iter_source, prepare_inputs)
 from nsa.data.tokenizers import get_tokenizer
 from nsa.launch.cli import UserError
 from nsa.launch.storage import prepare_out
 
-DEFAULT_OUT = "data/fineweb_local"
-DEFAULT_MAX_BYTES = 30_000_000  # sized for the tiny CPU profile: ~30M byte tokens
-DEFAULT_VAL_DOCS = 64
+DEFAULT_MAX_BYTES = OFFLINE_MAX_BYTES   # the same as train.py's auto-prepare, so that a re-run is a no-op
+DEFAULT_VAL_DOCS = OFFLINE_VAL_DOCS
 
 
 def _size(text: str) -> int:
@@ -49,12 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--source", choices=SOURCES, default="local",
-                   help="local: the Python installation's own text files (offline); jsonl/txt: "
+                   help="local: the Python installation's own source and text files (offline); jsonl/txt: "
                         "--input files; hub: HuggingFaceFW/fineweb-edu streaming (needs network)")
     p.add_argument("--input", default=None,
                    help="file or directory for jsonl/txt (for local: another root folder)")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help="output directory; relative: under --storage-root when given, else the working directory")
+    p.add_argument("--out", default=None,
+                   help="output directory (default by --source: " +
+                        ", ".join(f"{k}: {v}" for k, v in DEFAULT_OUT.items()) +
+                        "); relative: under --storage-root when given, else the working directory")
     p.add_argument("--storage-root", default=env_storage_root(),
                    help="shared storage that a relative --out resolves against (runtime.storage_root of the "
                         "training runs; default $NSA_STORAGE_ROOT)")
@@ -63,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop before exceeding this much UTF-8 text (all splits)")
     p.add_argument("--docs-per-shard", type=int, default=None,
                    help="documents per train shard (default: close shards at --shard-bytes)")
-    p.add_argument("--shard-bytes", type=_size, default=8_000_000,
+    p.add_argument("--shard-bytes", type=_size, default=SHARD_BYTES,
                    help="target text bytes per shard when --docs-per-shard is not given")
     p.add_argument("--val-docs", type=int, default=None,
                    help=f"held-out documents, the first ones of the stream (default "
@@ -72,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: hold out documents whose id hashes below this fraction "
                         "(capped by --val-docs when both are given)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the shards/manifest of a non-empty --out")
+                   help="replace the shards/manifest of a non-empty --out (also when prepared with "
+                        "the same inputs, which is otherwise a no-op)")
     p.add_argument("--txt-split", choices=("file", "paragraph"), default="file",
                    help="txt source: one document per file or per blank-line-separated block")
     p.add_argument("--hub-name", default="sample-10BT", help="FineWeb-Edu config for --source hub")
@@ -130,6 +140,36 @@ def summarize(manifest: dict, out: str, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _differences(recorded: Any, inputs: dict[str, Any]) -> str:
+    if not isinstance(recorded, dict):
+        return "its manifest records no inputs (prepared by an older version or by hand)"
+    keys = [k for k in dict.fromkeys([*recorded, *inputs]) if recorded.get(k) != inputs.get(k)]
+    return ", ".join(f"{k}: {recorded.get(k)!r} there, {inputs.get(k)!r} now" for k in keys)
+
+
+def already_prepared(out: str, inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest of `out` when it was prepared from `inputs` and all its shards are there; None when
+    `out` is missing or empty. FileExistsError (one line naming --out and --overwrite) otherwise."""
+    path = Path(out)
+    if not path.is_dir() or not any(not p.name.startswith(".tmp-") for p in path.iterdir()):
+        return None
+    fix = "pass --overwrite to replace it, or choose another --out"
+    try:
+        manifest = read_manifest(path)
+    except ValueError as exc:
+        raise FileExistsError(f"--out {out}: {exc}") from None
+    if manifest is None:
+        raise FileExistsError(f"--out {out} is not empty and has no {MANIFEST}: not prepared data; {fix}")
+    diff = _differences(manifest.get("inputs"), inputs)
+    if diff:
+        raise FileExistsError(f"--out {out} holds data prepared with other inputs ({diff}); {fix}")
+    missing = [e["path"] for e in manifest["train"] + manifest.get("val", []) if not (path / e["path"]).is_file()]
+    if missing:
+        raise FileExistsError(f"--out {out}: {len(missing)} shard(s) of its manifest are missing (first: "
+                              f"{missing[0]}); pass --overwrite to prepare it again")
+    return manifest
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_docs is not None and args.max_docs < 1:
@@ -141,9 +181,26 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--val-docs must be >= 0")
     counter = None if args.count_tokenizer == "byte" else \
         get_tokenizer(args.count_tokenizer, tiktoken_path=args.tiktoken_path)
+    if args.out is None:
+        args.out = DEFAULT_OUT[args.source]
+    elif args.source == "local" and "fineweb" in Path(args.out).name.lower():
+        # an explicit path is kept; the note keeps the Python text from passing for FineWeb-Edu unnoticed
+        print(f"note: --out {args.out} gets the offline Python corpus (--source local), not FineWeb-Edu; "
+              f"its default folder is {DEFAULT_OUT['local']}", file=sys.stderr)
+    inputs = prepare_inputs(args.source, args.input, max_docs=args.max_docs, max_bytes=args.max_bytes,
+                            docs_per_shard=args.docs_per_shard, shard_bytes=args.shard_bytes,
+                            val_docs=val_docs, val_fraction=args.val_fraction, txt_split=args.txt_split,
+                            hub_name=args.hub_name, seed=args.seed, count_tokenizer=args.count_tokenizer)
     try:
         out = str(prepare_out(args.out, args.storage_root))
-    except UserError as exc:
+        if not args.overwrite and (done := already_prepared(out, inputs)) is not None:
+            t = done["totals"]
+            print(f"data already there: {out} was prepared from the same inputs ({done.get('created_utc', '?')}; "
+                  f"{t['train_shards']} train shards, {t['train_tokens']:,} tokens); nothing to do "
+                  f"(--overwrite prepares it again)")
+            print(json.dumps({"out": out, "unchanged": True, **t}))
+            return 0
+    except (UserError, FileExistsError) as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
@@ -156,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             manifest = write_shards(docs, out, docs_per_shard=args.docs_per_shard,
                                     shard_bytes=args.shard_bytes, val_docs=val_docs,
                                     val_fraction=args.val_fraction, overwrite=args.overwrite,
-                                    tokenizer=counter, progress=update,
+                                    tokenizer=counter, progress=update, inputs=inputs,
                                     source=f"{args.source}:{args.input or args.hub_name}"
                                     if args.source != "local" else "local:python-stdlib")
         finally:

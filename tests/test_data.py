@@ -308,3 +308,42 @@ def test_prepare_data_cli_end_to_end(tmp_path, capsys):
     assert cli.main(["--out", str(out), "--max-docs", "8", "--val-docs", "0", "--overwrite",
                      "--no-progress"]) == 0
     assert read_manifest(out)["totals"]["train_docs"] == 8 and find_val_shards(out) == []
+
+
+def test_prepare_data_after_auto_prepare_is_a_no_op(tmp_path, capsys, monkeypatch):
+    """train.py's auto-prepare then a plain prepare_data.py: the same inputs, so nothing is rewritten;
+    other inputs or foreign files in --out are refused with one line naming --out and --overwrite."""
+    import nsa.data.sources as sources
+    from nsa.config import DataConfig
+    from nsa.launch.builder import prepare_local_corpus
+    cli = _load_cli()
+    assert DataConfig().path == sources.OFFLINE_DATA_PATH == sources.DEFAULT_OUT["local"]
+    assert "fineweb" not in sources.OFFLINE_DATA_PATH and sources.DEFAULT_OUT["hub"] == "data/fineweb_edu"
+    real = sources.iter_source     # a few documents instead of 30 MB; the recorded inputs are the defaults'
+    monkeypatch.setattr(sources, "iter_source", lambda *a, **kw: real(*a, **{**kw, "max_docs": 70}))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / sources.OFFLINE_DATA_PATH
+    prepare_local_corpus(out)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["--no-progress", "--storage-root", ""]) == 0
+    res = capsys.readouterr().out
+    assert res.startswith(f"data already there: {out}") and "nothing to do" in res
+    assert json.loads(res.strip().splitlines()[-1])["unchanged"] is True
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert cli.main(["--no-progress", "--storage-root", "", "--max-bytes", "1MB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "max_bytes: 30000000 there, 1000000 now" in err
+    assert "--overwrite" in err and "--out" in err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("not shards")
+    assert cli.main(["--no-progress", "--out", str(tmp_path / "notes")]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "not shards"
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("prepare_data", REPO / "pipelines/prepare_data.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
