@@ -10,7 +10,8 @@ Under `ray job submit` (RAY_ADDRESS set) it connects to the cluster; otherwise i
 instance. runtime.num_workers=-1 (the profile's value) = one worker per GPU of runtime.gpus (16); on a
 cluster with fewer GPUs the driver asks the autoscaler for them and waits up to runtime.gpu_wait_seconds
 (cluster/README.md, "Cold start"). Before any worker starts it checks the config, the data path
-(data/fineweb_edu by default: prepare it with pipelines/prepare_data.py --source hub|jsonl --out ...), any
+(data/fineweb_edu by default: prepare it with pipelines/prepare_data.py --source hub|jsonl --out ...; the
+offline Python-source corpus of a plain prepare_data.py is data.path=data/offline_python), any
 checkpoint to resume, and that the requested GPUs/CPUs fit the cluster. Relative paths (runs,
 data/fineweb_edu) resolve against runtime.storage_root ($NSA_STORAGE_ROOT: /mnt/shared on the cluster
 configs); a job never writes into Ray's working-dir copy (refused, naming the field). Same exit codes as
