@@ -105,12 +105,8 @@ def _merge_rows(x, ROWS: tl.constexpr, K: tl.constexpr, LOGK: tl.constexpr, desc
 
 @triton.jit
 def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NBJ_PAD: tl.constexpr,
-                MAP: tl.constexpr, P_PREC: tl.constexpr, PAIRH: tl.constexpr):
-    """p [BLOCK_R, BN] fp32, cnt [BN, NBJ_PAD] -> per-token block scores [BT, NBJ_PAD] fp32.
-    PAIRH (MAP 2, GP >= 16): heads g and g + GP/2 of a token are added in fp32 before the fp16 split and
-    the map product, which then see half the rows; on Hopper's MMA layout rows r and r + 8 sit in one
-    thread, so the add moves no data (sm_90, paper shape: the unmasked loop 715 -> 594 instructions per
-    thread, no spill). Rounding differs from the split of each head at ~2**-24 of a score."""
+                MAP: tl.constexpr, P_PREC: tl.constexpr):
+    """p [BLOCK_R, BN] fp32, cnt [BN, NBJ_PAD] -> per-token block scores [BT, NBJ_PAD] fp32."""
     if MAP == 0:
         if GP > 1:
             p = tl.sum(tl.reshape(p, [BT, GP, BN]), 1)                      # [BT, BN]
@@ -122,16 +118,12 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
         if MAP == 1:
             y = tl.dot(p, cnt, input_precision=P_PREC)                      # [BLOCK_R, NBJ_PAD]
         else:   # p arrives as 2**12 p (MAP_SHIFT off lse): hi + lo to ~22 bits, cnt * 2**-12 exact in fp16
-            if PAIRH and GP >= 16:
-                p = tl.reshape(tl.sum(tl.reshape(p, [BT, 2, GP // 2, BN]), 1), [BT * (GP // 2), BN])
             hi = p.to(tl.float16)
             lo = (p - hi.to(tl.float32)).to(tl.float16)
             c16 = (cnt * MAP_SCALE).to(tl.float16)
             y = tl.dot(lo, c16, out_dtype=tl.float32)
             y = tl.dot(hi, c16, y, out_dtype=tl.float32)
-        if PAIRH and MAP == 2 and GP >= 16:
-            y = tl.sum(tl.reshape(y, [BT, GP // 2, NBJ_PAD]), 1)
-        elif GP > 1:
+        if GP > 1:
             y = tl.sum(tl.reshape(y, [BT, GP, NBJ_PAD]), 1)
     return y
 
@@ -140,7 +132,7 @@ def _block_sums(p, cnt, BT: tl.constexpr, GP: tl.constexpr, BN: tl.constexpr, NB
 def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                  KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                  KEY64: tl.constexpr, G: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
-                 SKIP: tl.constexpr, SCR, RELAY: tl.constexpr):
+                 SCR, RELAY: tl.constexpr):
     """run [BT, KR] best keys so far (descending); s [BT, NBJ_PAD] scores of blocks j0.. -> new run.
     RELAY: s goes through this program's scratch SCR [BT * NBJ_PAD] fp32 first. The head sum leaves s
     in the MMA rows' layout, every element held by the lanes that held its heads (8 copies at G=16 on
@@ -163,13 +155,7 @@ def _merge_chunk(run, s, j0, cur, BT: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: 
     key = tl.where(ok, key, -1)
     if not KEY64:
         key = key.to(tl.int32)
-    if SKIP:
-        gain = tl.max((tl.max(key, 1) > tl.min(run, 1)).to(tl.int32), 0)
-        if gain > 0:
-            run = _merge_keys(run, key, BT, NBJ_PAD, KR, LOGKR, LOGNB)
-    else:
-        run = _merge_keys(run, key, BT, NBJ_PAD, KR, LOGKR, LOGNB)
-    return run
+    return _merge_keys(run, key, BT, NBJ_PAD, KR, LOGKR, LOGNB)
 
 
 @triton.jit
@@ -187,8 +173,8 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
           R: tl.constexpr, LC: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr, BT: tl.constexpr,
           BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr, KR: tl.constexpr,
           LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr, KEY64: tl.constexpr,
-          MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr, SKIP: tl.constexpr,
-          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr, PAIRH: tl.constexpr):
+          MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
+          MASKED: tl.constexpr, SCR, RELAY: tl.constexpr):
     """Chunks c_lo .. c_hi-1. MASKED=False only for chunks whose loaded tokens all exist (>= 0, < N)
     and are visible to every token of the tile."""
     offs_dk = tl.arange(0, BDK)
@@ -204,9 +190,9 @@ def _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, c_lo, c_hi, N, scale_log2,
             p = tl.where(vis, tl.exp2(x), 0.0)
         else:
             p = tl.exp2(x)
-        s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC, PAIRH)
+        s = _block_sums(p, cnt, BT, GP, BN, NBJ_PAD, MAP, P_PREC)
         run = _merge_chunk(run, s, j0, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                           G, L_CMP, STRIDE, SKIP, SCR, RELAY)
+                           G, L_CMP, STRIDE, SCR, RELAY)
     return run
 
 
@@ -242,7 +228,7 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
                    BLOCK_R: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
                    KR: tl.constexpr, LOGKR: tl.constexpr, LOGNB: tl.constexpr, IB: tl.constexpr,
                    KEY64: tl.constexpr, MAP: tl.constexpr, P_PREC: tl.constexpr, DOT_PREC: tl.constexpr,
-                   SKIP: tl.constexpr, RELAY: tl.constexpr, PAIRH: tl.constexpr):
+                   RELAY: tl.constexpr):
     BT: tl.constexpr = BLOCK_R // GP
     R: tl.constexpr = LSEL // STRIDE       # stride chunks per selection block
     LC: tl.constexpr = L_CMP // STRIDE     # stride chunks per compression block
@@ -276,13 +262,13 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
         run = tl.full([BT, KR], -1, tl.int32)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
+                MAP, P_PREC, DOT_PREC, True, scr, RELAY)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, False, scr, RELAY, PAIRH)
+                MAP, P_PREC, DOT_PREC, False, scr, RELAY)
     run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                MAP, P_PREC, DOT_PREC, SKIP, True, scr, RELAY, PAIRH)
+                MAP, P_PREC, DOT_PREC, True, scr, RELAY)
     store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
 
 
@@ -343,7 +329,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        SKIP=tuning.skip_merge, RELAY=tuning.relayout, PAIRH=tuning.head_pairs, num_warps=warps, num_stages=stages,
+        RELAY=tuning.relayout, num_warps=warps, num_stages=stages,
         **reg_cap(tile.max_regs, q.is_cuda))
     return bi
 
@@ -389,5 +375,5 @@ def _rank_stored_kernel(SCR, BI, sbb, sbt, sbh, T, H, n_tiles, nchmax, G: tl.con
     for c in range(0, n_ch):
         s = tl.load(scr + c * (BT * NBJ_PAD) + r_)
         run = _merge_chunk(run, s, c * NBJ, cur, BT, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
-                           G, L_CMP, STRIDE, False, scr, False)
+                           G, L_CMP, STRIDE, scr, False)
     store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
