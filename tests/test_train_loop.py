@@ -41,6 +41,13 @@ def test_heartbeat_sequence_and_artifacts(tiny_data, tmp_path):
     for field in ("loss", "lr", "grad_norm", "step_ms", "fetch_ms", "step_ms_p95", "fetch_ms_p50", "rss_mib",
                   "fallbacks"):
         assert field in end, field
+    # no NaN placeholder: a loss in a heartbeat is a measured one, and says which step it was read at
+    progress = [r for r in hb if r["kind"] == "progress" and "stats" not in r]
+    assert "loss" not in progress[0] and progress[0]["step"] == 1
+    assert all(math.isfinite(r["loss"]) and r["loss_step"] < r["step"] for r in progress[1:])
+    step_end = {r["step"]: r for r in hb if r["kind"] == "step_end"}
+    assert progress[1]["loss"] == step_end[1]["loss"] and step_end[1]["loss_step"] == 1
+    assert all(math.isfinite(r["loss"]) and r["loss_step"] <= r["step"] for r in step_end.values())
     stats = [r for r in hb if r["kind"] == "progress" and "stats" in r]
     assert [r["step"] for r in stats] == [3, 6]
     assert 0.0 < stats[0]["stats"]["gate/L0/entropy"] <= math.log(3) + 1e-6

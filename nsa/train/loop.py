@@ -8,8 +8,9 @@ data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier)
     -> [stats step: gate/selection stats transfer] -> [eval step] -> control decision (tiny CPU
     all-reduce) -> [checkpoint + report] -> step_end hb -> watchdog kick -> stop if agreed
 
-Host syncs: only at log/stats/eval/checkpoint steps (deliberate, marked ``sync-ok``). Between log steps
-the heartbeat's loss/grad-norm are the last logged values; step/fetch times are host wall clock.
+Host syncs: only at log/stats/eval/checkpoint steps (deliberate, marked ``sync-ok``). The heartbeat's
+loss/grad-norm are the last logged values, with ``loss_step`` (the step they belong to); a progress record
+before the first log step of a (re)start has none; step/fetch times are host wall clock.
 Non-finite steps never change the weights (see nsa/train/step.py); with ``on_nonfinite=halt`` the loop
 stops at the next log step with an ``anomaly`` record (at the step the first non-finite value appeared,
 carried on the device by IntervalMeter) and without a checkpoint.
@@ -251,6 +252,7 @@ class Trainer:
         # periods of warm-up / capture steps are not steady-state step times
         self.steady_from = self.step + 2 + (r.cuda_graph_warmup + 1 if self.graphed is not None else 0)
         self.last: dict[str, float] = {"loss": math.nan, "grad_norm": math.nan, "val_loss": math.nan}
+        self.loss_step: Optional[int] = None     # the step self.last's loss/grad norm were read at
         self.first_loss = math.nan
         self.health_seen: list[str] = []     # gate health warnings last printed (print on change only)
         self.nonfinite_seen = 0.0
@@ -264,6 +266,14 @@ class Trainer:
     def _hb_due(self, step: int) -> bool:
         every = self.cfg.logging.heartbeat_every
         return every == 1 or step % every == 0 or step == 1 or step == self.cfg.train.steps
+
+    def _logged(self) -> dict[str, Any]:
+        """Heartbeat fields of the last logged loss. The step's own loss is still on the device when the
+        progress record is written (read only at log steps), so before the first log there is no value:
+        the fields are left out rather than a NaN that reads as a diverged run."""
+        if self.loss_step is None:
+            return {}
+        return {"loss": self.last["loss"], "grad_norm": self.last["grad_norm"], "loss_step": self.loss_step}
 
     def _lr(self) -> float:
         """The lr the current/last step used (captured before the scheduler advanced)."""
@@ -309,6 +319,7 @@ class Trainer:
     def _log(self, step: int, res_tokens: int, extra: dict[str, float]) -> dict[str, float]:
         host = self.meter.flush()
         self.last["loss"], self.last["grad_norm"] = host["loss"], host["grad_norm"]
+        self.loss_step = step
         if math.isnan(self.first_loss):
             self.first_loss = host["loss"]
         new_bad = host["nonfinite_total"] - self.nonfinite_seen
@@ -441,16 +452,14 @@ class Trainer:
                     self.rep.step_ms.add(ms)
             dev_ms = {"gpu_step_ms": round(self.timer.latest_ms, 3)} if math.isfinite(self.timer.latest_ms) else {}
             if hb:
-                self.rep.heartbeat("progress", step, loss=self.last["loss"], lr=self._lr(),
-                                   grad_norm=self.last["grad_norm"], step_ms=round(step_ms, 3),
+                self.rep.heartbeat("progress", step, **self._logged(), lr=self._lr(), step_ms=round(step_ms, 3),
                                    fetch_ms=round(fetch_s * 1e3, 3),
                                    toks_per_s=res.tokens * self.world / max(1e-9, dev_ms.get("gpu_step_ms", step_ms) / 1e3),
                                    **dev_ms,
                                    **self.rep.timing_fields(), **self.rep.memory())
             dec = self._end_of_step(step, val, tokens_step, stats_due)
             if hb:
-                self.rep.heartbeat("step_end", step, loss=self.last["loss"], lr=self._lr(),
-                                   grad_norm=self.last["grad_norm"],
+                self.rep.heartbeat("step_end", step, **self._logged(), lr=self._lr(),
                                    step_ms=round((time.perf_counter() - t_start) * 1e3, 3),
                                    compute_ms=round(step_ms - fetch_s * 1e3, 3), fetch_ms=round(fetch_s * 1e3, 3),
                                    **dev_ms,
