@@ -202,7 +202,9 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = "parquet"          # parquet (FineWeb-Edu-format shards) | synthetic (explicit opt-in)
-    path: str = "data/fineweb_local"  # shard directory (prepare_data.py writes it) or hf://datasets/<org>/<name>/<glob>
+    # shard directory (prepare_data.py writes it) or hf://datasets/<org>/<name>/<glob>; the default is the
+    # offline Python-source corpus (nsa.data.sources.OFFLINE_DATA_PATH), built on first use (auto_prepare)
+    path: str = "data/offline_python"
     val_path: Optional[str] = None   # held-out shard; default: the val-*.parquet beside the train shards
     auto_prepare: bool = True        # default path missing -> build it from the offline local corpus
     tokenizer: str = "byte"          # byte | gpt2 (tiktoken, needs a local encoding file)

@@ -55,10 +55,12 @@ def prepare_local_corpus(out: Path) -> None:
     from nsa.data.shards import write_shards
     from nsa.data.sources import iter_source
     print(f"data: {out} is missing and data.auto_prepare=true: building it from the offline local corpus "
-          "(Python installation's own text files, ~30 MB) ...", flush=True)
+          "(the Python installation's own source and text files, ~30 MB) ...", flush=True)
     t0 = time.time()
-    manifest = write_shards(iter_source("local", None, max_bytes=30_000_000, seed=0), out, val_docs=64,
-                            source="local:python-stdlib")
+    from nsa.data.sources import OFFLINE_MAX_BYTES, OFFLINE_VAL_DOCS, prepare_inputs
+    # the same inputs as a plain `prepare_data.py`, recorded so that running it afterwards is a no-op
+    manifest = write_shards(iter_source("local", None, max_bytes=OFFLINE_MAX_BYTES, seed=0), out,
+                            val_docs=OFFLINE_VAL_DOCS, source="local:python-stdlib", inputs=prepare_inputs("local"))
     t = manifest["totals"]
     print(f"data: wrote {t['train_shards']} train shards ({t['train_tokens']:,} tokens) + val in "
           f"{time.time() - t0:.1f}s", flush=True)
