@@ -34,7 +34,8 @@ medians of CUDA-event-timed calls after warm-up.
 --branch select: the fused scores + top-n kernel under several score tiles against the unfused score
   tensor + top-n kernels, with the share of block_idx rows equal to the unfused path's.
 
-JSON: bench/out/attention[_<branch>|_captured]_<stamp>.json; --save copies it to bench/results/.
+JSON: bench/out/attention_<branch> or attention_<paper|prod>_<random|captured>_<stamp>.json; --save copies it to
+bench/results/ without the stamp.
 """
 from __future__ import annotations
 
@@ -552,7 +553,13 @@ def main() -> None:
     run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select, "flash": run_flash}[a.branch]
     result = run(a, dims)
     result["timer"] = a.timer
-    name = f"attention_{a.branch}" if a.branch != "op" else "attention" if a.inputs == "random" else "attention_captured"
+    # the op's file is named by shape and inputs (attention_paper_random, attention_prod_captured, ...): --save
+    # replaces the one current file per variant that bench/RESULTS.md cites
+    sh = result.get("shape") or dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv)   # captured runs: the capture's shape
+    dims4 = (sh["HQ"], sh["H"], sh["dk"], sh["dv"])
+    shape = {(64, 4, 128, 128): "paper", (12, 2, 64, 64): "prod"}.get(dims4, "hq{}_h{}_dk{}_dv{}".format(*dims4))
+    inputs = "random" if a.inputs == "random" else "captured"
+    name = f"attention_{a.branch}" if a.branch != "op" else f"attention_{shape}_{inputs}"
     common.write_result(result, name, a)
 
 
