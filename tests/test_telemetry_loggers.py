@@ -124,6 +124,30 @@ def test_mlflow_logger_sqlite(tmp_path):
         MLflowLogger("", "x")
 
 
+def test_default_experiment_artifacts_beside_the_store(tmp_path, monkeypatch):
+    """The process that creates the store runs elsewhere (a Ray worker's cwd is in Ray's temp dir): every
+    experiment's artifacts, MLflow's Default included, still live under the store's folder."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+    from nsa.telemetry.loggers import ensure_local_store
+
+    store_dir, elsewhere = tmp_path / "runs", tmp_path / "ray_tmp" / "working_dir"
+    elsewhere.mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    uri = f"sqlite:///{store_dir / 'mlflow.db'}"
+    lg = MLflowLogger(uri, "nsa")
+    lg.close()
+    client = MlflowClient(uri)
+    locations = {e.name: e.artifact_location for e in client.search_experiments()}
+    assert set(locations) == {"Default", "nsa"}
+    for name, loc in locations.items():
+        assert loc.startswith((store_dir / "mlartifacts").as_uri() + "/"), (name, loc)
+    assert not any(elsewhere.iterdir())
+    # an existing store is left as it is (its experiments keep their locations)
+    ensure_local_store(uri)
+    assert {e.name: e.artifact_location for e in client.search_experiments()} == locations
+
+
 def test_build_loggers_skips_broken_mlflow(tmp_path, caplog):
     pytest.importorskip("mlflow")
     with caplog.at_level(logging.WARNING):

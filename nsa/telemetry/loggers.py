@@ -247,6 +247,32 @@ def _default_artifact_location(tracking_uri: str, experiment: str) -> str | None
     return (db_path.resolve().parent / "mlartifacts" / safe).as_uri()
 
 
+def ensure_local_store(tracking_uri: str) -> None:
+    """Create a new SQLite store with its artifact root beside the database (``<db dir>/mlartifacts``).
+
+    MLflow creates the ``Default`` experiment (id 0) when it first creates the tables, with the artifact
+    root of the client that does it: ``./mlruns`` of the current directory, which for a Ray worker is a
+    folder in Ray's temp dir that goes away with the cluster. Creating the store here first gives Default
+    the same home as every other experiment. A store that exists already is left as it is."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix):
+        return
+    db_path = Path(tracking_uri[len(prefix):]).resolve()
+    if db_path.is_file() and db_path.stat().st_size > 0:
+        return
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    root = (db_path.parent / "mlartifacts").as_uri()
+    try:
+        from mlflow.tracking._tracking_service.utils import _get_sqlalchemy_store as make_store
+    except ImportError:   # the store class itself, where that helper moved
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as make_store
+    try:
+        store = make_store(tracking_uri, root)
+    except Exception:     # another process created the tables first: fine if the store now opens
+        store = make_store(tracking_uri, root)
+    getattr(store, "_dispose_engine", lambda: None)()
+
+
 class MLflowLogger(MetricLogger):
     """One MLflow run through ``MlflowClient`` (no fluent global state, no ``set_experiment``).
 
@@ -276,6 +302,7 @@ class MLflowLogger(MetricLogger):
         self.tracking_uri = tracking_uri
         self.synchronous = bool(synchronous)
         self._pending: list[Any] = []  # RunOperations of asynchronous batches
+        ensure_local_store(tracking_uri)          # Default's artifacts beside the store, not in Ray's temp dir
         self.client = MlflowClient(tracking_uri)
         self._max_param = int(getattr(_v, "MAX_PARAM_VAL_LENGTH", 6000))
         self._max_key = int(getattr(_v, "MAX_ENTITY_KEY_LENGTH", 250))

@@ -40,8 +40,8 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
     plan.max_concurrent = size_concurrency(plan, max_concurrent)
     plan.grid_dir.mkdir(parents=True, exist_ok=True)
     if plan.mlflow_uri:    # create the SQLite tables here: two lanes creating a fresh store at once could race
-        from mlflow import MlflowClient
-        MlflowClient(plan.mlflow_uri).search_experiments(max_results=1)
+        from nsa.telemetry.loggers import ensure_local_store
+        ensure_local_store(plan.mlflow_uri)      # artifact root beside the store, Default's too
     print(f"grid {plan.grid_id}: {len(plan.lanes)} lanes ({', '.join(lc.lane.name for lc in plan.lanes)}), "
           f"{plan.max_concurrent} at a time, dir {plan.grid_dir}", flush=True)
     for lane, why in plan.skipped:
