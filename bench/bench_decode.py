@@ -17,7 +17,7 @@ largest S first; the fastest per batch size (small batch -> the small regime, la
 one) is used for the table. --jobs N compiles the variants in N processes first (Triton's on-disk
 cache), so the timed process compiles nothing. --stages: graph replays of the first 1..4 launches (the
 critical-path cost of each). --breakdown: per-kernel device times and registers at the largest S. --roofs:
-what the step's bytes cost read once (cold) and what one dependent launch costs (bench/RESULTS.md table 30).
+what the step's bytes cost read once (cold) and what one dependent launch costs (bench/RESULTS.md, Decode).
 
 JSON: bench/out/decode_<stamp>.json; --save copies it to bench/results/decode.json.
 """

@@ -12,7 +12,8 @@ kernel's TTGIR and PTX (a name compiled twice: <name>.2.*); --sass also disassem
 shipped with Triton) and prints the instruction mix of its loop bodies per thread and iteration. The launchers see CUDA tensors (Tensor.is_cuda
 answers True while they compile), so precision choices and register caps are the GPU's. Nsight Compute showed
 the 128-row dK/dV walk spilling at 255 registers; this answers such questions in seconds instead of device time
-(bench/RESULTS.md table 9). The loop mix found the scores kernel ranking 8 copies of each block score (table 13).
+(bench/RESULTS.md, Tried: the walks without spills). The loop mix found the scores kernel ranking 8 copies of each
+block score (Tried: the scores relaid out before ranking).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@
 #                                                (selection tiles TILE_M, default "0 1": the preset's policy
 #                                                and per token; e.g. TILE_M="0 1 8")
 #   bash bench/gpu.sh prod [T ...]               the production shape (HQ=12, H=2, d=64) against cuDNN and FA4 as
-#                                                CUDA-graph replays (bench/RESULTS.md table 8), random inputs, then
+#                                                CUDA-graph replays (bench/RESULTS.md, production shape), random, then
 #                                                on bench/captured when capture-model made it on this machine
 #   bash bench/gpu.sh ncu [T] [KERNEL_REGEX]     Nsight Compute (full set) on the selection kernels of one forward+backward at
 #                                                the production shape (default T=16384; the kernels of the second call,
@@ -152,7 +152,7 @@ run_capture_bench() {
     --tile-m ${TILE_M:-0 1 2 4 8} --dense sdpa-cudnn sdpa-flash fa4 fa2 --iters 5 --timer "$TIMER" 2>&1 | tee "$OUT/attention_captured.log" | grep -v "^T=" | tail -40
 }
 
-run_prod() {  # table 8: graph-timed op at the production shape, random and (when present) captured inputs
+run_prod() {  # graph-timed op at the production shape, random and (when present) captured inputs
   local T=${*:-$CAPTURE_T}
   timeout "$T_BENCH" python3 bench/bench_attention.py --T $T --HQ 12 --H 2 --dk 64 --dv 64 --no-peers \
     --dense sdpa-cudnn fa4 --timer graph 2>&1 | tee "$OUT/attention_prod.log" | grep -vE "^T=|Warning|warn" | tail -12
