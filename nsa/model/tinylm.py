@@ -238,8 +238,17 @@ class TinyLM(nn.Module):
     # ----------------------------------------------------------------- generate
     @staticmethod
     def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-        """logits [B, V] -> token ids [B]. temperature 0 = greedy argmax."""
+               generator: torch.Generator | None = None, *, repetition_penalty: float = 1.0,
+               seen: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [B, V] -> token ids [B]. temperature 0 = greedy argmax.
+
+        repetition_penalty != 1 with `seen` ([B, V] bool: the tokens already in each sequence) scales
+        their logits as CTRL does (Keskar et al. 2019; transformers' repetition_penalty): positive
+        logits divided by it, negative ones multiplied, so > 1 makes a repeat less likely."""
+        if repetition_penalty != 1.0 and seen is not None:
+            logits = logits.float()
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition_penalty,
+                                                   logits * repetition_penalty), logits)
         if temperature == 0.0:
             return logits.argmax(dim=-1)
         logits = logits.float() / temperature
@@ -252,9 +261,12 @@ class TinyLM(nn.Module):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, eos_id: int | None = None,
-                 generator: torch.Generator | None = None, cuda_graph: bool = False) -> torch.Tensor:
+                 generator: torch.Generator | None = None, cuda_graph: bool = False,
+                 repetition_penalty: float = 1.0) -> torch.Tensor:
         """ids [B, T0] -> [B, T0 + max_new_tokens]: one batched prefill, then one cached decode
         step per new token. A sequence that emits eos_id is padded with eos_id afterwards.
+        The defaults decode greedily; repetition_penalty (1 = off) applies to every token of the prompt
+        and of the output so far (see sample).
 
         cuda_graph=True (CUDA + triton only, else ValueError): the caches are fixed-capacity
         StaticNSACaches of T0 + max_new_tokens tokens and one decode step of all layers is captured
@@ -267,6 +279,8 @@ class TinyLM(nn.Module):
             raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy)")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
+        if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty={repetition_penalty}: must be > 0 (1 = off, > 1 penalises repeats)")
         if cuda_graph:
             self._check_graphable(ids)
         B, T0 = ids.shape
@@ -282,12 +296,18 @@ class TinyLM(nn.Module):
             def step(tok: torch.Tensor) -> torch.Tensor:
                 return self.decode_step(tok[:, None], caches)
         finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+        seen = None   # on the device and updated by scatter: the penalty adds no host sync per token
+        if repetition_penalty != 1.0:
+            seen = torch.zeros(B, logits.shape[-1], dtype=torch.bool, device=ids.device).scatter_(1, ids, True)
         for i in range(max_new_tokens):
-            tok = self.sample(logits[:, -1], temperature, top_k, generator)  # [B]
+            tok = self.sample(logits[:, -1], temperature, top_k, generator,
+                              repetition_penalty=repetition_penalty, seen=seen)  # [B]
             if eos_id is not None:
                 tok = torch.where(finished, torch.full_like(tok, eos_id), tok)
                 finished |= tok == eos_id
             out[:, T0 + i] = tok
+            if seen is not None:
+                seen.scatter_(1, tok[:, None], True)
             if i == max_new_tokens - 1:
                 break
             if eos_id is not None and bool(finished.all()):  # sync-ok: host-driven decode loop
