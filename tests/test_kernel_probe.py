@@ -189,7 +189,7 @@ def preset_smem(tn, d: int) -> dict[str, int]:
     fwd, dq, dkdv = tn.attn.tiles(big)
     st = tn.select
     g = MAX_GROUP
-    scores = {tn.scores.tile_for(big, gg) for gg in (1, MAX_GROUP)}   # small-group tile too
+    scores = {tn.scores.tile_for(big)}
     return {
         # attention: Q held, K|V streamed; dq: Q|dO held, K|V streamed; dK/dV: K|V held, Q|dO streamed
         "attn.fwd": smem_bytes(fwd.rows, dp, fwd.stages, fwd.keys, 2 * dp),

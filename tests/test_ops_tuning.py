@@ -31,7 +31,6 @@ def test_presets_are_frozen_and_named():
     assert CPU.tile == AMPERE.tile == TileTuning() and CPU.tile.m_for(16) == 1
     assert HOPPER.tile.fwd == CPU.tile.fwd and HOPPER.tile.dq == CPU.tile.dq
     assert HOPPER.tile.m_for(16) == 4 and HOPPER.tile.m_for(6) == HOPPER.tile.m_for(8) == 1
-    assert HOPPER.tile.auto_union == 0.0   # tiles on every call: they win or tie on random selections too
     # selection forward and dq block by block on Hopper for the production model's G=6, dq alone for the
     # paper's G=16 (both measured), per token on the other presets (not measured block by block)
     assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp16"
@@ -57,11 +56,9 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
     assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
-    assert HOPPER.scores.tile_for(False, 6) is HOPPER.scores.tile_for(False, 16) is HOPPER.scores.tile
-    assert HOPPER.scores.tile.rows == 256 and HOPPER.scores.small_group is None
+    assert HOPPER.scores.tile_for(False) is HOPPER.scores.tile and HOPPER.scores.tile.rows == 256
     assert HOPPER.scores.relayout and not AMPERE.scores.relayout and not CPU.scores.relayout
-    assert HOPPER.scores.tile_for(True, 6) is HOPPER.scores.big
-    assert AMPERE.scores.tile_for(False, 6) is AMPERE.scores.tile and CPU.scores.small_group is None
+    assert HOPPER.scores.tile_for(True) is HOPPER.scores.big and AMPERE.scores.tile_for(False) is AMPERE.scores.tile
     with pytest.raises(dataclasses.FrozenInstanceError):
         HOPPER.tile.m = 4
 
@@ -89,8 +86,6 @@ def test_tile_tuning_is_checked():
     for bad in (0, TILE_MAX_M + 1):
         with pytest.raises(ValueError, match="TileTuning.m"):
             TileTuning(m=bad)
-    with pytest.raises(ValueError, match="TileTuning.dkdv_by"):
-        TileTuning(dkdv_by="blocks")
     with pytest.raises(ValueError, match="TileTuning.min_g must be >= 1"):
         TileTuning(min_g=0)
     assert TileTuning(m=8, min_g=16).m_for(32) == 8 and TileTuning(m=8).m_for(1) == 8

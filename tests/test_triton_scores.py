@@ -59,14 +59,12 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, skip_merge=False, relayout=False, head_pairs=False) -> ScoreTuning:
+def score_tuning(tile, relayout=False) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
-    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), skip_merge=skip_merge, relayout=relayout,
-                       head_pairs=head_pairs)
+    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), relayout=relayout)
 
 
-def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, skip_merge=False, relayout=False,
-             head_pairs=False, **kw):
+def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, relayout=False, **kw):
     g = torch.Generator().manual_seed(seed)
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, generator=g)
@@ -79,8 +77,8 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, sk
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, scale=scale,
-                            tuning=None if tile is None and not relayout and not head_pairs
-                            else score_tuning(tile or F16, skip_merge, relayout, head_pairs), **kw).cpu()
+                            **({} if tile is None and not relayout
+                               else dict(tuning=score_tuning(tile or F16, relayout))), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -124,10 +122,10 @@ def test_exact_ties_go_to_lower_index(zero):
     assert (got[0, 100:, :, 1] == 1).all()
 
 
-def test_wide_keys_and_skip_merge_agree():
-    """int64 ranking keys (needed past 1024 blocks) and the skip-merge shortcut pick the same blocks."""
+def test_wide_keys_agree():
+    """int64 ranking keys (needed past 1024 blocks) pick the same blocks as int32 ones."""
     a = run_case(1, 120, 4, 2, 16, 8, 4, 8, 4, seed=5, tile=SMALL, wide_keys=True)
-    b = run_case(1, 120, 4, 2, 16, 8, 4, 8, 4, seed=5, tile=SMALL, wide_keys=False, skip_merge=True)
+    b = run_case(1, 120, 4, 2, 16, 8, 4, 8, 4, seed=5, tile=SMALL, wide_keys=False)
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="wide_keys"):
         tsc.select_blocks(torch.zeros(1, 8000, 2, 16), torch.zeros(1, 1999, 2, 16), torch.zeros(1, 8000, 2),
@@ -138,19 +136,9 @@ def test_wide_keys_and_skip_merge_agree():
                                   "nsel_above_blocks", "t_below_l"])
 def test_relayout_picks_the_same_blocks(case):
     """Block scores passed through the per-program scratch before ranking (ScoreTuning.relayout): the
-    reference's blocks, at one and several chunks per tile, with and without skipped merges."""
+    reference's blocks, at one and several chunks per tile."""
     B, T, HQ, H, dk, l, d, l_sel, n_sel, tile = CASES[case]
-    for skip in (False, True):
-        run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 3, tile=tile, relayout=True, skip_merge=skip)
-
-
-@pytest.mark.parametrize("relayout", [False, True])
-@pytest.mark.parametrize("shape", [(1, 333, 16, 1, 16, 32, 16, 64, 4), (1, 203, 32, 2, 16, 8, 4, 8, 5),
-                                   (2, 150, 16, 1, 24, 8, 4, 8, 4), (1, 97, 4, 2, 16, 8, 4, 8, 3)])
-def test_head_pairs_pick_the_same_blocks(shape, relayout):
-    """Heads g and g + G/2 added before the fp16-split map (ScoreTuning.head_pairs; G >= 16 only, G = 2
-    ignores it): the reference's blocks, on a tile of 64 rows (4 tokens at G=16, 2 at G=32)."""
-    run_case(*shape, seed=11, tile=(64, 16, 4, 1, 2, 2), relayout=relayout, head_pairs=True)
+    run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed=len(case) + 3, tile=tile, relayout=True)
 
 
 def test_relayout_ties_go_to_lower_index():
@@ -225,12 +213,3 @@ def test_gpu_relayout_is_bitwise_the_default(T, HQ, H, dk):
     assert torch.equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [8192, 65536])
-def test_gpu_head_pairs_match_the_default(T):
-    """The paper shape (G=16) on the device's tile: heads added in pairs before the fp16 split round each
-    score differently at ~2**-24, so only rows at a grid tie may differ from the default path (the
-    unfused kernels differ from it on ~1 row in 262144 at 64k)."""
-    a, b = _device_tile_pair(T, 64, 4, 128, "head_pairs")
-    assert (a != b).any(-1).float().mean().item() <= 1e-4

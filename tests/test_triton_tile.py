@@ -237,57 +237,6 @@ def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
         assert rel_err(a, r) <= tol(torch.float32) * f, f"{name} m=4 vs reference: {rel_err(a, r):.2e}"
 
 
-@pytest.mark.parametrize("case", ["dq_fp32", "dq_last", "hopper_g16", "combine"])
-def test_op_auto_tile_choice_runs_exactly_the_chosen_kernels(case):
-    """TileTuning.auto_union: the op launches the per-token and the tile kernels, and the device flag
-    (union fraction <= auto_union) lets exactly one of them write: the result is bitwise the fixed
-    m=4 run when the flag is set and the m=1 run when it is clear (both writing would give the later
-    launch's result, neither would leave the poisoned buffers). dq_last: the window branch computed
-    outside (flash-attn's stand-in), so the selection's dq is the last and is written in q's dtype.
-    hopper_g16: the Hopper preset's selection at G=16 (forward per token, dq from the dK/dV walk's pair
-    partials, whose walk then runs twice under the flag: with dq partials and without) with its
-    min_g=16; a G below min_g runs the per-token kernels whatever the threshold. combine: the tile runs
-    with TileTuning.gluon_combine (here, off Hopper, the combine kernel under the tiles' flag beside
-    the per-token side's) give the same bits as the plain runs."""
-    from nsa.ops.tuning import HOPPER, FlashBranchTuning
-    B, T, HQ, H, dk, dv = (1, 45, 16, 1, 16, 16) if case == "hopper_g16" else (1, 45, 4, 2, 16, 16)
-    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=8)
-    args = [a.requires_grad_() for a in make_inputs(B, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"],
-                                                     dtype=torch.float32, device=DEV, seed=22)]
-    do = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(8)).to(DEV)
-    base = tuning_for(DEV)
-    if case == "dq_last":
-        base = base.replace(flash=FlashBranchTuning(win="reference"))
-    if case == "combine":   # o_cmp in the dense compressed problem's rows: the combine's row map too
-        from nsa.ops.tuning import CmpDenseTuning
-        base = base.replace(cmp_dense=CmpDenseTuning("math"))
-    g = {}
-    if case == "hopper_g16":
-        base = base.replace(select=HOPPER.select)
-        assert HOPPER.select.dq_by_block(16) and not HOPPER.select.by_block(16)
-        g = dict(min_g=HQ // H)
-
-    def run(tile):
-        o, bi = nsa_triton_apply(*args, **hp, scale=dk ** -0.5, tuning=base.replace(tile=tile))
-        return (o, bi) + torch.autograd.grad(o, args, do)
-
-    fixed = {1: run(TileTuning(m=1)), 4: run(TileTuning(m=4, **g))}
-    frac = float(tt.tile_union_fraction(fixed[1][1], 4))
-    assert 0.01 < frac < 1.0
-    checks = [(1.0, 4, g), (frac + 1e-6, 4, g), (frac - 1e-3, 1, g), (1e-6, 1, g)]
-    if g:   # G below min_g: per token even where the threshold would pick tiles
-        checks.append((1.0, 1, dict(min_g=HQ // H + 1)))
-    if case == "combine":
-        g = dict(gluon_combine=True)
-        checks = [(thr, want, {**kw, **g}) for thr, want, kw in checks] + [(0.0, 4, g)]
-    for thr, want, kw in checks:
-        got = run(TileTuning(m=4, auto_union=thr, **kw))
-        for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, fixed[want]):
-            assert torch.equal(a, b), f"auto_union={thr:.4f} {kw} should run m={want}: {name} differs"
-    with pytest.raises(ValueError, match="auto_union"):
-        TileTuning(m=4, auto_union=1.5)
-
-
 def test_dq_accumulates_into_dq_in():
     q, k, v, do, gate, bi, scale = case_inputs("g2_m4_random", seed=5)
     o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=scale, m=4)
@@ -450,33 +399,6 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
         for name, a, b in zip(("dq", "dk", "dv"), tile[2:], again[2:]):
             assert torch.equal(a, b), f"m={m}: {name} not bitwise repeatable"
         del per_tok, tile, again
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [8192, 65536])
-@pytest.mark.parametrize("HQ,H,d", [(12, 2, 64), (64, 4, 128)])
-def test_gpu_auto_tile_choice_is_bitwise_the_chosen_path(T, HQ, H, d):
-    """The compiled guards (early return on the device flag) at the production and the paper shape (G=16:
-    the Hopper preset's dq from pair partials, two guarded walks): auto_union=1 equals the fixed m=4 op
-    bitwise, a tiny auto_union the m=1 op, forward and every gradient."""
-    from nsa.ops.testing import make_inputs as mk
-    hp = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
-    args = [a.requires_grad_() for a in mk(1, T, HQ, H, d, d, l=32, d=16, dtype=torch.bfloat16, device="cuda",
-                                            seed=T)]
-    do = torch.randn(1, T, HQ, d, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)).bfloat16()
-    from nsa.ops.tuning import CmpDenseTuning, FlashBranchTuning
-    # own kernels only: cuDNN's and FA4's backwards need not repeat bitwise
-    base = tuning_for("cuda").replace(cmp_dense=CmpDenseTuning("off"), flash=FlashBranchTuning())
-
-    def run(tile):
-        o, bi = nsa_triton_apply(*args, **hp, scale=d ** -0.5, tuning=base.replace(tile=tile))
-        return (o, bi) + torch.autograd.grad(o, args, do)
-
-    for auto, m in ((1.0, 4), (1e-6, 1)):
-        got, want = run(TileTuning(m=4, auto_union=auto)), run(TileTuning(m=m))
-        for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, want):
-            assert torch.equal(a, b), f"T={T} auto_union={auto}: {name} differs from m={m}"
 
 
 def captured_dir(env: str, name: str) -> Path:

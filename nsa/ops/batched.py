@@ -18,7 +18,7 @@ from .common import (NSAParams, heads_major, heads_major_out, num_cmp_tokens, nu
                      visible_cmp)
 from .compress import block_scores, cmp_attention
 from .select import select_blocks, slc_dense, slc_gather, to_blocks
-from .tuning import TorchTuning, tuning_for
+from .tuning import TorchTuning
 from .window import win_attention
 
 
@@ -90,7 +90,7 @@ def nsa_torch(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: 
     """
     B, Tq, HQ, _ = q.shape
     G = HQ // k_slc.shape[2]
-    tuning = tuning or tuning_for(q.device).torch
+    tuning = tuning or TorchTuning()
     if dense_factor is None:
         dense_factor = tuning.dense_factor
     dense_limit = int(dense_factor * p.n_sel * p.l_sel)

@@ -19,7 +19,8 @@ import torch
 from nsa.config import triton_interpreter
 
 from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
-from .tuning import CmpDenseTuning, KernelTuning, tuning_for
+from .plan import tuning_for
+from .tuning import CmpDenseTuning, KernelTuning
 
 __all__ = ["BACKENDS", "BRANCHES", "KernelPolicy", "cached_policy", "resolve_backend", "triton_module",
            "count_fallback", "fallback_counts", "reset_fallback_counts"]
@@ -99,7 +100,7 @@ class KernelPolicy:
 
     def __post_init__(self) -> None:
         if self.tuning is None:
-            object.__setattr__(self, "tuning", tuning_for(self.device))
+            object.__setattr__(self, "tuning", tuning_for(self.device))   # the one preset lookup of the policy
 
     @classmethod
     def resolve(cls, device: torch.device | str, dtype: torch.dtype,
@@ -123,7 +124,7 @@ class KernelPolicy:
             reason = f"{requested}: {why} -> torch"
             if requested == "triton" or dev.type == "cuda":
                 fallback = f"{requested}->torch"
-        tuning = tuning or tuning_for(dev)
+        tuning = tuning or cls(requested, str(dev), "").tuning
         if used == "triton" and shape is not None:
             from .probe import probe_triton
             res = probe_triton(dev, dtype, shape, tuning)
@@ -165,7 +166,7 @@ class KernelPolicy:
             return cls.resolve(dev, dtype, "triton")
         why = "triton decode kernel through the interpreter (TRITON_INTERPRET=1)"
         return cls("triton", str(dev), str(dtype).replace("torch.", ""), {b: "triton" for b in BRANCHES},
-                   {b: why for b in BRANCHES}, None, tuning_for(dev))
+                   {b: why for b in BRANCHES}, None, None)
 
     @property
     def backend(self) -> str:

@@ -15,9 +15,10 @@ import argparse
 import dataclasses
 import functools
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from . import fallbacks
-from .tuning import PRESETS, KernelTuning
+from .tuning import PRESETS, KernelTuning  # noqa: F401 - PRESETS re-exported
 
 UNKNOWN = "?"   # a probe outcome not known yet: the plan asks for it (OpPlan.needs)
 
@@ -34,14 +35,14 @@ class Arch:
     fa2: bool           # flash-attn 2 (SM80+)
 
 
-ARCHS = {a.family: a for a in (
+ARCHS = MappingProxyType({a.family: a for a in (
     Arch("sm100", "hopper", True, False, True, True),   # Blackwell: FA4 yes, Gluon kernels are Hopper's
     Arch("sm90", "hopper", True, True, True, True),
     Arch("sm80", "ampere", True, False, False, True),
     Arch("sm75", "hopper", True, False, False, False),  # older CUDA: the own Triton kernels only
     Arch("cpu", "cpu", False, False, False, False),
-)}
-DEVICES = {"h200": "sm90", "h100": "sm90", "a100": "sm80", "cpu": "cpu"}
+)})
+DEVICES = MappingProxyType({"h200": "sm90", "h100": "sm90", "a100": "sm80", "cpu": "cpu"})
 
 
 def family_of(capability: tuple[int, int] | None) -> str:
@@ -225,31 +226,30 @@ def _scores_gluon_ok(inp: PlanInputs, arch: Arch) -> bool:
             and 1 <= inp.n_sel <= sg.NBJ_PAD and sg.scratch_bytes(inp.B, inp.T, inp.H, inp.l_sel) <= sg.MAX_SCRATCH_BYTES)
 
 
-def _walk(inp: PlanInputs, tn: KernelTuning, arch: Arch, dq_pairs: bool, block: bool) -> WalkPlan:
-    """block: dq from pair partials at this G (select.dq_by_block), which picks the walk's rows."""
-    s, G = tn.select, inp.HQ // inp.H
-    big = max(inp.d_k, inp.d_v) > 128   # block_dkdv_rows is measured at d=64 only; 128 rows miss sm_80's smem
-    rows = max(s.block_dkdv_rows if block and not big else s.dkdv_rows, _pow2(G))
+def walk_plan(s, G: int, big: bool, dq_pairs: bool, gluon_ok=lambda rows: False) -> WalkPlan:
+    """The dK/dV walk under SelectTuning s for G query heads per KV head (big: head dims > 128);
+    gluon_ok(rows): whether the Gluon walk takes steps of `rows` rows here (default: never, the Triton walk)."""
+    rows = max(s.dkdv_rows_for(G, big), _pow2(G))
     group = G if s.pack_heads else _pow2(G)
     stages = s.gluon_dq_walk_stages if dq_pairs else s.gluon_walk_stages
-    gluon = 0
-    if stages and group == G and "q_heads" in inp.layout and inp.B * inp.T * inp.HQ < 2 ** 31:
-        from .triton import walk_gluon as wg
-        if rows == wg.ROWS and rows % G == 0 and _tile_gluon_ok(inp, arch, rows // G):
-            gluon = stages
-    loop = (s.dq_walk_loop_stages if G >= s.dq_walk_loop_min_g else 0) if dq_pairs else s.walk_loop_stages
-    return WalkPlan(dq_pairs, rows, group, gluon, s.prefetch and block and not loop, loop,
+    gluon = stages if stages and group == G and gluon_ok(rows) else 0
+    return WalkPlan(dq_pairs, rows, group, gluon, s.prefetch_for(G, dq_pairs), s.loop_stages_for(dq_pairs, G),
                     s.gluon_walk_row_prefetch and not dq_pairs)
+
+
+def _walk(inp: PlanInputs, tn: KernelTuning, arch: Arch, dq_pairs: bool) -> WalkPlan:
+    G = inp.HQ // inp.H
+
+    def gluon_ok(rows: int) -> bool:   # walk_gluon.py: 64-row steps of whole tokens' heads, q / dO rows by TMA
+        from .triton import walk_gluon as wg
+        return (rows == wg.ROWS and rows % G == 0 and "q_heads" in inp.layout and inp.B * inp.T * inp.HQ < 2 ** 31
+                and _tile_gluon_ok(inp, arch, rows // G))
+    return walk_plan(tn.select, G, max(inp.d_k, inp.d_v) > 128, dq_pairs, gluon_ok)
 
 
 def _chunk(inp: PlanInputs, tn: KernelTuning) -> int:
     """Halve the chunk while the call's (token, kv head, block) pairs fill few full ones (ragged last wave)."""
-    if inp.chunk is not None:
-        return inp.chunk
-    pairs, chunk = inp.B * inp.T * inp.H * inp.n_sel, tn.select.chunk
-    while chunk >= 32 and pairs < tn.select.chunk_min_items * chunk:
-        chunk //= 2
-    return chunk
+    return inp.chunk if inp.chunk is not None else tn.select.chunk_for(inp.B * inp.T * inp.H * inp.n_sel)
 
 
 @functools.lru_cache(maxsize=512)
@@ -281,9 +281,8 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
                               "plain": "flash-attn's public API" if win != "triton" else "own kernel"}[entry]))
     scores = "gluon" if t_ok(s_min := tn.scores.gluon_min_t, inp.T) and _scores_gluon_ok(inp, arch) else "triton"
     why.append(("scores", f"Gluon score pass from T={s_min}" if scores == "gluon" else "Triton fused scores + top-n"))
-    m = t.m if G >= t.min_g else 1
-    by_block = s.loop == "block" or (s.loop == "auto" and G <= s.block_max_g)
-    dq_block = s.loop == "block" or (s.loop == "auto" and G <= s.dq_block_max_g)
+    m = t.m_for(G)
+    by_block, dq_block = s.by_block(G), s.dq_by_block(G)
     tile_gluon = m > 1 and _tile_gluon_ok(inp, arch, m)
     if m > 1:
         fwd = "tile_gluon" if t.gluon_fwd_stages and tile_gluon else "tile"
@@ -295,10 +294,10 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
         why.append(("fwd", f"block order at G={G} <= {s.block_max_g}" if by_block else "one program per token"))
     dq_gluon = 0
     if m > 1 and t.gluon_dq_stages and tile_gluon:
-        dq_gluon = t.gluon_dq_short_stages if inp.T < t.gluon_dq_short_t else t.gluon_dq_stages
+        dq_gluon = t.dq_stages_for(inp.T)
     why.append(("bwd", {"tile": "tile dq + token walk", "pairs": "dq from the walk's pair partials",
                         "token": "per-token dq + token walk"}[bwd]))
-    walk = _walk(inp, tn, arch, bwd == "pairs", dq_block)
+    walk = _walk(inp, tn, arch, bwd == "pairs")
     dq_fold = f.dq_fold and inp.grad and forked and cmp not in ("triton", UNKNOWN) and win != "triton"
     return OpPlan(inp.arch, cmp, win, entry, f.win_gate_lse, scores, m, fwd,
                   t.gluon_fwd_stages if fwd == "tile_gluon" else 0, m > 1 and t.gluon_combine, bwd, dq_gluon, walk,
@@ -379,7 +378,7 @@ def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_se
 
 # ---------------------------------------------------------------------------------------- the route, printed
 
-SHAPES = {"paper": dict(HQ=64, H=4, d_k=128, d_v=128), "prod": dict(HQ=12, H=2, d_k=64, d_v=64)}
+SHAPES = MappingProxyType({"paper": dict(HQ=64, H=4, d_k=128, d_v=128), "prod": dict(HQ=12, H=2, d_k=64, d_v=64)})
 
 
 def sample_inputs(family: str, shape: str, T: int, B: int = 1, grad: bool = True) -> PlanInputs:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
-from ..tuning import AttnTuning, tuning_for
+from ..tuning import AttnTuning
 from ._utils import dot_precision, next_pow2, row_block
 
 
@@ -281,7 +281,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, 
              window: int, scale: float, tuning: AttnTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,T,HQ,dk], k [B,N,H,dk], v [B,N,H,dv] (unit stride in dim) -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
     tuning: the tiles (None: the preset of q's device)."""
-    tuning = tuning or tuning_for(q.device).attn
+    tuning = tuning or AttnTuning()
     B, T, HQ, dk, N, H, dv, G = _geometry(q, k, v)
     o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(B, T, HQ, device=q.device, dtype=torch.float32)
@@ -321,7 +321,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
         torch.empty(B, T, HQ, dk, device=q.device, dtype=dq_dtype)
     GP = next_pow2(G)
     bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    _, dq_tile, dkdv_tile = (tuning or tuning_for(q.device).attn).tiles(max(bdk, bdv) > 128)
+    _, dq_tile, dkdv_tile = (tuning or AttnTuning()).tiles(max(bdk, bdv) > 128)
     has_gate = gate is not None
     g_arg = gate if has_gate else lse
     sgt = gate.stride(2) if has_gate else 1

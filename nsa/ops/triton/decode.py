@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from ..common import FORCED_STEP, LOG2E
-from ..tuning import DecodeTuning, tuning_for
+from ..tuning import DecodeTuning
 from . import check_supported
 from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
@@ -453,7 +453,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
             raise ValueError(f"{name} needs a unit stride in its last dim, got strides {x.stride()}")
     dev = q.device
     R = B * Tq
-    tn = (tuning or tuning_for(dev).decode).knobs(R * H)
+    tn = (tuning or DecodeTuning()).knobs(R * H)
     sms = _sm_count(dev.index or 0) if dev.type == "cuda" else CPU_SMS
     if target_programs is not None:
         per_sm = max(1, target_programs) / sms

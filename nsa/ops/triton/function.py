@@ -25,19 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fallbacks import count_fallback
-from ..flash import branch_flash_backend, dense_attention
+from .. import fallbacks
+from ..flash import dense_attention
 from .. import window_split
 from ..branch_sums import RowSums
-from ..tuning import CmpDenseTuning, FlashBranchTuning, KernelTuning, tuning_for
+from ..plan import OpPlan, plan_call
+from ..tuning import KernelTuning
 from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
-from .guard import Guard, pair, skip_program
-from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_dq, slc_fwd
+from .guard import Guard, skip_program
+from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_fwd
 from .select_block import pair_buffer, pair_dq, slc_fwd_pairs
-from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_choice, tile_dq, tile_unions
+from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_unions
 from .qsum import DeferredDq, QFork
 
 
@@ -220,59 +221,41 @@ class NSATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
-                l, d, l_sel, n_sel, w, scale, chunk, tuning, sums, deferred):
+                l, d, l_sel, n_sel, w, scale, plan: OpPlan, sums, deferred):
         ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
         ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
         ctx.deferred = deferred   # QFork's DeferredDq (qsum.py): where the backward may leave the selection's dq
         ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
-        at = tuning.attn
+        tn, chunk = plan.tuning, plan.chunk
         if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
             o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
         else:
-            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale, tuning=at)
+            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale, tuning=tn.attn)
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
-                                  tuning=tuning.scores)
+                                  tuning=tn.scores, gluon=plan.scores == "gluon")
         if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
             o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
         else:   # before the selection, whose forward may write the op's output (Combine)
-            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=at)
-        G = q.shape[2] // k_slc.shape[2]
-        ctx.m = m = tuning.tile.m_for(G)
-        fused = Combine.of(o_cmp, o_win, gates, cmp_rows) if m > 1 and tuning.tile.gluon_combine else None
+            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=tn.attn)
         # block-order forward: the pair inversion it walks is the one the dK/dV kernel walks, kept for it;
         # dq from pair partials after a per-token forward makes it in the backward (nothing held between)
-        pairs = m == 1 or tuning.tile.auto_union > 0
-        fwd_pairs = pairs and tuning.select.by_block(G)
-        ctx.dq_pairs = pairs and tuning.select.dq_by_block(G)
-        ctx.inv = inv_fwd = invert_selection(block_idx, l_sel, chunk, ranks=True) if fwd_pairs else None
-        n_blocks = triton.cdiv(k_slc.shape[1], l_sel)   # a bound on the block ids, for the tiles' grouping
-        if m > 1 and tuning.tile.auto_union > 0:   # tiles or per-token, chosen on the device per call
-            flag = tile_choice(block_idx, m, tuning.tile.auto_union)   # a strided sample of the tiles
-            on_tile, on_token = pair(flag)
-            union = tile_unions(block_idx, m, guard=on_tile, group=tuning.tile.group,   # written only when tiles run
-                                n_blocks=n_blocks)
-            B, T, HQ = q.shape[:3]
-            out = (q.new_empty(B, T, HQ, v_slc.shape[-1]), torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-            _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, chunk=chunk,
-                           tuning=tuning.select, out=out, guard=on_token)
-            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m, union=union,
-                                          tuning=tuning.tile, out=out, guard=on_tile, combine=fused)
-            if fused is not None:   # the tiles' side wrote o (or ran the kernel under on_tile)
-                combine(o_cmp, o_slc, o_win, gates, cmp_rows, out=fused.out, guard=on_token)
-            union = (*union, flag)
-        elif m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
-            union = tile_unions(block_idx, m, group=tuning.tile.group, n_blocks=n_blocks)
-            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=m,
-                                          union=union, tuning=tuning.tile, combine=fused)
+        ctx.inv = inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if plan.fwd == "block" else None
+        union = ()
+        if plan.m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
+            fused = Combine.of(o_cmp, o_win, gates, cmp_rows) if plan.combine else None
+            union = tile_unions(block_idx, plan.m, group=tn.tile.group, n_blocks=triton.cdiv(k_slc.shape[1], l_sel))
+            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=plan.m, union=union,
+                                          tuning=tn.tile, combine=fused, gluon_stages=plan.fwd_gluon)
+            o = fused.out if fused is not None else combine(o_cmp, o_slc, o_win, gates, cmp_rows)
         else:
-            union = ()
-            o_slc, lse_slc = _slc_fwd_token(inv_fwd, q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale,
-                                            chunk=chunk, tuning=tuning.select)
-        o = fused.out if fused is not None else combine(o_cmp, o_slc, o_win, gates, cmp_rows)
+            o_slc, lse_slc = slc_fwd_pairs(q, k_slc, v_slc, block_idx, inv, l_sel=l_sel, scale=scale, chunk=chunk,
+                                           tuning=tn.select) if inv is not None else \
+                slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tn.select)
+            o = combine(o_cmp, o_slc, o_win, gates, cmp_rows)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
-        ctx.hp = (l, d, l_sel, w, scale, chunk, tuning)
+        ctx.hp = (l, d, l_sel, w, scale, plan)
         ctx.mark_non_differentiable(block_idx)
         return o, block_idx
 
@@ -280,147 +263,106 @@ class NSATritonFunction(torch.autograd.Function):
     def backward(ctx, do, _dbi):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
          lse_cmp, lse_slc, lse_win, block_idx, *union) = ctx.saved_tensors
-        l, d, l_sel, w, scale, chunk, tuning = ctx.hp
+        l, d, l_sel, w, scale, plan = ctx.hp
+        tn, chunk = plan.tuning, plan.chunk
         do = do.contiguous()
+        if do.data_ptr() % 16:   # the TMA walks read dO by rows: an aligned copy (same values)
+            do = do.clone()
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
         dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows,
                                         ctx.sums)
-        if ctx.ext_cmp:
-            dq, dkc, dvc = None, None, None
-        else:
+        dq = dkc = dvc = None
+        if not ctx.ext_cmp:
             dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
                                     stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
-                                    tuning=tuning.attn)
+                                    tuning=tn.attn)
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype. With both
         # flash branches outside, the selection's dq kernels may wait for their gradients of q (QFork's
         # backward adds them in those kernels' epilogue): `later` collects them
         later = [] if ctx.deferred is not None and ctx.ext_cmp and ctx.ext_win else None
-        slc_kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq,
-                      dq_dtype=q.dtype if ctx.ext_win else torch.float32)
-        inv = ctx.inv
-        if inv is None and ctx.dq_pairs:   # pair_dq sums each token's partials by their ranks
-            inv = invert_selection(block_idx, l_sel, chunk, ranks=True)
-        if len(union) == 5:   # the device's per-call choice (forward, after the union's 4 fields): the same for dq
-            on_tile, on_token = pair(union[4])
-            bw = (q, k_slc, v_slc)
-            args = (do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
-            kw = dict(l_sel=l_sel, scale=scale, dq_in=dq, dq_dtype=slc_kw["dq_dtype"])
-            later = later if ctx.dq_pairs else None   # the per-token dq kernel has no epilogue terms
-            buf = dq_buffer(q, dq, slc_kw["dq_dtype"]) if later is None else None
-            if not ctx.dq_pairs:
-                slc_dq(*bw, block_idx, *args, **kw, tuning=tuning.select, dq_out=buf, guard=on_token)
-                dks, dvs = slc_dkdv(*bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                    tuning=tuning.select, inv=inv)
-            else:   # dq of the per-token choice from the dK/dV walk's pair partials
-                _, dks, dvs = _slc_bwd_pairs(inv, *bw, block_idx, *args, l_sel=l_sel, scale=scale, chunk=chunk,
-                                             dq_in=dq, tuning=tuning.select, buf=buf, guard=on_token, later=later)
-            un, m = TileUnion(*union[:4]), ctx.m
-            if later is None:
-                dq = tile_dq(*bw, *args, un, m=m, **kw, tuning=tuning.tile, dq_out=buf, guard=on_tile)
-            else:
-                later.append(lambda out, add: tile_dq(*bw, *args, un, m=m, **kw, tuning=tuning.tile, dq_out=out,
-                                                      guard=on_tile, add=add))
-        elif union:
-            dq, dks, dvs = slc_bwd_tile(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                        gates[..., 1], m=ctx.m, union=TileUnion(*union),
-                                        tuning=tuning.tile, select=tuning.select, later=later, **slc_kw)
-        elif ctx.dq_pairs:
-            dq, dks, dvs = _slc_bwd_pairs(inv, q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                          gates[..., 1], tuning=tuning.select, later=later, **slc_kw)
+        args = (q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
+        kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq, dq_dtype=q.dtype if ctx.ext_win else torch.float32,
+                  walk=plan.walk)
+        if plan.bwd == "tile":
+            dq, dks, dvs = slc_bwd_tile(*args, m=plan.m, union=TileUnion(*union), tuning=tn.tile, select=tn.select,
+                                        later=later, dq_gluon=plan.dq_gluon, **kw)
+        elif plan.bwd == "pairs":   # pair_dq sums each token's partials by their ranks
+            inv = ctx.inv if ctx.inv is not None else invert_selection(block_idx, l_sel, chunk, ranks=True)
+            dq, dks, dvs = _slc_bwd_pairs(inv, *args, tuning=tn.select, later=later, **kw)
         else:   # the per-token dq kernel: nothing appended to later
-            dq, dks, dvs = slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(),
-                                   gates[..., 1], tuning=tuning.select, inv=inv, **slc_kw)
-        if ctx.ext_win:
-            dkw = dvw = None
-        else:
+            dq, dks, dvs = slc_bwd(*args, tuning=tn.select, inv=ctx.inv, **kw)
+        dkw = dvw = None
+        if not ctx.ext_win:
             dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
                                     stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
-                                    tuning=tuning.attn)
+                                    tuning=tn.attn)
         if later:   # q's gradient comes from QFork's backward, which runs these
             ctx.deferred.tasks, dq = later, None
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
-                None, None, None, None, None, None, None, None, None, None, None, None)
-
-
-def _slc_fwd_token(inv: dict | None, q, k, v, block_idx, *, l_sel: int, scale: float, chunk: int, tuning,
-                   out=None, guard=None):
-    """The selection forward without query tiles: block by block when the forward inverted the
-    selection (inv, tuning.by_block), else one program per token."""
-    if inv is not None:
-        return slc_fwd_pairs(q, k, v, block_idx, inv, l_sel=l_sel, scale=scale, chunk=chunk, tuning=tuning,
-                             out=out, guard=guard)
-    return slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=tuning, out=out, guard=guard)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int,
-                   dq_in, tuning, dq_dtype=None, buf=None, guard=None, later: list | None = None):
+                   dq_in, tuning, walk, dq_dtype=None, later: list | None = None):
     """(dq, dK, dV) of the selection block by block: one dK/dV walk that also writes each (token, block)
-    pair's dq partial, then their per-token sum (+ dq_in) into buf (default dq_buffer's); with `later`
-    that sum is appended there as a task (qsum.DeferredDq) and dq is None."""
+    pair's dq partial, then their per-token sum (+ dq_in) into a dq_buffer; with `later` that sum is
+    appended there as a task (qsum.DeferredDq) and dq is None."""
     H, n_sel = k.shape[2], block_idx.shape[3]
     dqp = pair_buffer(q, n_sel, H, q.shape[-1], tuning, dq=True)
     dks, dvs = slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
-                        tuning=tuning, inv=inv, dq_pairs=dqp, guard=guard)
+                        tuning=tuning, inv=inv, dq_pairs=dqp, walk=walk)
     if later is not None:
-        later.append(lambda out, add: pair_dq(q, dqp, inv, n_sel, H, dq=out, dq_in=dq_in, guard=guard, add=add))
+        later.append(lambda out, add: pair_dq(q, dqp, inv, n_sel, H, dq=out, dq_in=dq_in, add=add))
         return None, dks, dvs
-    buf = buf if buf is not None else dq_buffer(q, dq_in, dq_dtype)
-    return pair_dq(q, dqp, inv, n_sel, H, dq=buf, dq_in=dq_in, guard=guard), dks, dvs
+    return pair_dq(q, dqp, inv, n_sel, H, dq=dq_buffer(q, dq_in, dq_dtype), dq_in=dq_in), dks, dvs
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
                      n_sel: int, w: int, scale: float, dkdv_chunk: int | None = None,
                      tuning: KernelTuning | None = None):
-    """Make layouts kernel-friendly and run the autograd.Function (inputs already validated).
+    """Make layouts kernel-friendly, plan the call (nsa/ops/plan.py), run the branches computed outside
+    and the autograd.Function (inputs already validated).
 
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
-    fp32 partials added in a fixed order; None: tuning.select.chunk_for the call's pairs); small values
-    exercise that path in tests."""
+    fp32 partials added in a fixed order; None: the plan's); small values exercise that path in tests."""
     def unit(x: torch.Tensor) -> torch.Tensor:
         return x if x.stride(-1) == 1 else x.contiguous()
 
-    q, k_cmp, v_cmp = unit(q), unit(k_cmp), unit(v_cmp)
-    tuning = tuning or tuning_for(q.device)
-    if dkdv_chunk is None:   # pairs = B * T * H * n_sel (shapes only: no sync)
-        dkdv_chunk = tuning.select.chunk_for(q.shape[0] * q.shape[1] * k_slc.shape[2] * n_sel)
-    o_cmp = lse_cmp = o_win = cmp_rows = None
-    be = cmp_dense_backend(q, k_cmp, v_cmp, tuning.cmp_dense, tuning.flash)
-    wbe = window_flash_backend(q, v_win, tuning)
-    bnhd = be is not None and cmp_dense.bnhd_layout(be)
-    maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if be is not None else None
-    deferred = DeferredDq() if tuning.flash.dq_fold and torch.is_grad_enabled() else None
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(unit, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
+    plan = plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
+                     chunk=dkdv_chunk)
+    ext_cmp, ext_win = plan.cmp != "triton", plan.win != "triton"
+    bnhd = ext_cmp and cmp_dense.bnhd_layout(plan.cmp)
+    maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if ext_cmp else None
+    deferred = DeferredDq() if plan.dq_fold else None
     # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
-    sums = RowSums() if tuning.flash.row_sums and torch.is_grad_enabled() else None
-    q_cmp, q_win, q_slc = _fork(q, maps, wbe is not None, deferred, sums)
+    sums = RowSums() if plan.row_sums else None
+    q_cmp, q_win, q_slc = _fork(q, maps, ext_win, deferred, sums)
     if sums is not None:   # QFork reads the branches' gradients of q: FA4's dq accumulators will do (fa4_accum.py)
-        sums.keep_dq = tuning.flash.fa4_accum and q_slc is not q
-    if be is not None:
+        sums.keep_dq = plan.fa4_accum
+    o_cmp = lse_cmp = o_win = cmp_rows = None
+    if ext_cmp:
         try:
             o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
-                                                          scale=scale, backend=be, bnhd=bnhd, rows_out=True,
+                                                          scale=scale, backend=plan.cmp, bnhd=bnhd, rows_out=True,
                                                           sums=sums)
             lse_cmp, cmp_rows = lse_cmp.detach(), maps
         except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise
-            _dense_failed(q, v_cmp, be, exc)
-            o_cmp = lse_cmp = cmp_rows = None
-    if wbe is not None:
+            _refuse_branch("cmp", q, v_cmp, plan.cmp, exc)
+            o_cmp = lse_cmp = None
+    if ext_win:
         try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
-            split = window_split.split_ok(q_win, k_win, tuning.flash.win_split_min_t)
-            if wbe in ("fa4", "reference") and (split or (sums is not None and sums.keep_dq)):
-                o_win = window_split.window_attention_split(q_win, unit(k_win), unit(v_win), w, scale, wbe, sums,
-                                                            split, tuning.flash.win_gate_lse)
+            if plan.win_entry != "plain":
+                o_win = window_split.window_attention_split(q_win, k_win, v_win, w, scale, plan.win, sums,
+                                                            plan.win_entry == "split", plan.win_gate_lse)
             else:
-                o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=wbe)
+                o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=plan.win)
         except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
-            if q.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise
-            _window_failed(q, v_win, wbe, exc)
-    return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, unit(k_slc), unit(v_slc), unit(k_win), unit(v_win),
-                                   gates.contiguous(), o_cmp, lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale,
-                                   dkdv_chunk, tuning, sums, deferred if q_slc is not q else None)
+            _refuse_branch("win", q, v_win, plan.win, exc)
+    return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates.contiguous(), o_cmp,
+                                   lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale, plan, sums,
+                                   deferred if q_slc is not q else None)
 
 
 def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: DeferredDq | None = None,
@@ -439,60 +381,22 @@ def _fork(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: 
     return rows, (out[0] if win else q), out[-1]
 
 
-_WIN_OFF: dict[tuple, str] = {}
-
-
-def window_flash_backend(q: torch.Tensor, v_win: torch.Tensor, tuning: KernelTuning) -> str | None:
-    """flash-attn backend ("fa4" / "fa2" / "reference") of the window branch for these inputs under
-    tuning.flash, or None for the Triton kernel (also after a run-time failure on this device)."""
-    if (str(q.device), q.dtype, q.shape[-1]) in _WIN_OFF:
-        return None
-    return branch_flash_backend("win", tuning.flash, q, v_win.shape[-1])[0]
-
-
-def _window_failed(q: torch.Tensor, v_win: torch.Tensor, be: str, exc: Exception) -> None:
-    """The Triton window kernel from now on for this device/dtype/head size: counted and warned once."""
+def _refuse_branch(branch: str, q: torch.Tensor, v: torch.Tensor, be: str, exc: Exception) -> None:
+    """A flash / dense backend failed on this call: refused for this device / dtype / head sizes (the planner
+    plans it away from now on), counted and warned once; inside a CUDA-graph capture the error stands."""
     import warnings
 
-    count_fallback(f"win_flash:{be}->triton")
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise exc
     why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
-    _WIN_OFF[(str(q.device), q.dtype, q.shape[-1])] = why
-    warnings.warn(f"window branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
-
-
-def _dense_failed(q: torch.Tensor, v_cmp: torch.Tensor, be: str, exc: Exception) -> None:
-    """Falls back to the Triton kernel for this device/dtype/head size from now on: counted (telemetry)
-    and warned once."""
-    import warnings
-
-    why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
-    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
-    if be in ("fa4", "fa2"):   # flash-attn refused: the SDPA choice (cfg.mode) from now on
-        count_fallback(f"cmp_dense:{be}->sdpa")
-        cmp_dense.refuse(*key, be)
-        warnings.warn(f"compressed branch: {why}; using SDPA / Triton from now on", RuntimeWarning, stacklevel=3)
-        return
-    count_fallback(f"cmp_dense:{be}->triton")
-    cmp_dense.disable(*key, why)
-    warnings.warn(f"compressed branch: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=3)
-
-
-def cmp_dense_backend(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
-                      cfg: CmpDenseTuning | None = None, flash: FlashBranchTuning | None = None) -> str | None:
-    """The dense backend the compressed branch uses for these inputs under cfg and flash (None: the
-    preset of q's device): flash-attn when tuning.flash.cmp picks it, else cuDNN / flash SDPA per
-    cfg, or None for the Triton kernel."""
-    cfg = cfg or tuning_for(q.device).cmp_dense
-    if cfg.mode == "off" or k_cmp.shape[1] == 0:
-        return None
-    fb = branch_flash_backend("cmp", flash or tuning_for(q.device).flash, q, v_cmp.shape[-1])[0]
-    if fb is not None and not cmp_dense.refused(str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1], fb):
-        return fb   # "reference": cmp_dense's math stand-in for flash-attn, on flash-attn's layout
-    if cfg.mode != "auto":
-        return cfg.mode
-    if not q.is_cuda or q.shape[1] < cfg.min_t or torch.are_deterministic_algorithms_enabled():
-        return None
-    key = (str(q.device), q.dtype, q.shape[-1], v_cmp.shape[-1])
-    if torch.cuda.is_current_stream_capturing() and not cmp_dense.probed(*key):
-        return None   # never probe inside a CUDA-graph capture (eager warm-up steps probe first)
-    return cmp_dense.probe(*key)[0]
+    dev, dk, dv = str(q.device), q.shape[-1], v.shape[-1]
+    if branch == "win":
+        path, key, name, then = "win_flash", (dev, q.dtype, dk), f"win_flash:{be}->triton", "the Triton kernel"
+    elif be in ("fa4", "fa2"):   # flash-attn refused: the SDPA choice (cmp_dense.mode) from now on
+        path, key, name, then = f"cmp_flash:{be}", (dev, q.dtype, dk, dv), f"cmp_dense:{be}->sdpa", "SDPA / Triton"
+    else:
+        path, key, name, then = "cmp_sdpa", (dev, q.dtype, dk, dv), f"cmp_dense:{be}->triton", "the Triton kernel"
+    fallbacks.count_fallback(name)
+    fallbacks.refuse(path, key, why)
+    label = "window branch" if branch == "win" else "compressed branch"
+    warnings.warn(f"{label}: {why}; using {then} from now on", RuntimeWarning, stacklevel=3)

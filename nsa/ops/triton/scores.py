@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E, SCORE_BITS, SCORE_MAP_SHIFT
-from ..tuning import ScoreTuning, tuning_for
+from ..tuning import EXACT_SCORES, ScoreTuning
 from ._utils import dot_precision, next_pow2, reg_cap, row_block
 from .attn import load_group, token_rows
 
@@ -277,31 +277,29 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
 
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
-                  l_sel: int, n_sel: int, scale: float, tuning: ScoreTuning | None = None,
-                  wide_keys: bool | None = None) -> torch.Tensor:
+                  l_sel: int, n_sel: int, scale: float, tuning: ScoreTuning = EXACT_SCORES,
+                  wide_keys: bool | None = None, gluon: bool = False) -> torch.Tensor:
     """q [B,T,HQ,dk], k_cmp [B,N,H,dk] (N may be 0), lse_cmp fp32 [B,T,HQ] (natural log, -inf where no
     compressed token is visible) -> block_idx int64 [B,T,H,n_sel], ascending, -1 padded.
 
-    tuning: tiles and skip_merge (None: the preset of q's device); wide_keys forces int64 (True) or
-    int32 (False, only if the block count fits) ranking keys (tests and benchmarks). From
-    tuning.gluon_min_t, eligible calls take the score pass in Gluon (scores_gluon.py: the same blocks)."""
+    tuning: the tiles (default: the exact fp32 maps); wide_keys forces int64 (True) or int32 (False, only if the
+    block count fits) ranking keys (tests and benchmarks). gluon (the plan's choice, nsa/ops/plan.py): the
+    score pass in Gluon (scores_gluon.py: the same blocks), the Triton kernel if it fails to launch."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
-    tuning = tuning or tuning_for(q.device).scores
-    if tuning.gluon_min_t is not None and T >= tuning.gluon_min_t and wide_keys is None:
+    if gluon and wide_keys is None:
         from . import scores_gluon as sg
-        if sg.gluon_scores_ok(q, k_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel):
-            stored = sg.score_pass(q, k_cmp, lse_cmp, l_sel=l_sel, scale=scale)
-            if stored is not None:
-                scr, n_tiles, nchmax = stored
-                return rank_stored(scr, B, T, H, HQ // H, n_sel, l=l, d=d, l_sel=l_sel, n_tiles=n_tiles,
-                                   nchmax=nchmax, tile=sg.TILE, nbj=sg.NBJ, nbj_pad=sg.NBJ_PAD, device=q.device)
+        stored = sg.score_pass(q, k_cmp, lse_cmp, l_sel=l_sel, scale=scale)
+        if stored is not None:
+            scr, n_tiles, nchmax = stored
+            return rank_stored(scr, B, T, H, HQ // H, n_sel, l=l, d=d, l_sel=l_sel, n_tiles=n_tiles,
+                               nchmax=nchmax, tile=sg.TILE, nbj=sg.NBJ, nbj_pad=sg.NBJ_PAD, device=q.device)
     G = HQ // H
     GP = next_pow2(G)
     R, LC = l_sel // d, l // d
     nsb = triton.cdiv(T, l_sel)
     bdk = max(16, next_pow2(dk))
-    tile = tuning.tile_for(bdk > 128, G)
+    tile = tuning.tile_for(bdk > 128)
     rows, bn_min, warps, stages = tile.rows, tile.min_keys, tile.warps, tile.stages
     block_r = row_block(GP, rows)
     bn = max(16, bn_min, next_pow2(R + LC - 1))

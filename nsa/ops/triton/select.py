@@ -16,12 +16,13 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
-from ..tuning import SelectTuning, tuning_for
+from ..plan import WalkPlan, walk_plan
+from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step
 from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
-from .walk_gluon import gluon_walk_ok, gwalk_dkdv
+from .walk_gluon import gwalk_dkdv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +378,7 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
     tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous);
     guard: run only where the device flag says so (a per-call choice, see Guard)."""
-    tn = tuning or tuning_for(q.device).select
+    tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
@@ -423,7 +424,7 @@ def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.T
            guard: Guard | None = None) -> torch.Tensor:
     """dq of slc_fwd (plus dq_in), per (token, kv head) program; dq_out: the buffer to write
     (dq_buffer's), guard: a per-call device choice (guard.py)."""
-    tn = tuning or tuning_for(q.device).select
+    tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
@@ -442,14 +443,15 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
              chunk: int = 1024, tuning: SelectTuning | None = None,
              inv: dict | None = None, dq_pairs: torch.Tensor | None = None,
-             guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             guard: Guard | None = None, walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
     invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
     (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv); with guard (the
     device's per-call choice) only where it holds: the walk without dq runs where it does not (the
-    extra dot and registers would slow the walk when the tile kernels compute dq)."""
-    tn = tuning or tuning_for(q.device).select
+    extra dot and registers would slow the walk when the tile kernels compute dq). walk: the plan's
+    (nsa/ops/plan.py: rows, Gluon or Triton, prefetch, loop stages); None: the Triton walk under tuning."""
+    tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
@@ -465,22 +467,22 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     walks = [(dq_pairs, mode)]
     if dq_pairs is not None and mode != 0:
         walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
-    rows = max(tn.dkdv_rows_for(HQ // H, max(dk, dv) > 128), next_pow2(HQ // H))
+    G = HQ // H
     for dqp, gm in walks:
-        gstages = tn.gluon_walk_stages if dqp is None else tn.gluon_dq_walk_stages
-        if gstages and walk_group(HQ // H, tn) == HQ // H and gluon_walk_ok(q, k, v, do, rows, l_sel) and \
-                gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv, chunk=chunk,
-                           scale=scale, stages=gstages, has_gate=gate is not None, dq_pairs=dqp,
-                           guard=None if gm == 0 else (flag, gm), row_prefetch=tn.gluon_walk_row_prefetch):
+        wk = walk if walk is not None and walk.dq_pairs == (dqp is not None) else \
+            walk_plan(tn, G, max(dk, dv) > 128, dqp is not None)
+        if wk.gluon and gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv,
+                                   chunk=chunk, scale=scale, stages=wk.gluon, has_gate=gate is not None, dq_pairs=dqp,
+                                   guard=None if gm == 0 else (flag, gm), row_prefetch=wk.row_prefetch):
             continue
+        rows = wk.rows
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
             dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
             inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
-            PREFETCH=tn.prefetch_for(HQ // H, dqp is not None),
-            LOOP_STAGES=tn.loop_stages_for(dqp is not None, HQ // H),
+            PREFETCH=wk.prefetch, LOOP_STAGES=wk.loop_stages,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-            GP=walk_group(HQ // H, tn), ROWS=rows,
+            GP=wk.group, ROWS=rows,
             **{k: v for k, v in meta.items() if k != "GR"})
     return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
 
@@ -504,9 +506,9 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
             chunk: int = 1024, dq_in: torch.Tensor | None = None,
             dq_dtype: torch.dtype | None = None,
             tuning: SelectTuning | None = None,
-            inv: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd; inv as in
+            inv: dict | None = None, walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd; inv and walk as in
     slc_dkdv)."""
     kw = dict(l_sel=l_sel, scale=scale, tuning=tuning)
     dq = slc_dq(q, k, v, block_idx, do, lse, delta, gate, dq_in=dq_in, dq_dtype=dq_dtype, **kw)
-    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, inv=inv, **kw))
+    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, inv=inv, walk=walk, **kw))

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
-from ..tuning import SelectTuning, tuning_for
+from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, reg_cap
 from .guard import Guard, skip_program
 from .inversion import work_items
@@ -209,7 +209,7 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd. Programs walk
     tuning.pair_chunk entries of a block's list (0: the inversion's chunk): pairs are independent here,
     so short lists cost nothing but balance the long ones (block 0, each token's own block)."""
-    tn = tuning or tuning_for(q.device).select
+    tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     G = HQ // H

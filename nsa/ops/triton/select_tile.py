@@ -13,16 +13,11 @@ per (b, kv head, tile) the ascending union of the tile's selected blocks, its si
 token bits. tile_union_fraction gives the policy's measure (loaded blocks relative to per-token).
 
 Backward: dq per tile program over the union (gate folded into p as in select.slc_bwd). dK/dV without
-atomics, by default select.py's per-token kernel (per block, the tokens that selected it): K/V are
-loaded once per program there already, so tiles save nothing in dK/dV and the tile walk (one program
-per (block, chunk of the tiles whose union holds it), rows of non-selecting tokens masked) only adds
-masked work; it stays as nsa.ops.tuning.TileTuning(dkdv_by="tile").
+atomics by select.py's walk (per block, the tokens that selected it): K/V are loaded once per program
+there already, so tiles save nothing in dK/dV.
 
-Cost: a tile does union_fraction * m times the per-token MMA work to load union_fraction of its K/V.
-H100, bf16, B=1, l_sel=64, n_sel=16 (bench/RESULTS.md table 5): HQ=64/H=4/d=128 at 64k, per-token fwd
-17.0 ms; with unions of 0.25 at m=4 (strongly local selections) the tile fwd takes 6.5-6.9 ms, with the
-op's selection on random inputs (union 0.78 at m=4) 19.4 ms. So m must come from the measured unions:
-KernelTuning.tile.m (nsa/ops/tuning.py) picks it for the op (function.py), 1 = select.slc_fwd/slc_bwd.
+Cost: a tile does union_fraction * m times the per-token MMA work to load union_fraction of its K/V, so
+m comes from measured unions (docs/kernels.md); the planner (nsa/ops/plan.py) picks it per call.
 """
 from __future__ import annotations
 
@@ -32,14 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning, tuning_for
+from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning
 from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
 from .guard import Guard, skip_program
-from .inversion import segment_lists
-from .select import _bwd_args, block_kv, dq_buffer, reduce_dkdv, slc_dkdv, work_item
+from .select import _bwd_args, dq_buffer, slc_dkdv
 from .qsum import QAdd, add_q_terms, q_add_args
-from .tile_gluon import gluon_tile_ok, gtile_dq, gtile_fwd
+from .tile_gluon import gtile_dq, gtile_fwd
 from .tile_group import group_tokens, permuted
 
 LOG2E = 1.4426950408889634
@@ -204,25 +198,6 @@ def tile_union_fraction(block_idx: torch.Tensor, m: int) -> torch.Tensor:
     return sizes.sum(dtype=torch.float32) / float(max(1, sizes.numel() * m * block_idx.shape[3]))
 
 
-CHOICE_TILES = 256   # tiles per (batch, kv head) whose unions the per-call choice measures
-
-
-def tile_choice(block_idx: torch.Tensor, m: int, max_union: float, tiles: int = CHOICE_TILES) -> torch.Tensor:
-    """int32 [1] device flag: 1 when the mean union fraction (union sizes over m * n_sel) of about
-    `tiles` evenly strided tiles per head is <= max_union, i.e. the tile kernels should run, else 0.
-    A size-only pass over the sample (1/stride of the full union's cost); no host sync."""
-    B, T, H, S = block_idx.shape
-    nt = triton.cdiv(T, m)
-    stride = max(1, nt // max(1, tiles))
-    if block_idx.is_cuda:
-        size = _run_union(block_idx, m, size_only=True, stride=stride)[2]
-    else:
-        _check_m(m)
-        size = _sorted_tiles(block_idx, m)[3].sum(-1, dtype=torch.int32)[..., ::stride]
-    budget = max_union * float(max(1, size.numel() * m * S))
-    return (size.sum(dtype=torch.float32) <= budget).to(torch.int32).reshape(1)
-
-
 # ----------------------------------------------------------------------------------------------
 # kernels
 
@@ -357,68 +332,6 @@ def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ,
     tl.store(DQ + dq_off, dq.to(DQ.dtype.element_ty), mask=dq_mask)
 
 
-@triton.jit
-def _tile_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, SRC, UBITS, SEGOFF, WSEG, WCHUNK, XOFF,
-                          DKO, DVO, XDK, XDV,
-                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
-                          T, H, NT, NSB, NSEG, scale_log2, scale,
-                          G: tl.constexpr, M: tl.constexpr, UW: tl.constexpr, QB: tl.constexpr,
-                          ROWS: tl.constexpr, LSEL: tl.constexpr, CH: tl.constexpr, DK: tl.constexpr,
-                          DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr, BS: tl.constexpr,
-                          HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """One program per work item (segment = (b, h, block j), chunk c of its tile list). Each step takes
-    QB tiles of the list: row r is tile r // (M*G), token (r % (M*G)) // G of it, head r % G."""
-    seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
-    kk, kp, k_ok, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
-                                                    DK, DV, BDK, BDV)
-    MG: tl.constexpr = M * G
-    rows = tl.arange(0, ROWS)
-    slot = rows // MG
-    ti = (rows % MG) // G
-    hq = (h * G + rows % G).to(tl.int64)
-    dk = tl.zeros([BS, BDK], tl.float32)
-    dv = tl.zeros([BS, BDV], tl.float32)
-    for idx in range(start, end, QB):
-        e = idx + slot
-        e_ok = (e < end) & (slot < QB)
-        src = tl.load(SRC + e, mask=e_ok, other=0)                          # flat union entry of the tile
-        bits = tl.load(UBITS + src, mask=e_ok, other=0)
-        tok = ((src // UW) % NT) * M + ti                                   # [ROWS] int64 token of each row
-        row_ok = e_ok & (tok < T) & (((bits >> ti) & 1) != 0)               # rows whose token chose j
-        x_off = b * sqb + tok[:, None] * sqt + hq[:, None] * sqh
-        q = tl.load(Q + x_off + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-        do = tl.load(DO + b * sdb + tok[:, None] * sdt + hq[:, None] * sdh + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-        ridx = (b * T + tok) * (H * G) + hq
-        lse = tl.load(LSE + ridx, mask=row_ok, other=0.0) * 1.4426950408889634
-        delta = tl.load(DELTA + ridx, mask=row_ok, other=0.0)
-        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * scale_log2  # [BS, ROWS]
-        vis = (kp[:, None] <= tok[None, :]) & k_ok[:, None] & row_ok[None, :]
-        pT = tl.where(vis, tl.exp2(sT - lse[None, :]), 0.0)
-        if HAS_GATE:   # gate folded into p (g p), as slc_bwd
-            pT = pT * tl.load(GATE + ridx * sgt, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
-    dk = dk * scale
-    # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
-    first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
-    o_row = ((b * T + kp) * H + h)                                          # rows of [B,T,H,*] fp32
-    tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], dk,
-             mask=(first & k_ok)[:, None] & (offs_dk[None, :] < DK))
-    tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], dv,
-             mask=(first & k_ok)[:, None] & (offs_dv[None, :] < DV))
-    extra = (tl.zeros([BS], tl.int32) + (ok & (chunk > 0)).to(tl.int32)) > 0
-    xslot = tl.load(XOFF + seg) + chunk - 1
-    x_row = (tl.where(extra, xslot, 0) * LSEL + kk).to(tl.int64)
-    x_ok = extra & (kk < LSEL)
-    tl.store(XDK + x_row[:, None] * DK + offs_dk[None, :], dk,
-             mask=x_ok[:, None] & (offs_dk[None, :] < DK))
-    tl.store(XDV + x_row[:, None] * DV + offs_dv[None, :], dv,
-             mask=x_ok[:, None] & (offs_dv[None, :] < DV))
-
-
 # ----------------------------------------------------------------------------------------------
 # launchers
 
@@ -449,15 +362,15 @@ def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnio
 def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
                  l_sel: int, scale: float, m: int, union: TileUnion | None = None,
                  tuning: TileTuning | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 guard: Guard | None = None, combine=None) -> tuple[torch.Tensor, torch.Tensor]:
+                 guard: Guard | None = None, combine=None, gluon_stages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """As select.slc_fwd (q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o, lse fp32
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
     when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
     preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's.
     combine: a function.Combine (the caller passes one under TileTuning.gluon_combine) whose out then holds
     the op's output under the same guard: written by the Gluon forward's epilogue or, when that does not
-    run, by combine.run."""
-    tn = tuning or tuning_for(q.device).tile
+    run, by combine.run. gluon_stages: the plan's Gluon forward (ring slots; 0: the Triton kernel)."""
+    tn = tuning or TileTuning()
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     G = HQ // H
@@ -465,9 +378,8 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     nt = un.size.shape[2]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    if tn.gluon_fwd_stages and gluon_tile_ok(q, k, v, m, l_sel) and \
-            gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=tn.gluon_fwd_stages, guard=guard, combine=combine,
-                      prefetch=tn.gluon_union_prefetch):
+    if gluon_stages and gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=gluon_stages, guard=guard,
+                                  combine=combine, prefetch=tn.gluon_union_prefetch):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
@@ -483,34 +395,23 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     return o, lse
 
 
-def invert_tiles(un: TileUnion, T: int, l_sel: int, chunk: int) -> dict:
-    """For each segment (b, h, block j): the union entries (flat index into un.blocks, tile order) of
-    the tiles whose union holds j, split in chunks of <= chunk tiles. Device-only (sort +
-    searchsorted). Same layout as select.invert_selection with `src` for its `toks`."""
-    inv = segment_lists(un.blocks.to(torch.int64), triton.cdiv(T, l_sel), chunk)   # [B, H, tile, u]
-    inv["src"] = inv.pop("order")
-    del inv["skey"]
-    return inv
-
-
 def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
             delta: torch.Tensor, gate: torch.Tensor | None, un: TileUnion, *, l_sel: int, scale: float, m: int,
             dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
             tuning: TileTuning | None = None, dq_out: torch.Tensor | None = None,
-            guard: Guard | None = None, add: QAdd | None = None) -> torch.Tensor:
+            guard: Guard | None = None, add: QAdd | None = None, gluon_stages: int = 0) -> torch.Tensor:
     """dq of slc_fwd_tile (plus dq_in and add's terms, qsum.py) on query tiles of m tokens walking the
-    union `un`; dq_out / guard as select.slc_dq's."""
-    tn = tuning or tuning_for(q.device).tile
+    union `un`; dq_out / guard as select.slc_dq's; gluon_stages: the plan's Gluon dq (0: Triton)."""
+    tn = tuning or TileTuning()
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
     meta = _meta(q, HQ // H, m, dk, dv, l_sel, un)
     nt = un.size.shape[2]
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
-    if tn.gluon_dq_stages and gluon_tile_ok(q, k, v, m, l_sel, do) and \
-            gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                     stages=tn.dq_stages_for(q.shape[1]), has_gate=gate is not None, guard=guard, add=add,
-                     prefetch=tn.gluon_union_prefetch):
+    if gluon_stages and gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
+                                 stages=gluon_stages, has_gate=gate is not None, guard=guard, add=add,
+                                 prefetch=tn.gluon_union_prefetch):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
     flag, mode = guard if guard is not None else (lse, 0)
@@ -527,45 +428,21 @@ def slc_bwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
                  lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
                  m: int, chunk: int = 1024, dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
                  union: TileUnion | None = None, tuning: TileTuning | None = None,
-                 select: SelectTuning | None = None, later: list | None = None
+                 select: SelectTuning | None = None, later: list | None = None, dq_gluon: int = 0, walk=None
                  ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Gradients of slc_fwd_tile with select.slc_bwd's contract: do is the op's dO (gate applied to p
     inside), delta = rowsum(dO * o_slc) fp32 [B,T,HQ], gate [B,T,HQ] view or None, dq_in accumulated
-    (in place when dq_dtype is fp32), chunk = queries per dK/dV program (rounded to whole tiles).
-    tuning / select: launch parameters of the tile kernels / of select.py's dK/dV kernel (the
-    dkdv_by="token" walk); None: the preset of q's device. later: append the dq kernel there as a task
-    (qsum.DeferredDq) and return None for dq."""
-    preset = tuning_for(q.device)
-    tn = tuning or preset.tile
+    (in place when dq_dtype is fp32), chunk = queries per dK/dV program. dq on the tiles (dq_gluon: the
+    plan's Gluon dq slots), dK/dV by select.py's walk over each block's tokens (walk: the plan's).
+    tuning / select: launch parameters of the tile kernels / of the walk. later: append the dq kernel
+    there as a task (qsum.DeferredDq) and return None for dq."""
+    tn = tuning or TileTuning()
     un = _union(block_idx, m, union)
-    kw = dict(l_sel=l_sel, scale=scale, m=m, dq_in=dq_in, dq_dtype=dq_dtype, tuning=tn)
+    kw = dict(l_sel=l_sel, scale=scale, m=m, dq_in=dq_in, dq_dtype=dq_dtype, tuning=tn, gluon_stages=dq_gluon)
     if later is None:
         dq = tile_dq(q, k, v, do, lse, delta, gate, un, **kw)
     else:
         later.append(lambda out, add: tile_dq(q, k, v, do, lse, delta, gate, un, **kw, dq_out=out, add=add))
         dq = None
-    if un.perm is not None and tn.dkdv_by != "token":
-        raise ValueError("slc_bwd_tile: tiles of regrouped tokens (TileUnion.perm) need dkdv_by='token'")
-    if tn.dkdv_by == "token":
-        return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
-                              tuning=select or preset.select))
-    B, T, HQ, dk = q.shape
-    H, dv = k.shape[2], v.shape[3]
-    G = HQ // H
-    nt = un.size.shape[2]
-    meta = _meta(q, G, m, dk, dv, l_sel, un)
-    g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
-    dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
-    dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
-    bs = max(16, next_pow2(l_sel))
-    inv = invert_tiles(un, T, l_sel, max(1, chunk // m))
-    xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
-    xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
-    qb = max(1, tn.dkdv_rows // (m * G))                                   # whole tiles per step
-    _tile_bwd_dkdv_kernel[(inv["w_max"],)](
-        q, k, v, do, lse, delta, g_arg, inv["src"], un.bits, inv["segoff"], inv["wseg"], inv["wchunk"],
-        inv["xoff"], dk32, dv32, xdk, xdv, *strides, T, H, nt, inv["nsb"], inv["nseg"], scale * LOG2E,
-        scale, QB=qb, ROWS=max(16, next_pow2(qb * m * G)), CH=max(1, chunk // m), BS=bs,
-        HAS_GATE=gate is not None, num_warps=tn.dkdv_warps, num_stages=tn.dkdv_stages, **meta)
-    return (dq, *reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"],
-                             bdv=meta["BDV"]))
+    return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
+                          tuning=select or SelectTuning(), walk=walk))

@@ -1,0 +1,73 @@
+"""The planner (nsa/ops/plan.py): pure, cached, CPU-only; its golden route table per family x shape x T."""
+from __future__ import annotations
+
+import pytest
+
+from nsa.ops import fallbacks
+from nsa.ops.plan import ARCHS, PRESETS, sample_inputs, select_plan
+
+TS = (4096, 8192, 16384, 32768, 65536)
+# (family, shape) -> the route at each T: "cmp win/entry scores fwd bwd walk"; one string per T of TS
+GOLDEN = {
+    ("sm90", "paper"): ["triton triton/plain triton tile_gluon tile gluon"] +
+                       ["fa4 fa4/entry triton tile_gluon tile gluon"] +
+                       ["fa4 fa4/split triton tile_gluon tile gluon"] +
+                       ["fa4 fa4/split gluon tile_gluon tile gluon"] * 2,
+    ("sm90", "prod"): ["triton triton/plain triton block pairs triton"] +
+                      ["fa4 fa4/entry triton block pairs triton"] +
+                      ["fa4 fa4/split triton block pairs triton"] * 3,
+    ("sm80", "paper"): ["triton triton/plain triton token token triton"] +
+                       ["triton triton/plain triton token token triton"] +
+                       ["cudnn triton/plain triton token token triton"] * 3,
+    ("sm80", "prod"): ["triton triton/plain triton token token triton"] * 2 +
+                      ["cudnn triton/plain triton token token triton"] * 3,
+    ("cpu", "paper"): ["triton triton/plain triton token token triton"] * 5,
+    ("cpu", "prod"): ["triton triton/plain triton token token triton"] * 5,
+}
+
+
+def route(p) -> str:
+    return f"{p.cmp} {p.win}/{p.win_entry} {p.scores} {p.fwd} {p.bwd} {'gluon' if p.walk.gluon else 'triton'}"
+
+
+@pytest.mark.parametrize("fam,shape", sorted(GOLDEN))
+def test_golden_routes(fam, shape):
+    tn = PRESETS[ARCHS[fam].preset]
+    got = [route(select_plan(sample_inputs(fam, shape, T), tn)) for T in TS]
+    assert got == GOLDEN[(fam, shape)], "\n".join(f"{T}: {g}" for T, g in zip(TS, got))
+
+
+def test_plan_is_cached_pure_and_explains_itself():
+    inp, tn = sample_inputs("sm90", "prod", 16384), PRESETS["hopper"]
+    a = select_plan(inp, tn)
+    assert select_plan(inp, tn) is a and a.needs is None
+    assert all(a.reason(k) for k in ("cmp", "win", "scores", "fwd", "bwd")) and a.line().startswith("plan[sm90]")
+
+
+def test_a_refused_path_is_planned_away():
+    """A refusal in the registry changes the inputs, so the cached plan of before is not reused."""
+    import dataclasses
+    inp, tn = sample_inputs("sm90", "paper", 65536), PRESETS["hopper"]
+    before = select_plan(inp, tn)
+    after = select_plan(dataclasses.replace(inp, refused=frozenset({"gluon_tile", "win_flash", "gluon_scores"})), tn)
+    assert before.fwd == "tile_gluon" and after.fwd == "tile" and after.win == "triton" and after.scores == "triton"
+    fallbacks.refuse("gluon_tile", ("cuda:7",), "test")
+    assert fallbacks.refused("gluon_tile", ("cuda:7",)) == "test"
+    fallbacks.reset_refusals()
+
+
+def test_unknown_probe_outcomes_are_asked_for():
+    import dataclasses
+    inp = dataclasses.replace(sample_inputs("sm90", "prod", 16384), dense="?")
+    assert select_plan(inp, PRESETS["hopper"]).needs == "dense"
+    inp = dataclasses.replace(sample_inputs("sm80", "prod", 16384), sdpa="?")
+    assert select_plan(inp, PRESETS["ampere"]).needs == "sdpa"
+    cap = dataclasses.replace(inp, capturing=True)
+    assert select_plan(cap, PRESETS["ampere"]).cmp == "triton"   # never probe inside a capture
+
+
+def test_cli_prints_the_route(capsys):
+    from nsa.ops.plan import main
+    assert main(["--device", "h200", "--shape", "prod", "--T", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "plan[sm90]" in out and "compressed" in out
