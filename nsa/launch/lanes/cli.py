@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 from typing import Optional, Sequence
 
@@ -25,7 +26,7 @@ from nsa.launch import builder
 from nsa.launch.cli import EXIT_USAGE, UserError
 from nsa.launch.lanes.effective import describe
 from nsa.launch.lanes.plan import DEFAULT_BASE, GridPlan, plan_grid
-from nsa.launch.lanes.report import format_table, rank, write_figures, write_summary
+from nsa.launch.lanes.report import TERMINAL_WIDTH, format_table, rank, write_figures, write_summary
 from nsa.launch.lanes.resources import ensure_lane_gpus, size_concurrency
 from nsa.launch.lanes.schema import DEFAULT_LANES, LaneError, load_lanes
 from nsa.launch.lanes.tracking import add_histories, finalize_mlflow, log_summary_run
@@ -42,8 +43,9 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
     if plan.mlflow_uri:    # create the SQLite tables here: two lanes creating a fresh store at once could race
         from nsa.telemetry.loggers import ensure_local_store
         ensure_local_store(plan.mlflow_uri)      # artifact root beside the store, Default's too
-    print(f"grid {plan.grid_id}: {len(plan.lanes)} lanes ({', '.join(lc.lane.name for lc in plan.lanes)}), "
-          f"{plan.max_concurrent} at a time, dir {plan.grid_dir}", flush=True)
+    print(f"grid {plan.grid_id}: {len(plan.lanes)} lanes, {plan.max_concurrent} at a time, dir {plan.grid_dir}\n"
+          + textwrap.fill(", ".join(lc.lane.name for lc in plan.lanes), TERMINAL_WIDTH, initial_indent="  lanes: ",
+                          subsequent_indent=" " * 9), flush=True)
     for lane, why in plan.skipped:
         print(f"lane {lane.name}: skipped on this base: {why}", flush=True)
     records = collect(plan, run_tuner(plan))
@@ -58,12 +60,12 @@ def run_grid(plan: GridPlan, max_concurrent: Optional[int] = None) -> int:
     print(f"\n== lanes grid {plan.grid_id}: {len(records) - len(failed)}/{len(records)} completed, "
           f"{len(plan.skipped)} skipped, in {wall:.0f}s")
     print(format_table(records, plan.skipped))
-    for r in failed:
-        print(f"FAILED {r['lane']}: {r['error']}  (run dir {r['run_dir']})")
+    for r in failed:     # the error itself is in the table's notes
+        print(f"FAILED {r['lane']}: run dir {r['run_dir']}")
     print(f"summary: {jpath}\n         {mpath}")
     if plan.mlflow_uri:
-        print(f"mlflow:  mlflow ui --backend-store-uri {plan.mlflow_uri}   (experiment {plan.experiment}, "
-              f"tag grid={plan.grid_id}; summary run {parent})", flush=True)
+        print(f"mlflow:  mlflow ui --backend-store-uri {plan.mlflow_uri}\n         experiment {plan.experiment}, "
+              f"tag grid={plan.grid_id}; summary run {parent}", flush=True)
     return code
 
 

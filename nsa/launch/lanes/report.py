@@ -3,6 +3,7 @@ reasons, ``<grid dir>/lanes_summary.{json,md}`` and the two figures."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
@@ -49,24 +50,41 @@ def _check_cell(r: dict[str, Any]) -> str:
 
 HEAD = ["#", "lane", "status", "steps", "final loss", "vs base", "val loss", "toks/s", "x base", "peak MiB",
         "stalls", "fallbacks", "checks", "error / reason"]
+TERMINAL_WIDTH = 120   # the terminal table and its notes stay within this many characters per line
 
 
-def format_table(records: list[dict[str, Any]], skipped: list[tuple[Any, str]] = (), markdown: bool = False) -> str:
+def _rows(records: list[dict[str, Any]], skipped: list[tuple[Any, str]]) -> list[list[str]]:
     rows = [[_f(r.get("rank"), "d"), r["lane"], r["status"],
              f"{r['step'] if r['step'] is not None else '-'}/{r['total_steps'] or '-'}", _f(r["final_loss"]),
              _f(r.get("d_loss"), "+.4f"), _f(r["val_loss"]), _f(r["toks_per_s"], ".0f"),
              _f(r.get("toks_vs_base"), ".2f"), _f(r.get("peak_mem_mib"), ".0f"), str(len(r.get("stalls") or [])),
-             str(r.get("fallbacks", 0)), _check_cell(r), (r["error"] or "")[:(2000 if markdown else 90)]]
+             str(r.get("fallbacks", 0)), _check_cell(r), r["error"] or ""]
             for r in records]
-    rows += [["-", lane.name, "SKIPPED"] + ["-"] * 10 + [f"skipped: {why}"[:(2000 if markdown else 90)]]
-             for lane, why in skipped]
+    return rows + [["-", lane.name, "SKIPPED"] + ["-"] * 10 + [f"skipped: {why}"] for lane, why in skipped]
+
+
+def format_table(records: list[dict[str, Any]], skipped: list[tuple[Any, str]] = (), markdown: bool = False) -> str:
+    """The markdown table has every column in full. The terminal form keeps the numbers in the table and puts
+    each lane's checks and error / skip reason on wrapped note lines below it, so no line is wider than
+    TERMINAL_WIDTH (with lane names of up to ~20 characters)."""
+    rows = _rows(records, skipped)
     if markdown:
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
         return "\n".join(["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)]
-                         + ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows])
-    width = [max(len(str(x)) for x in col) for col in zip(HEAD, *rows)]
+                         + ["| " + " | ".join(esc(c[:2000]) for c in row) + " |" for row in rows])
+    head, body = ["loss" if h == "final loss" else h for h in HEAD[:-2]], [row[:-2] for row in rows]
+    width = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, width)).rstrip()  # noqa: E731
-    return "\n".join([line(HEAD), line(["-" * w for w in width])] + [line(r) for r in rows])
+    out = [line(head), line(["-" * w for w in width])] + [line(r) for r in body]
+    notes = []
+    for row in rows:
+        for label, text in (("checks", row[-2]), ("error" if row[2] != "SKIPPED" else "", row[-1])):
+            if text and text != "-":
+                # wrapped rather than cut at the column: the first 600 characters of an error say what happened
+                first = f"  {row[1]}: {label + ': ' if label else ''}"
+                notes += textwrap.wrap(text[:600], TERMINAL_WIDTH, initial_indent=first,
+                                       subsequent_indent=" " * 6, break_long_words=True, break_on_hyphens=False)
+    return "\n".join(out + (["notes:"] + notes if notes else []))
 
 
 def write_figures(plan: GridPlan, records: list[dict[str, Any]]) -> list[Path]:
