@@ -40,6 +40,7 @@ import triton.language as tl
 from ..config import triton_interpreter
 from .branch_sums import RowSums, flash_bwd, flash_fwd, public_bwd, q_grad
 from .fa4_accum import Accum
+from . import fallbacks
 from .fallbacks import count_fallback
 
 _OFF: dict[str, str] = {}   # device -> why FA4's backward entry failed here: flash-attn's GQA backward from then on
@@ -109,6 +110,7 @@ class _WindowSplit(torch.autograd.Function):
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
                 _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                fallbacks.refuse("win_entry", (dev,), _OFF[dev])   # the planner plans the split away
                 count_fallback(f"win_split:{ctx.backend}->gqa")
                 warnings.warn(f"window branch: FA4's backward entry failed ({_OFF[dev]}); flash-attn's GQA "
                               "backward from now on", RuntimeWarning, stacklevel=2)

@@ -35,6 +35,7 @@ import torch
 import triton
 
 from ..common import LOG2E, SCORE_MAP_SHIFT
+from .. import fallbacks
 from ..fallbacks import count_fallback
 from .tile_gluon import _target_arch, gluon_available
 
@@ -97,6 +98,7 @@ def score_pass(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l
             raise
         why = f"the Gluon score pass failed: {type(exc).__name__}: {str(exc)[:160]}"
         _OFF[str(q.device)] = why
+        fallbacks.refuse("gluon_scores", (str(q.device),), why)   # the planner plans it away from now on
         count_fallback("scores_gluon->triton")
         warnings.warn(f"block selection: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=4)
         return None

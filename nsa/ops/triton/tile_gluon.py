@@ -27,6 +27,7 @@ import warnings
 
 import torch
 
+from .. import fallbacks
 from ..fallbacks import count_fallback
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper, called from Gluon too
@@ -381,6 +382,7 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
     except Exception as exc:  # noqa: BLE001 - any failure: the caller launches the Triton kernel instead
         why = f"{name} failed: {type(exc).__name__}: {str(exc)[:160]}"
         _OFF[str(q.device)] = why
+        fallbacks.refuse("gluon_tile", (str(q.device),), why)   # the planner plans it away from now on
         count_fallback("tile_gluon->triton")
         warnings.warn(f"query-tile selection: {why}; using the Triton kernels from now on", RuntimeWarning,
                       stacklevel=3)
