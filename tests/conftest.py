@@ -63,8 +63,40 @@ def _skip_repeated_interpreter_patches() -> None:
     ti._patch_lang.skips_repeats = True           # tests/test_triton_kernels.py checks it is installed
 
 
+def _row_invariant_interpreter_dot() -> None:
+    """The interpreter's tl.dot is np.matmul, i.e. the CPU's BLAS, and some of its sgemm kernels (OpenBLAS's
+    Haswell one, picked on AVX2 machines) round an output row differently depending on where the row sits
+    in the tile. A GPU MMA sums every output element over k in one order wherever its row is, and the
+    bitwise tests (grouped vs consecutive query tiles) hold on that. Here a float dot sums each element's
+    products along k in one fixed order ([.., M, N, K] products reduced over their last, contiguous axis),
+    so a kernel's results do not depend on the CPU the tests run on. Integer dots stay np.matmul (exact)."""
+    import numpy as np
+    try:
+        from triton.runtime import interpreter as ti
+        orig = ti.InterpreterBuilder.create_dot
+    except (ImportError, AttributeError):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = d.data.dtype
+        if not np.issubdtype(out, np.floating):
+            return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):   # fp8: as the interpreter does
+            a_data = ti._convert_float(a_data, a.dtype, ti.tl.float16, None).view(np.float16)
+            b_data = ti._convert_float(b_data, b.dtype, ti.tl.float16, None).view(np.float16)
+        a_data, b_data = a_data.astype(out), np.swapaxes(b_data.astype(out), -1, -2)   # [.., M, K], [.., N, K]
+        prod = a_data[..., :, None, :] * b_data[..., None, :, :]                        # [.., M, N, K]
+        return ti.TensorHandle(prod.sum(-1, dtype=out) + d.data, d.dtype.scalar)
+
+    create_dot.row_invariant = True            # tests/test_interpreter_dot.py checks it is installed
+    ti.InterpreterBuilder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _skip_repeated_interpreter_patches()
+    _row_invariant_interpreter_dot()
 
 
 REPO = Path(__file__).resolve().parents[1]
