@@ -177,10 +177,18 @@ def connect_ray(cfg: RunConfig) -> str:
     quiet_ray(cfg.logging.verbose, local=not cfg.runtime.ray_address)   # routine Ray noise off the terminal
     if ray.is_initialized():
         return "ray: using the already initialized instance"
+    from nsa.telemetry.quiet import cluster_runtime_env, filter_worker_logs
     if cfg.runtime.ray_address:
-        ray.init(address=cfg.runtime.ray_address, logging_level="WARNING", log_to_driver=True)
+        # the job's own address for Ray's helper actors too: with another Ray on the machine they would
+        # otherwise auto-detect among all of them (nsa/telemetry/quiet.py)
+        ray.init(address=cfg.runtime.ray_address, logging_level="WARNING", log_to_driver=True,
+                 runtime_env=cluster_runtime_env(cfg.runtime.ray_address, cfg.logging.verbose) or None)
+        if not cfg.logging.verbose:
+            filter_worker_logs()
         return f"ray: connected to {cfg.runtime.ray_address}"
     start_local_ray(cfg.runtime.ray_num_cpus, quiet=not cfg.logging.verbose)
+    if not cfg.logging.verbose:
+        filter_worker_logs()
     return f"ray: started a local instance ({ray.cluster_resources().get('CPU', 0):g} CPUs)"
 
 
