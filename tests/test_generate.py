@@ -1,8 +1,9 @@
 """Decoding defaults of pipelines/generate.py and TinyLM.generate's repetition penalty (CPU, tiny model).
 
-The degenerate model below predicts the same distribution at every position, with the space byte on top:
-the state the tiny CPU profile's model is in after "Hello NSA!" (it continued with 64 spaces under the
-old greedy default). The default decoding must not print that loop; --greedy still does."""
+The degenerate model below predicts the same distribution at every position, the space byte 2 nats above
+the runner-up: the state of the tiny CPU profile's model after indentation (p=0.55 for a space, 0.08 for
+the next byte), where greedy decoding printed "Hello NSA!" and 64 spaces. The default decoding must not
+print that loop; --greedy still does."""
 from __future__ import annotations
 
 import pytest
