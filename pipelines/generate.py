@@ -7,7 +7,7 @@
     python pipelines/generate.py --checkpoint runs/<run> --greedy         # argmax, no penalty
 
 Default decoding: sampling at temperature {T} among the {K} most likely tokens, with repetition penalty
-{R} on the tokens already in the text, seed {S} (the same output for the same checkpoint and prompt).
+{R} on every token already in the text (prompt included), seed {S} (the same output for the same checkpoint and prompt).
 These are the usual settings for small models (llama.cpp's defaults): decoded greedily, a small model
 soon loops on its likeliest byte. The tiny CPU profile's model (train.py's default run, trained on Python
 source) continues "Hello NSA!" with " self.____..." or 64 spaces (after indentation it gives a space
