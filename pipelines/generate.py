@@ -108,21 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.tensor([ids], dtype=torch.long, device=args.device)
     t0 = time.perf_counter()
     kw = dict(dec, generator=gen)
-    graphed = args.cuda_graph == "on" or (args.cuda_graph == "auto" and x.is_cuda)
-    try:
-        out = model.generate(x, args.max_new_tokens, cuda_graph=graphed, **kw)
+    mode = {"on": True, "off": False, "auto": "auto"}[args.cuda_graph]
+    try:   # "auto": TinyLM.generate graphs the decode wherever it applies (TinyLM.graph_blocker)
+        out = model.generate(x, args.max_new_tokens, cuda_graph=mode, **kw)
     except ValueError as exc:
-        if args.cuda_graph == "on":
-            raise UserError(f"--cuda-graph on: {exc}") from exc
-        print(f"cuda graph decode unavailable ({exc}); eager decode")
-        graphed = False
-        out = model.generate(x, args.max_new_tokens, **kw)
+        raise UserError(f"--cuda-graph on: {exc}" if mode is True else str(exc)) from exc
+    blocker = model.graph_blocker(x) if mode else "--cuda-graph off"
+    graphed = blocker is None and args.max_new_tokens > 1
     dt = time.perf_counter() - t0
     new = out[0, len(ids):].tolist()
     print(f"checkpoint: {f} (step {state['step']}, {cfg.model.n_layers} layers x {cfg.model.dim}, "
           f"tokenizer {cfg.data.tokenizer})")
     print(f"generated {len(new)} tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tok/s, cached decode"
           f"{', CUDA graph' if graphed else ''})")
+    if not graphed and x.is_cuda and blocker:
+        print(f"eager decode: {blocker}")
     print("decoding: " + ("greedy (argmax)" if dec["temperature"] == 0 else
                           f"sampling, temperature {dec['temperature']}, top-k {dec['top_k'] or 'all'}, "
                           f"seed {args.seed}") +

@@ -111,8 +111,20 @@ def test_static_cache_device_appends_match_the_growing_cache():
 def test_generate_cuda_graph_needs_cuda():
     model = make_model(seed=5)
     prompt = torch.randint(0, MODEL["vocab"], (1, 4))
-    with pytest.raises(ValueError, match="cuda_graph"):
+    with pytest.raises(ValueError, match="cuda_graph=True cannot run: it needs CUDA"):
         model.generate(prompt, 3, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph='yes'"):
+        model.generate(prompt, 3, cuda_graph="yes")
+
+
+def test_generate_auto_graph_is_eager_where_no_graph_applies(monkeypatch):
+    """The default cuda_graph="auto" decodes eagerly on the CPU (graph_blocker says why) with the tokens of
+    an explicit cuda_graph=False, and never builds the graph decoder there."""
+    model = make_model(seed=5)
+    prompt = torch.randint(0, MODEL["vocab"], (2, 9))
+    assert "CUDA" in model.graph_blocker(prompt)
+    monkeypatch.setattr(TinyLM, "_graph_decoder", lambda *a, **k: pytest.fail("graph decoder built on CPU"))
+    assert torch.equal(model.generate(prompt, 6), model.generate(prompt, 6, cuda_graph=False))
 
 
 @pytest.mark.gpu
@@ -123,12 +135,25 @@ def test_generate_cuda_graph_equals_eager_on_gpu(B, T0, n_new):
     torch.manual_seed(6)
     model = TinyLM(**{**MODEL, "vocab": 97, "dim": 64, "d_k": 16, "d_v": 16, "backend": "auto"}).cuda().eval()
     prompt = torch.randint(0, 97, (B, T0), device="cuda")
-    eager = model.generate(prompt, n_new)
+    eager = model.generate(prompt, n_new, cuda_graph=False)
     graphed = model.generate(prompt, n_new, cuda_graph=True)
     assert torch.equal(graphed, eager)
+    assert model.graph_blocker(prompt) is None   # so the default ("auto") takes the graph
+    built = []
+    real = TinyLM._graph_decoder
+
+    def spy(self, *a, **k):
+        built.append(1)
+        return real(self, *a, **k)
+
+    TinyLM._graph_decoder = spy
+    try:
+        assert torch.equal(model.generate(prompt, n_new), graphed) and built
+    finally:
+        TinyLM._graph_decoder = real
     eos = int(eager[0, T0 + 5])
     assert torch.equal(model.generate(prompt, n_new, eos_id=eos, cuda_graph=True),
-                       model.generate(prompt, n_new, eos_id=eos))
+                       model.generate(prompt, n_new, eos_id=eos, cuda_graph=False))
     with pytest.raises(ValueError, match="backend"):
         TinyLM(**{**MODEL, "backend": "torch"}).cuda().generate(prompt, 2, cuda_graph=True)
 

@@ -180,23 +180,21 @@ class TinyLM(nn.Module):
             x = blk.decode_static(x, cache, pos)
         return self.lm_head(self.norm(x))
 
-    def _check_graphable(self, ids: torch.Tensor) -> None:
-        """ValueError naming why cuda_graph=True cannot run here."""
+    def graph_blocker(self, ids: torch.Tensor) -> str | None:
+        """Why a CUDA-graph decode cannot run for these ids (None: it can): the one home of the
+        conditions generate(cuda_graph="auto") chooses by and cuda_graph=True enforces."""
         if self.attention != "nsa":
-            raise ValueError(f"cuda_graph=True decodes NSA caches; this model is model.attention="
-                             f"{self.attention!r}: pass cuda_graph=False")
+            return f"the graphed decode serves NSA caches; this model is model.attention={self.attention!r}"
         if ids.device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"cuda_graph=True needs CUDA (ids are on {ids.device}); move the model and "
-                             "ids to a GPU or pass cuda_graph=False")
+            return f"it needs CUDA (ids are on {ids.device}); move the model and ids to a GPU"
         from nsa.ops import KernelPolicy
         if KernelPolicy.for_device_positions(ids.device, self.embed.weight.dtype).backend != "triton":
-            raise ValueError("cuda_graph=True needs the triton decode kernel (triton not importable); "
-                             "pass cuda_graph=False")
+            return "it needs the triton decode kernel (triton not importable)"
         bad = sorted({a.backend for a in self.nsa_layers() if a.backend in ("torch", "reference")})
         if bad:
-            raise ValueError(f"cuda_graph=True decodes with the triton kernel but the attention backend is "
-                             f"{bad[0]!r}; build the model with backend='auto' or 'triton', or pass "
-                             "cuda_graph=False")
+            return (f"it decodes with the triton kernel but the attention backend is {bad[0]!r}; build the "
+                    "model with backend='auto' or 'triton'")
+        return None
 
     def _graph_decoder(self, ids: torch.Tensor, capacity: int):
         """(logits of the prompt's last token, step) for generate(cuda_graph=True).
@@ -261,17 +259,19 @@ class TinyLM(nn.Module):
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, eos_id: int | None = None,
-                 generator: torch.Generator | None = None, cuda_graph: bool = False,
+                 generator: torch.Generator | None = None, cuda_graph: bool | str = "auto",
                  repetition_penalty: float = 1.0) -> torch.Tensor:
         """ids [B, T0] -> [B, T0 + max_new_tokens]: one batched prefill, then one cached decode
         step per new token. A sequence that emits eos_id is padded with eos_id afterwards.
         The defaults decode greedily; repetition_penalty (1 = off) applies to every token of the prompt
         and of the output so far (see sample).
 
-        cuda_graph=True (CUDA + triton only, else ValueError): the caches are fixed-capacity
-        StaticNSACaches of T0 + max_new_tokens tokens and one decode step of all layers is captured
-        in a CUDA graph and replayed per token (see _graph_decoder); the tokens equal cuda_graph=False
-        up to floating-point rounding (same kernels, other split-K geometry)."""
+        cuda_graph="auto" (default) decodes through a CUDA graph wherever one applies (graph_blocker:
+        an NSA model on CUDA with the triton kernels) and eagerly elsewhere; True insists (ValueError
+        naming why not), False is eager. Graphed, the caches are fixed-capacity StaticNSACaches of
+        T0 + max_new_tokens tokens and one decode step of all layers is captured and replayed per
+        token (see _graph_decoder); the tokens equal the eager ones up to floating-point rounding
+        (same kernels, other split-K geometry)."""
         self._check_ids(ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
@@ -281,14 +281,18 @@ class TinyLM(nn.Module):
             raise ValueError(f"top_k={top_k}: must be a positive integer or None")
         if not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
             raise ValueError(f"repetition_penalty={repetition_penalty}: must be > 0 (1 = off, > 1 penalises repeats)")
-        if cuda_graph:
-            self._check_graphable(ids)
+        if cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"cuda_graph={cuda_graph!r}: must be 'auto', True or False")
+        blocker = self.graph_blocker(ids) if cuda_graph else None
+        if cuda_graph is True and blocker:
+            raise ValueError(f"cuda_graph=True cannot run: {blocker}; or pass cuda_graph=False")
+        graphed = bool(cuda_graph) and blocker is None and max_new_tokens > 1   # one token: nothing to replay
         B, T0 = ids.shape
         out = ids.new_empty(B, T0 + max_new_tokens)  # preallocated: no torch.cat per token
         out[:, :T0] = ids
         if max_new_tokens == 0:
             return out
-        if cuda_graph:
+        if graphed:
             logits, step = self._graph_decoder(ids, T0 + max_new_tokens)
         else:
             logits, caches = self.prefill(ids, capacity=T0 + max_new_tokens, last_only=True)
