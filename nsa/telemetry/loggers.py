@@ -288,7 +288,8 @@ class MLflowLogger(MetricLogger):
     def __init__(self, tracking_uri: str, experiment: str, run_name: str | None = None,
                  params: Mapping[str, Any] | None = None, *, tags: Mapping[str, str] | None = None,
                  artifact_location: str | None = None, run_id: str | None = None,
-                 synchronous: bool = True) -> None:
+                 synchronous: bool = True, system_metrics: bool = False,
+                 system_metrics_interval: float = 10.0) -> None:
         if not tracking_uri or not isinstance(tracking_uri, str):
             raise ValueError("tracking_uri must be a non-empty URI such as sqlite:////abs/path/mlflow.db")
         if not experiment:
@@ -319,6 +320,8 @@ class MLflowLogger(MetricLogger):
                                          tags={str(k): str(v) for k, v in (tags or {}).items()})
             self.run_id = run.info.run_id
         self._closed = False
+        self._monitor = start_system_metrics(self.run_id, tracking_uri, resume=bool(run_id),
+                                             interval=system_metrics_interval) if system_metrics else None
         if params:
             self.log_params(params)
 
@@ -375,11 +378,41 @@ class MLflowLogger(MetricLogger):
         if not self._closed:
             self._closed = True
             pending, self._pending = self._pending, []
+            monitor, self._monitor = self._monitor, None
             try:
+                if monitor is not None:   # its last sample lands before the run is marked terminated
+                    monitor.finish()
                 for op in pending:
                     op.wait()
             finally:
                 self.client.set_terminated(self.run_id, status=status)
+
+
+def start_system_metrics(run_id: str, tracking_uri: str, *, resume: bool = False,
+                         interval: float = 10.0) -> Any:
+    """MLflow's system-metrics thread (``system/cpu_utilization_percentage``, memory, disk, network and,
+    with nvidia-ml-py, ``system/gpu_*``) for a run made with ``MlflowClient.create_run``: the fluent
+    ``start_run(log_system_metrics=True)`` only covers runs it starts itself. None when disabled by
+    ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false`` or unavailable (psutil missing): never fatal."""
+    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, resume_logging=resume,
+                                       tracking_uri=tracking_uri)
+    except Exception as exc:   # psutil missing, an MLflow without the module: metrics off, training on
+        log.warning("MLflow system metrics off: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return None
+    if not any(type(m).__name__ in ("GPUMonitor", "ROCMMonitor") for m in monitor.monitors):
+        try:
+            import torch
+            if torch.cuda.is_available():
+                log.warning("MLflow system metrics without GPU utilisation/memory: "
+                            "pip install nvidia-ml-py for system/gpu_* metrics")
+        except ImportError:
+            pass
+    monitor.start()
+    return monitor
 
 
 def _op_done(op: Any) -> bool:
@@ -424,8 +457,10 @@ def build_loggers(run_dir: str | os.PathLike, *, csv_enabled: bool = True, tenso
                   mlflow_tracking_uri: str | None = None, mlflow_experiment: str = "nsa",
                   run_name: str | None = None, params: Mapping[str, Any] | None = None,
                   tags: Mapping[str, str] | None = None, resume_step: int | None = None,
-                  mlflow_run_id: str | None = None, strict: bool = False) -> MultiLogger:
-    """The usual rank-0 sinks: ``run_dir/training.csv``, ``run_dir/tb``, MLflow if a URI is given.
+                  mlflow_run_id: str | None = None, strict: bool = False,
+                  system_metrics: bool = True) -> MultiLogger:
+    """The usual rank-0 sinks: ``run_dir/training.csv``, ``run_dir/tb``, MLflow if a URI is given (with
+    MLflow's system metrics, CPU/GPU utilisation and memory every 10 s, unless ``system_metrics=False``).
 
     A sink that cannot start (mlflow missing, store unreachable) is skipped with a warning unless
     ``strict``: telemetry must not stop a training run.
@@ -439,7 +474,7 @@ def build_loggers(run_dir: str | os.PathLike, *, csv_enabled: bool = True, tenso
     if mlflow_tracking_uri:
         try:
             sinks.append(MLflowLogger(mlflow_tracking_uri, mlflow_experiment, run_name, None,
-                                      tags=tags, run_id=mlflow_run_id))
+                                      tags=tags, run_id=mlflow_run_id, system_metrics=system_metrics))
         except Exception as exc:
             if strict:
                 raise
