@@ -42,12 +42,23 @@ def _one_of(name: str, value: Any, choices: tuple) -> None:
     _require(value in choices, f"{name}={value!r} is not one of {list(choices)}")
 
 
+RUN_NAME_MAX_BYTES = 128   # under NAME_MAX (255) with room for ".<name>.lock", "<lane>.repeat" and Ray's own files
+RUN_NAME_CHARS = "letters, digits and '_.-+=@,'"
+
+
 def check_run_name(name: str, field: str = "logging.name") -> str:
-    """A run name is one plain path component: it becomes ``logging.root/<name>`` and must stay there."""
+    """A run name is one plain path component: it becomes ``logging.root/<name>`` and must stay there. ASCII
+    only: Ray's metrics die on non-ASCII names (UnicodeEncodeError) after the workers started."""
     bad = (not name or name.strip() != name or name in (".", "..") or "/" in name or "\\" in name
            or "\x00" in name or name.startswith("-"))
     _require(not bad, f"{field}={name!r} must be one plain directory name under logging.root (not '.' or "
              f"'..', no '/' or backslash, no leading '-' or surrounding spaces), e.g. {field}=my-run")
+    size = len(name.encode("utf-8", "surrogatepass"))
+    _require(size <= RUN_NAME_MAX_BYTES, f"{field} is {size} bytes long: the limit is {RUN_NAME_MAX_BYTES} bytes "
+             f"(it names a directory and its lock file); choose a shorter name")
+    odd = sorted({c for c in name if not (c.isascii() and (c.isalnum() or c in "_.-+=@,"))})
+    _require(not odd, f"{field}={name!r} has characters Ray and the run files do not take ({''.join(odd)!r}): "
+             f"use only ASCII {RUN_NAME_CHARS}, e.g. {field}=my-run")
     return name
 
 
@@ -459,11 +470,16 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+def retired_env_warnings(env: Mapping[str, str]) -> list[str]:
+    """One line per retired NSA_* variable that is set (every entry point warns, config or not)."""
+    return [f"{n} is retired and ignored (see nsa/config.py ENV_MAP)" for n in RETIRED_ENV if n in env]
+
+
 def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
     """The documented NSA_* variables as dotted values, plus warnings for retired ones. An empty value
     counts as unset (``NSA_LR= cmd`` is how a shell clears a variable for one command)."""
     values: dict[str, Any] = {}
-    warnings = [f"{n} is retired and ignored (see nsa/config.py ENV_MAP)" for n in RETIRED_ENV if n in env]
+    warnings = retired_env_warnings(env)
     for name, (dotted, fn) in ENV_MAP.items():
         if env.get(name, "") == "":
             continue

@@ -62,7 +62,7 @@ def _as_override_dict(where: str, body: Any) -> dict[str, Any]:
 
 def _parse_lane(name: str, body: Any, path: Path) -> Lane:
     where = f"{path}: lane {name!r}"
-    if not LANE_NAME.match(name):
+    if not LANE_NAME.fullmatch(name):    # fullmatch: "$" alone lets a trailing newline through
         raise LaneError(f"{where}: a lane name must be letters, digits, '_', '.', '-' (it names a directory)")
     if not isinstance(body, dict):
         raise LaneError(f"{where} must be a mapping with 'why' and 'overrides'")
