@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-grace", type=float, help="seconds a lane may still recover after a stall record "
                    "before the grid ends it (default: the stall timeout; 0: never end it)")
     p.add_argument("--name", help="grid id and directory name under logging.root (default lanes-<time>-<hex>)")
+    p.add_argument("--overwrite", action="store_true", help="run again under the --name of an earlier grid: its "
+                   "folder is moved aside to <name>.replaced-<time> first (without it such a grid is refused)")
     p.add_argument("--allow-failures", action="store_true", help="exit 0 even if a lane failed")
     p.add_argument("--list", action="store_true", help="print the lanes and exit")
     p.add_argument("--print-config", action="store_true", help="print every lane's non-default config and exit")
@@ -124,7 +126,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for lane, why in plan.skipped:
                 print(f"== lane {lane.name}: skipped on this base: {why}")
             return 0
-        return run_grid(plan, args.max_concurrent)
+        try:
+            return run_grid(plan, args.max_concurrent)
+        finally:
+            plan.release()
     except (LaneError, UserError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

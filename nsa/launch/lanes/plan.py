@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from nsa.config import ConfigError, RunConfig, parse_overrides, resolve_config
+from nsa.config import ConfigError, RunConfig, check_run_name, parse_overrides, resolve_config
 from nsa.launch import builder
 from nsa.launch.cli import resolve_profile
+from nsa.launch.lanes.claim import claim_grid
 from nsa.launch.lanes.configs import LaneConfig, lane_config
 from nsa.launch.lanes.effective import describe, differing, effective_config, same_as, unmet_requirement
-from nsa.launch.lanes.schema import LANE_NAME, Lane, LaneError, load_lanes, select_lanes
+from nsa.launch.lanes.schema import Lane, LaneError, load_lanes, select_lanes
 from nsa.launch.storage import run_root
 
 DEFAULT_BASE = "pipelines/configs/tiny_cpu.yaml"
@@ -33,6 +34,11 @@ class GridPlan:
     max_concurrent: int = 1
     allow_failures: bool = False
     skipped: list[tuple[Lane, str]] = field(default_factory=list)   # (lane, why it does not run on this base)
+    lock: Any = None        # the grid folder's lock (nsa/launch/lanes/claim.py), held until the grid ends
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def payload(self) -> dict[str, Any]:
         """What every trial needs (plain data: it travels through Ray's object store)."""
@@ -46,9 +52,10 @@ class GridPlan:
 
 def _grid_id(name: Optional[str]) -> str:
     if name:
-        if not LANE_NAME.match(name):
-            raise LaneError(f"--name={name!r} must be letters, digits, '_', '.', '-'")
-        return name
+        try:     # the rules of a run name (length, ASCII characters Ray takes): it names the grid's folder
+            return check_run_name(name, "--name")
+        except ConfigError as e:
+            raise LaneError(str(e)) from None
     return f"lanes-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
@@ -121,14 +128,21 @@ def plan_grid(args: argparse.Namespace, validate: bool = True) -> GridPlan:
                                       chosen, one, Path(base).name if base else "the defaults")
     if not resolved:
         raise LaneError("no chosen lane runs on this base: " + "; ".join(f"{ln.name}: {why}" for ln, why in skipped))
-    for lc in resolved if validate else []:
-        try:
-            builder.validate_inputs(lc.cfg)    # data prepared once here, never by two trials at once
-        except ValueError as e:
-            raise LaneError(f"lane {lc.lane.name!r}: {e}") from None
     stall = max(lc.cfg.train.stall_seconds for lc in resolved)
     grace = args.hang_grace if args.hang_grace is not None else stall
     if grace < 0:
         raise LaneError(f"--hang-grace={grace} must be >= 0 (0: wait for a stalled lane forever)")
+    # the grid owns its folder from here on (before the data checks, which may build the default data)
+    lock = claim_grid(grid_id, grid_dir, getattr(args, "overwrite", False), uri) if validate else None
+    try:
+        for lc in resolved if validate else []:
+            try:
+                builder.validate_inputs(lc.cfg)    # data prepared once here, never by two trials at once
+            except ValueError as e:
+                raise LaneError(f"lane {lc.lane.name!r}: {e}") from None
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return GridPlan(grid_id, grid_dir, base, base_cfg, resolved, uri, experiment, grace,
-                    allow_failures=args.allow_failures, skipped=skipped)
+                    allow_failures=args.allow_failures, skipped=skipped, lock=lock)
