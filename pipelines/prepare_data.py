@@ -36,6 +36,7 @@ from nsa.data.sources import (DEFAULT_OUT, OFFLINE_MAX_BYTES, OFFLINE_VAL_DOCS, 
                               iter_source, prepare_inputs)
 from nsa.data.tokenizers import get_tokenizer
 from nsa.launch.cli import UserError
+from nsa.launch.owner import own
 from nsa.launch.storage import prepare_out
 
 DEFAULT_MAX_BYTES = OFFLINE_MAX_BYTES   # the same as train.py's auto-prepare, so that a re-run is a no-op
@@ -170,17 +171,37 @@ def already_prepared(out: str, inputs: dict[str, Any]) -> dict[str, Any] | None:
     return manifest
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Counts and sizes that cannot work, as one UserError naming the flag (exit 2), before anything is read."""
+    for flag, value, low in (("--max-docs", args.max_docs, 1), ("--val-docs", args.val_docs, 0),
+                             ("--docs-per-shard", args.docs_per_shard, 1), ("--shard-bytes", args.shard_bytes, 1),
+                             ("--max-bytes", args.max_bytes, 1)):
+        if value is not None and value < low:
+            raise UserError(f"{flag}={value} must be >= {low}")
+
+
+def _counter(args: argparse.Namespace) -> Any:
+    if args.count_tokenizer == "byte":
+        return None
+    try:
+        return get_tokenizer(args.count_tokenizer, tiktoken_path=args.tiktoken_path)
+    except (ValueError, OSError, ImportError) as exc:    # offline without the BPE file: one line, the flags
+        raise UserError(f"--count-tokenizer {args.count_tokenizer} (--tiktoken-path {args.tiktoken_path}): "
+                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}; "
+                        "or use --count-tokenizer byte") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_docs is not None and args.max_docs < 1:
-        raise SystemExit("--max-docs must be >= 1")
     val_docs = args.val_docs
     if val_docs is None and args.val_fraction is None:
         val_docs = DEFAULT_VAL_DOCS
-    if val_docs is not None and val_docs < 0:
-        raise SystemExit("--val-docs must be >= 0")
-    counter = None if args.count_tokenizer == "byte" else \
-        get_tokenizer(args.count_tokenizer, tiktoken_path=args.tiktoken_path)
+    try:
+        _check_args(args)
+        counter = _counter(args)
+    except UserError as exc:
+        print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 2
     if args.out is None:
         args.out = DEFAULT_OUT[args.source]
     elif args.source == "local" and "fineweb" in Path(args.out).name.lower():
@@ -192,7 +213,23 @@ def main(argv: list[str] | None = None) -> int:
                             val_docs=val_docs, val_fraction=args.val_fraction, txt_split=args.txt_split,
                             hub_name=args.hub_name, seed=args.seed, count_tokenizer=args.count_tokenizer)
     try:
-        out = str(prepare_out(args.out, args.storage_root))
+        out = str(prepare_out(args.out, args.storage_root, root_field="--storage-root"))
+        # one preparation per --out at a time: two at once would both commit, one manifest listing half the
+        # shards; held from the "already there?" check to the manifest's rename
+        lock = own(out, "--out", "another prepare_data.py (or train.py's data.auto_prepare) is writing it: wait "
+                   "for it to end, then run this again (it does nothing if that one prepared the same inputs)")
+    except (UserError, FileExistsError) as exc:
+        print(f"prepare_data: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _prepare(args, out, inputs, val_docs, counter)
+    finally:
+        lock.release()
+
+
+def _prepare(args: argparse.Namespace, out: str, inputs: dict[str, Any], val_docs: int | None, counter: Any) -> int:
+    """Write the shards into ``out`` (locked by the caller), or do nothing when they are already there."""
+    try:
         if not args.overwrite and (done := already_prepared(out, inputs)) is not None:
             t = done["totals"]
             print(f"data already there: {out} was prepared from the same inputs ({done.get('created_utc', '?')}; "
@@ -200,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(--overwrite prepares it again)")
             print(json.dumps({"out": out, "unchanged": True, **t}))
             return 0
-    except (UserError, FileExistsError) as exc:
+    except FileExistsError as exc:
         print(f"prepare_data: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()

@@ -55,13 +55,16 @@ def job_copy(cwd: Optional[str | os.PathLike] = None, script: Optional[str] = No
     return None
 
 
-def storage_root(value: Optional[str]) -> Optional[Path]:
-    """The checked ``runtime.storage_root`` (an existing directory), or None when unset."""
+def storage_root(value: Optional[str], field: str = "runtime.storage_root") -> Optional[Path]:
+    """The checked ``runtime.storage_root`` (an existing directory), or None when unset. ``field``: the name
+    the user gave it (``--storage-root`` for prepare_data.py)."""
     if not value:
         return None
     root = Path(value).expanduser()
+    if not root.is_absolute():
+        raise UserError(f"{field}={value} must be an absolute path (the shared mount, e.g. {field}={SHARED_MOUNT})")
     if not root.is_dir():
-        raise UserError(f"runtime.storage_root={value} is not a directory on this machine: mount the shared "
+        raise UserError(f"{field}={value} is not a directory on this machine: mount the shared "
                         f"storage there (cluster/README.md, 'shared POSIX filesystem') or point it at an "
                         "existing directory")
     return root.resolve()
@@ -135,12 +138,17 @@ def apply_storage(cfg, *, cwd: Optional[str | os.PathLike] = None, script: Optio
 
 
 def prepare_out(out: str, storage: Optional[str], *, cwd: Optional[str | os.PathLike] = None,
-                script: Optional[str] = None) -> Path:
+                script: Optional[str] = None, root_field: str = "runtime.storage_root") -> Path:
     """``prepare_data.py --out`` by the same rule: relative to the storage root when one is given, and
-    never inside Ray's working-dir copy."""
+    never inside Ray's working-dir copy, nor inside the ``nsa`` package (shipped to every Ray worker)."""
+    import nsa
     here = Path.cwd() if cwd is None else Path(cwd)
-    root = storage_root(storage)
+    root = storage_root(storage, root_field)
     p = place(out, root, here)
+    package = Path(nsa.__file__).resolve().parent
+    if p == package or package in p.parents:
+        raise UserError(f"--out={out!r} -> {p}: inside the nsa package ({package}), which a local Ray instance "
+                        "ships to every worker with the code: choose a folder outside it (e.g. data/<name>)")
     copy = job_copy(here, script)
     if copy is not None and working_dir_copy(p) == copy:
         raise UserError(f"--out={out!r} -> {p}: inside Ray's working-dir copy of this job ({copy}), which is "
