@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 import time
 from typing import Any
 
 import torch
 
-from nsa.config import config_from_dict
+from nsa.config import config_from_dict, retired_env_warnings
 from nsa.launch.cli import UserError, main_entry
 from nsa.train.checkpoint import load_checkpoint, load_model_weights, resolve_checkpoint_file
 
@@ -84,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for w in retired_env_warnings(os.environ):      # as train.py does (resolve_config): say it has no effect
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     dec = decoding(args)
     f = resolve_checkpoint_file(args.checkpoint)
     state = load_checkpoint(f, map_location="cpu")
