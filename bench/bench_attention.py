@@ -138,10 +138,9 @@ def sweep(B, T, HQ, H, dk, dv, warmup, iters, only: str = "", x=None, hp=None):
     return out
 
 
-def tile_tunings(ms: list[int], auto: float = 0.0) -> dict[int, object]:
-    """{m: KernelTuning} for --tile-m (m=0: the preset; m=1: the per-token kernels; auto: --tile-auto for
-    m > 1)."""
-    return {m: common.tile_m_variant(common.base_tuning(), m, auto) for m in ms}
+def tile_tunings(ms: list[int]) -> dict[int, object]:
+    """{m: KernelTuning} for --tile-m (m=0: the preset; m=1: the per-token kernels)."""
+    return {m: common.tile_m_variant(common.base_tuning(), m) for m in ms}
 
 
 def op_rows(label, T, per_m: dict, dense: dict) -> list[list]:
@@ -161,12 +160,12 @@ def dense_bar(a, B, T, HQ, H, dk, dv) -> dict:
 
 def run_op(a, dims) -> dict:
     result = {"hparams": HP, "shape": dict(zip(("B", "HQ", "H", "dk", "dv"), dims)), "T": {},
-              "dense_available": common.print_dense_available(), "inputs": a.inputs, "tile_m": a.tile_m, "tile_auto": a.tile_auto,
+              "dense_available": common.print_dense_available(), "inputs": a.inputs, "tile_m": a.tile_m,
               "rows": [], "locality": {}, "key_locality": {}, "group_locality": {}}
     if a.inputs.startswith("captured:"):
         return run_captured(a, result)
     rows, peer_rows = [], []
-    tunings = tile_tunings(a.tile_m, a.tile_auto)
+    tunings = tile_tunings(a.tile_m)
     for T in a.T:
         x = common.nsa_inputs(*dims[:1], T, *dims[1:])
         with torch.no_grad():
@@ -236,7 +235,7 @@ def run_captured(a, result: dict) -> dict:
     print(f"captured inputs {folder}: model {rec.get('profile', rec.get('loaded_from', '?'))}, {rec.get('steps')} "
           f"steps at seq {rec.get('seq')}, final loss {rec.get('final_loss')}, trained on {rec.get('device')} "
           f"{rec.get('date')}; text {meta.get('text')}", flush=True)
-    tunings = tile_tunings(a.tile_m, a.tile_auto)
+    tunings = tile_tunings(a.tile_m)
     rows = []
     for e in entries:
         T, layer = e["T"], e["layer"]
@@ -488,21 +487,18 @@ def run_select(a, dims) -> dict:
 
 def select_variants() -> dict[str, object]:
     """{name: KernelTuning} for --branch select: score tiles (rows, min keys, warps, stages, map <= 16
-    tokens, map > 16 tokens), each also with its block scores relaid out before ranking (ScoreTuning.relayout),
-    and the merge skip on the default tile."""
+    tokens, map > 16 tokens), each also with its block scores relaid out before ranking (ScoreTuning.relayout)."""
     base = common.base_tuning()
-    out = {"defaults": base, "defaults skip_merge": common.tuning_variant(base, {"scores.skip_merge": True}),
-           "defaults relayout": common.tuning_variant(base, {"scores.relayout": True}),
-           "defaults head_pairs": common.tuning_variant(base, {"scores.head_pairs": True})}
+    out = {"defaults": base, "defaults relayout": common.tuning_variant(base, {"scores.relayout": True})}
     for t, regs in [((128, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 2, 2), None), ((256, 64, 8, 2, 0, 2), None),
                     ((128, 64, 8, 3, 2, 2), None), ((128, 64, 4, 2, 2, 2), None), ((128, 32, 8, 2, 2, 2), None),
                     ((128, 64, 4, 2, 0, 2), None), ((256, 64, 8, 3, 0, 2), None),
                     # register caps (the preset's tile runs at 80): more programs per SM, or bigger tiles
                     ((128, 64, 8, 2, 2, 2), 72), ((128, 64, 8, 3, 2, 2), 80), ((128, 128, 8, 2, 2, 2), 128),
                     ((256, 64, 8, 2, 2, 2), 128), ((128, 64, 4, 2, 2, 2), 128), ((128, 32, 8, 2, 2, 2), 80)]:
-        tile = common.score_tile(*t, max_regs=regs)   # for every G: the small-group tile too
+        tile = common.score_tile(*t, max_regs=regs)
         name = str(t) + (f" regs {regs}" if regs else "")
-        out[name] = common.tuning_variant(base, {"scores.tile": tile, "scores.small_group": tile})
+        out[name] = common.tuning_variant(base, {"scores.tile": tile})
         out[name + " relayout"] = common.tuning_variant(out[name], {"scores.relayout": True})
     return out
 
@@ -527,9 +523,6 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")
-    ap.add_argument("--tile-auto", type=float, default=0.0, metavar="U",
-                    help="--tile-m M > 1: tiles or per-token kernels chosen per call on the device, tiles when "
-                         "the union fraction <= U (TileTuning.auto_union; 0 = always tiles)")
     ap.add_argument("--tile-m", type=int, nargs="+", default=[0],
                     help="--branch op: selection on query tiles of M tokens at every G (KernelTuning.tile.m; "
                          "1 = per token; 0 = the preset's own tile policy, the default); several values: the "

@@ -220,7 +220,7 @@ def main() -> int:
                      ck.metadata.shared])
     print(f"sm_{a.arch}, T={T}, HQ={HQ}, H={H}, dk={dk}, dv={dv}" + (f", {' '.join(a.tuning)}" if a.tuning else ""))
     common.print_table(["kernel", "warps", "stages", "regs", "spill st B", "spill ld B", "shared B"], rows, "")
-    caps = {"_pair_fwd_kernel": tn.pair_max_regs, "_select_kernel": tuning.scores.tile_for(dk > 128, HQ // H).max_regs}
+    caps = {"_pair_fwd_kernel": tn.pair_max_regs, "_select_kernel": tuning.scores.tile_for(dk > 128).max_regs}
     print("register caps (applied, as on the GPU): "
           + (", ".join(f"{k} {v}" for k, v in caps.items() if v is not None) or "none"))
     if a.sass:

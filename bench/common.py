@@ -417,13 +417,12 @@ def tuning_variant(base, changes: dict[str, Any]):
     return out
 
 
-def tile_m_variant(base, m: int, auto: float = 0.0):
+def tile_m_variant(base, m: int):
     """base with the selection on query tiles of m tokens at every G (nsa.ops.tuning.TileTuning.m,
-    min_g=1; m=1: per token); auto > 0: tiles or per-token chosen per call on the device
-    (TileTuning.auto_union); m=0: base itself (the preset's own tile policy)."""
+    min_g=1; m=1: per token); m=0: base itself (the preset's own tile policy)."""
     if m == 0:
         return base
-    return tuning_variant(base, {"tile.m": m, "tile.auto_union": auto if m > 1 else 0.0, "tile.min_g": 1})
+    return tuning_variant(base, {"tile.m": m, "tile.min_g": 1})
 
 
 def flash_variant(base, spec: str):

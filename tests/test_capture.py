@@ -169,7 +169,7 @@ def test_bench_attention_runs_on_captures(captured, monkeypatch):
     monkeypatch.setattr(common, "print_dense_available", lambda: {})
     dense = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_backend": "d", "fwd_bwd_backend": "d", "fwd_bwd_mem_gib": 0.1}
     monkeypatch.setattr(common, "time_dense", lambda *a, **k: dense)
-    a = __import__("argparse").Namespace(inputs=f"captured:{out}", T=[128], tile_m=[1, 2], tile_auto=0.0, warmup=0,
+    a = __import__("argparse").Namespace(inputs=f"captured:{out}", T=[128], tile_m=[1, 2], warmup=0,
                                          iters=1, dense=None, no_peers=True, breakdown=[], sweep=[])
     r = ba.run_op(a, (1, 64, 4, 128, 128))
     assert [(x["layer"], x["m"]) for x in r["rows"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
@@ -221,7 +221,7 @@ def test_bench_attention_random_inputs_rows_per_tile_m(monkeypatch):
     monkeypatch.setattr(common, "print_dense_available", lambda: {})
     dense = {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_backend": "d", "fwd_bwd_backend": "d", "fwd_bwd_mem_gib": 0.1}
     monkeypatch.setattr(common, "time_dense", lambda *a, **k: dense)
-    a = __import__("argparse").Namespace(inputs="random", T=[256], tile_m=[2, 1], tile_auto=0.0, warmup=0, iters=1,
+    a = __import__("argparse").Namespace(inputs="random", T=[256], tile_m=[2, 1], warmup=0, iters=1,
                                          dense=None, no_peers=True, breakdown=[], sweep=[])
     r = ba.run_op(a, (1, 4, 2, 16, 16))
     assert [x["m"] for x in r["rows"]] == [2, 1] and set(r["T"][256]["nsa_tile_m"]) == {2, 1}

@@ -111,10 +111,9 @@ def test_tile_m_variant_sets_only_the_tile_size():
     base = common.base_tuning("cpu")
     v = common.tile_m_variant(base, 4)
     assert v.tile.m == 4 and base.tile.m == 1 and v.replace(tile=base.tile) == base
-    h = common.tile_m_variant(HOPPER, 8, 0.3)
-    assert h.tile.m_for(6) == 8 and h.tile.auto_union == 0.3
-    assert h.replace(tile=dataclasses.replace(h.tile, m=HOPPER.tile.m, min_g=HOPPER.tile.min_g,
-                                              auto_union=HOPPER.tile.auto_union)) == HOPPER
+    h = common.tile_m_variant(HOPPER, 8)
+    assert h.tile.m_for(6) == 8
+    assert h.replace(tile=dataclasses.replace(h.tile, m=HOPPER.tile.m, min_g=HOPPER.tile.min_g)) == HOPPER
     assert common.tile_m_variant(HOPPER, 1).tile.m_for(16) == 1
     assert common.tile_m_variant(HOPPER, 0) is HOPPER
 

@@ -30,8 +30,7 @@ PATHS = {
     "per-token dq kernel (no epilogue terms: not deferred)": (SelectTuning(), TileTuning(), 0),
     "dq from the walk's pair partials": (SelectTuning(loop="block"), TileTuning(), 1),
     "query tiles always": (SelectTuning(), TileTuning(m=2), 1),
-    "tiles or pairs on the device, tiles chosen": (SelectTuning(loop="block"), TileTuning(m=2, auto_union=1.0), 2),
-    "tiles or pairs on the device, pairs chosen": (SelectTuning(loop="block"), TileTuning(m=2, auto_union=1e-6), 2),
+    "query tiles over block order (tiles win)": (SelectTuning(loop="block"), TileTuning(m=2), 1),
 }
 
 

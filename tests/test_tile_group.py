@@ -67,17 +67,14 @@ def test_bad_group_window():
         tg.group_tokens(torch.zeros(1, 8, 1, 2, dtype=torch.int32), 4, 12)
     with pytest.raises(ValueError, match="TileTuning.group"):
         TileTuning(m=4, group=12)
-    with pytest.raises(ValueError, match="dkdv_by"):
-        TileTuning(m=4, group=8, dkdv_by="tile")
 
 
-@pytest.mark.parametrize("W,auto", [(8, 0.0), (16, 1.0)], ids=["w8", "w16-choice"])
-def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, auto, monkeypatch):
+@pytest.mark.parametrize("W", [8, 16], ids=["w8", "w16"])
+def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, monkeypatch):
     """The whole op with TileTuning(m=4, group=W) against m=4 on consecutive tokens: the same block_idx,
     output and every gradient bit for bit (per row the same blocks in the same order; the other rows of a
     tile only change which blocks are masked), with a non-trivial grouping in every (b, h) and the kernels
-    reading it (a union of the grouped order with rows read in position order would not match). auto:
-    the per-call tile choice (TileTuning.auto_union, here always tiles) builds the grouped union too."""
+    reading it (a union of the grouped order with rows read in position order would not match)."""
     B, T, HQ, H, dk, dv = 2, 109, 8, 2, 16, 16
     hp = dict(l=8, d=4, l_sel=8, n_sel=5, w=8)
     args = [a.requires_grad_() for a in make_inputs(B, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"],
@@ -100,7 +97,7 @@ def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, auto, monkeypatch):
         return (o, bi) + torch.autograd.grad(o, args, do)
 
     want = run()
-    got = run(group=W, auto_union=auto)
+    got = run(group=W)
     perm = seen[-1]
     assert perm is not None and (perm != torch.arange(T, device=DEV, dtype=torch.int32)).any(-1).all()
     for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, want):

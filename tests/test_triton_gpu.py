@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from nsa.ops import nsa_attention  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
+from nsa.ops.plan import plan_call  # noqa: E402
 from nsa.ops.testing import INPUT_NAMES as NAMES, rel_rms  # noqa: E402
 from nsa.ops.triton import nsa_attention_triton, triton_available  # noqa: E402
 from nsa.ops.tuning import CmpDenseTuning, FlashBranchTuning, tuning_for  # noqa: E402
@@ -56,11 +57,20 @@ def test_bf16_matches_fp32_torch(T, HQ, H, dk, dv):
     _check_vs_fp32_torch(T, HQ, H, dk, dv)
 
 
+def plan_of(q, kc, tuning=None, H=None):
+    """The op's plan (nsa/ops/plan.py) for q [B,T,HQ,d] and k_cmp = v_cmp [B,N,H,d] (k/v of the selection
+    zeros like q's first H heads) under tuning (None: the device preset)."""
+    ks = torch.zeros_like(q[:, :, :H or kc.shape[2]])
+    return plan_call(q, kc, kc, ks, ks, **HP, tuning=tuning)
+
+
 def test_paper_shape_on_query_tiles_matches_fp32_torch():
-    """The paper's shape with the selection on query tiles forced (on Hopper: the Gluon forward and dq)."""
-    import dataclasses
+    """The paper's shape with the preset's selection (on Hopper: query tiles, the Gluon forward and dq)."""
     t = tuning_for("cuda")
-    _check_vs_fp32_torch(8192, 64, 4, 128, 128, tuning=t.replace(tile=dataclasses.replace(t.tile, auto_union=0.0)))
+    q = torch.zeros(1, 8192, 64, 128, device="cuda", dtype=torch.bfloat16)
+    plan = plan_of(q, torch.zeros(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16), t)
+    assert (plan.fwd in ("tile", "tile_gluon")) == (t.tile.m_for(16) > 1)
+    _check_vs_fp32_torch(8192, 64, 4, 128, 128, tuning=t)
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
@@ -81,7 +91,6 @@ def test_flash_branches_match_fp32_torch(modes, T, HQ, H, d):
     """The window / compressed branch on FlashAttention-4 inside the full op: output and every
     gradient within the bf16 bound of the fp32 torch op, blocks identical (up to near-ties)."""
     from nsa.ops import flash
-    from nsa.ops.triton import function as tfn
     x = torch.zeros(1, T, HQ, d, device="cuda", dtype=torch.bfloat16)
     tuning = tuning_for("cuda").replace(flash=FlashBranchTuning(**modes))
     for b in ("win", "cmp"):
@@ -91,14 +100,13 @@ def test_flash_branches_match_fp32_torch(modes, T, HQ, H, d):
         if be is None:
             pytest.skip(f"fa4 not usable for the {b} branch here: {why}")
     _check_vs_fp32_torch(T, HQ, H, d, d, tuning=tuning)
-    assert tfn.window_flash_backend(x, x[:, :, :H], tuning) == ("fa4" if "win" in modes else None)
+    assert plan_of(x, x[:, :8, :H], tuning).win == ("fa4" if "win" in modes else "triton")
 
 
 def test_dense_cmp_policy():
     """auto (the GPU preset's cmp_dense): dense only from min_t tokens on (with or without autograd),
     never under torch.use_deterministic_algorithms."""
     from nsa.ops.triton import cmp_dense
-    from nsa.ops.triton import function as tfn
     from nsa.ops import flash
     min_t = tuning_for("cuda").cmp_dense.min_t
     assert tuning_for("cuda").cmp_dense.mode == "auto"
@@ -106,21 +114,21 @@ def test_dense_cmp_policy():
         pytest.skip("no dense backend here")
     mk = lambda T: torch.zeros(1, T, 4, 64, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     kc = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    sdpa = dict(cfg=None, flash=FlashBranchTuning())   # the SDPA rule alone (no branch on flash-attn)
-    assert tfn.cmp_dense_backend(mk(min_t), kc, kc, **sdpa) in cmp_dense.BACKENDS
-    assert tfn.cmp_dense_backend(mk(min_t - 1), kc, kc, **sdpa) is None
-    assert tfn.cmp_dense_backend(mk(min_t).float(), kc.float(), kc.float(), **sdpa) is None
+    sdpa = tuning_for("cuda").replace(flash=FlashBranchTuning())   # the SDPA rule alone (no branch on flash-attn)
+    assert plan_of(mk(min_t), kc, sdpa).cmp in cmp_dense.BACKENDS
+    assert plan_of(mk(min_t - 1), kc, sdpa).cmp == "triton"
+    assert plan_of(mk(min_t).float(), kc.float(), sdpa).cmp == "triton"
     with torch.no_grad():   # the same choice as with autograd: the same blocks either way
-        assert tfn.cmp_dense_backend(mk(min_t), kc, kc, **sdpa) in cmp_dense.BACKENDS
+        assert plan_of(mk(min_t), kc, sdpa).cmp in cmp_dense.BACKENDS
     # the preset's tuning.flash: FA4 from its min_t when the dense choice here is flash-attn
     fl = tuning_for("cuda").flash
     fa = flash.choose_dense_backend("cuda:0", torch.bfloat16, 64, True)[0]
     if fl.cmp != "off" and fa in flash.FLASH_BACKENDS:
-        assert tfn.cmp_dense_backend(mk(max(fl.min_t, min_t)), kc, kc) == fa
+        assert plan_of(mk(max(fl.min_t, min_t)), kc).cmp == fa
     torch.use_deterministic_algorithms(True)
     try:
-        assert tfn.cmp_dense_backend(mk(min_t), kc, kc) is None
-        assert tfn.cmp_dense_backend(mk(max(fl.min_t, min_t)), kc, kc) is None
+        assert plan_of(mk(min_t), kc).cmp == "triton"
+        assert plan_of(mk(max(fl.min_t, min_t)), kc).cmp == "triton"
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -214,9 +214,10 @@ def _refuse(*a, **k):
 
 def _refused_then_plain(refused, plain):
     """The op under a tuning whose dense kernel refuses (a warning expected), then under the plain one:
-    ((o, block_idx) of each, the inputs); the fallback counters start from zero."""
-    from nsa.ops import dispatch
+    ((o, block_idx) of each, the inputs); the fallback counters and the refused paths start empty."""
+    from nsa.ops import dispatch, fallbacks
     dispatch.reset_fallback_counts()
+    fallbacks.reset_refusals()
     x = make_inputs(1, 45, 4, 2, 16, 16, 8, 4, torch.float32, seed=3)
     args = [x[n].detach() for n in NAMES]
     kw = dict(l=8, d=4, l_sel=8, n_sel=2, w=8, scale=0.25)
@@ -231,10 +232,15 @@ def test_dense_cmp_failure_falls_back_to_triton(monkeypatch):
     from nsa.ops.triton import cmp_dense
 
     monkeypatch.setattr(cmp_dense, "cmp_attention_rows", _refuse)
+    from nsa.ops import fallbacks
+
     monkeypatch.setattr(cmp_dense, "_PROBES", {})
-    (o, bi), (o2, bi2), args = _refused_then_plain(with_cmp_dense("math"), with_cmp_dense("off"))
-    assert torch.equal(o, o2) and torch.equal(bi, bi2)
-    assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
+    try:
+        (o, bi), (o2, bi2), args = _refused_then_plain(with_cmp_dense("math"), with_cmp_dense("off"))
+        assert torch.equal(o, o2) and torch.equal(bi, bi2)
+        assert dispatch.fallback_counts() == {"cmp_dense:math->triton": 1}
+    finally:
+        fallbacks.reset_refusals()
 
 
 def with_flash(**modes):
@@ -280,12 +286,18 @@ def test_flash_window_failure_falls_back_to_triton(monkeypatch):
     from nsa.ops import dispatch
     from nsa.ops.triton import function as tfn
 
+    from nsa.ops import fallbacks
+    from nsa.ops.plan import plan_call
+
     monkeypatch.setattr(tfn, "dense_attention", _refuse)
-    monkeypatch.setattr(tfn, "_WIN_OFF", {})
-    (o, bi), (o2, bi2), args = _refused_then_plain(with_flash(win="reference"), with_flash())
-    assert torch.equal(o, o2) and torch.equal(bi, bi2)
-    assert dispatch.fallback_counts() == {"win_flash:reference->triton": 1}
-    assert tfn.window_flash_backend(args[0], args[6], with_flash(win="reference")) is None
+    try:
+        (o, bi), (o2, bi2), args = _refused_then_plain(with_flash(win="reference"), with_flash())
+        assert torch.equal(o, o2) and torch.equal(bi, bi2)
+        assert dispatch.fallback_counts() == {"win_flash:reference->triton": 1}
+        plan = plan_call(*args[:5], l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=with_flash(win="reference"))
+        assert plan.win == "triton" and "refused" in plan.reason("win")
+    finally:
+        fallbacks.reset_refusals()
 
 
 def test_block_idx_long_sequence():

@@ -223,13 +223,11 @@ def run_op(xs, do, tuning):
 
 
 # q's dtype for the partials ("input") differs from fp32 only in low precision: the gpu test covers it
-@pytest.mark.parametrize("tile", [TileTuning(m=1), TileTuning(m=4, auto_union=0.01), TileTuning(m=4, auto_union=1.0)],
-                         ids=["per_token", "auto_token", "auto_tile"])
+@pytest.mark.parametrize("tile", [TileTuning(m=1), TileTuning(m=4)], ids=["block_order", "tiles_over_block"])
 def test_op_by_block_matches_per_token_op(tile):
     """The whole op with select.loop=block (forward, and dq from the dK/dV walk's pair partials) against
-    the per-token op: same block_idx, o and every gradient; also under the device's per-call tile
-    choice, with the flag clear (the block-order kernels run) and set (the tile kernels run, the
-    block-order ones return at once)."""
+    the per-token op: same block_idx, o and every gradient; also with query tiles (m=4), which the plan
+    takes over block order."""
     xs, do, (o0, bi0, g0) = op_inputs_and_per_token_result()
     o1, bi1, g1 = run_op(xs, do, dataclasses.replace(tuning_for(DEV), select=by_block(pair_rows=32), tile=tile))
     assert torch.equal(bi0, bi1)
@@ -423,7 +421,7 @@ def test_work_items_kernels_match_plain_torch(nseg, chunk):
 # policy that sends the call down the walk the knob changes)
 WALK_LOOP_CASES = {
     "paper_tiles": (64, 4, 128, "walk_loop_stages", 3, dict(gluon_walk_stages=0),           # the Triton walk
-                    dict(auto_union=0.0)),                                                  # without dq
+                    dict()),                                                                # without dq
     "paper_per_token": (64, 4, 128, "dq_walk_loop_stages", 2, dict(gluon_dq_walk_stages=0),  # the Triton walk,
                         dict(m=1)),                                                         # dq partials, G=16
     "production": (12, 2, 64, "dq_walk_loop_stages", 3, dict(dq_walk_loop_min_g=1), {}),   # dq partials, G=6

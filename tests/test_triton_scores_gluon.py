@@ -59,10 +59,18 @@ def test_ranking_of_stored_chunks_is_the_unfused_top_n(B, T, H, n_sel):
 
 
 def test_gluon_score_pass_policy_and_field():
-    """Off the GPU, or off the paper's geometry, select_blocks keeps the Triton kernel; the field is validated."""
-    q = torch.randn(1, 128, 16, 128).bfloat16()
-    kc = torch.randn(1, common.num_cmp_tokens(128, L, D), 1, 128).bfloat16()
-    assert not sg.gluon_scores_ok(q, kc, l=L, d=D, l_sel=LSEL, n_sel=16)           # CPU tensors
+    """The plan takes the Gluon score pass on sm90 at the paper's geometry from gluon_min_t, not off the GPU, off
+    that geometry or below it; the field is validated."""
+    from nsa.ops.plan import sample_inputs, select_plan
+    from nsa.ops.tuning import HOPPER
+    t = HOPPER.scores.gluon_min_t
+    assert select_plan(sample_inputs("sm90", "paper", t), HOPPER).scores == "gluon"
+    assert select_plan(sample_inputs("sm90", "paper", t // 2), HOPPER).scores == "triton"   # below gluon_min_t
+    assert select_plan(sample_inputs("cpu", "paper", t), HOPPER).scores == "triton"         # no CUDA
+    assert select_plan(sample_inputs("sm80", "paper", t), HOPPER).scores == "triton"        # no Gluon
+    assert select_plan(sample_inputs("sm90", "prod", t), HOPPER).scores == "triton"         # G = 6, d = 64
+    refused = dataclasses.replace(sample_inputs("sm90", "paper", t), refused=frozenset({"gluon_scores"}))
+    assert select_plan(refused, HOPPER).scores == "triton"
     # the stored scores grow as T^2: 1.2 GB at 64k for the paper's four KV heads, past the cap at 128k
     assert sg.scratch_bytes(1, 65536, 4, LSEL) < sg.MAX_SCRATCH_BYTES < sg.scratch_bytes(1, 131072, 4, LSEL)
     with pytest.raises(ValueError, match="gluon_min_t must be >= 0"):
@@ -75,7 +83,6 @@ from nsa.ops.triton.scores import rank_stored
 T, HQ, H, D = 2048, 64, 4, 128
 q = torch.randn(1, T, HQ, D).bfloat16()
 kc = torch.randn(1, (T - 32) // 16 + 1, H, D).bfloat16()
-assert sg.gluon_scores_ok(q, kc, l=32, d=16, l_sel=64, n_sel=16)
 scr, n_tiles, nchmax = sg.score_pass(q, kc, torch.zeros(1, T, HQ), l_sel=64, scale=D ** -0.5)
 rank_stored(scr, 1, T, H, 16, 16, l=32, d=16, l_sel=64, n_tiles=n_tiles, nchmax=nchmax, tile=sg.TILE, nbj=sg.NBJ,
             nbj_pad=sg.NBJ_PAD, device="cpu")
@@ -116,8 +123,11 @@ def test_gpu_gluon_score_pass_is_bitwise_the_triton_kernel(B, T, n_sel, dtype):
     _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=D, offset=L - 1, window=0, scale=dk ** -0.5)
     base = tuning_for("cuda").scores
     before = fallback_counts().get("scores_gluon->triton", 0)
-    got, want = (tsc.select_blocks(q, kc, lse, l=L, d=D, l_sel=LSEL, n_sel=n_sel, scale=dk ** -0.5,
-                                   tuning=dataclasses.replace(base, gluon_min_t=m)) for m in (0, None))
-    assert sg.gluon_scores_ok(q, kc, l=L, d=D, l_sel=LSEL, n_sel=n_sel)
+    from nsa.ops.plan import plan_call
+    ks = torch.zeros(B, T, H, dk, device="cuda", dtype=dtype)
+    tn = tuning_for("cuda").replace(scores=dataclasses.replace(base, gluon_min_t=0))
+    assert plan_call(q, kc, kc, ks, ks, l=L, d=D, l_sel=LSEL, n_sel=n_sel, w=512, tuning=tn).scores == "gluon"
+    got, want = (tsc.select_blocks(q, kc, lse, l=L, d=D, l_sel=LSEL, n_sel=n_sel, scale=dk ** -0.5, tuning=base,
+                                   gluon=g) for g in (True, False))
     assert fallback_counts().get("scores_gluon->triton", 0) == before      # the Gluon pass ran
     assert torch.equal(got, want)

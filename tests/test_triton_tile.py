@@ -124,9 +124,6 @@ CASES = {
     "fp16_g2_m4": (1, 45, 4, 2, 32, 32, 16, 3, 4, "random", 1024, torch.float16),
 }
 
-TOKEN_DKDV = {"g2_m4_random", "g16_m2_identical", "g1_m16_long_local", "fp16_g2_m4"}
-
-
 def case_inputs(case, seed):
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     gen = torch.Generator().manual_seed(seed)
@@ -146,9 +143,7 @@ def test_tile_matches_per_token_and_oracle(case):
     B, T, HQ, H, dk, dv, l_sel, n_sel, m, mode, chunk, dtype = CASES[case]
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=sum(map(ord, case)))
     assert (bi[:, 0] == -1).any() or n_sel == 1, "early tokens should have -1 padded rows"
-    # dK/dV by tiles (the union walk) or by tokens (select.py's kernel): each on half the cases
-    tn = TileTuning(dkdv_by="token" if case in TOKEN_DKDV else "tile")
-    per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, scale, m, chunk, tuning=tn)
+    per_tok, tile = run_both(q, k, v, bi, do, gate, l_sel, scale, m, chunk, tuning=TileTuning())
     ref = oracle(q, k, v, bi, gate, do, l_sel, scale)
     for name, a, b, r in zip(("o", "lse", "dq", "dk", "dv"), tile, per_tok, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
@@ -183,13 +178,13 @@ def test_tile_matches_reference_op():
 
 def test_sub_block_keys_and_multi_tile_steps():
     """Key tiles smaller than a block (l_sel=24 in 16-key steps, the last partly past the block) in fwd
-    and dq; dK/dV steps of several whole tiles (dkdv_rows 64 over 6-row tiles) and of one (16 rows)."""
+    and dq, at m=8 and m=2 (dK/dV: select.py's token walk, chunk 7)."""
     case = "g3_m8_lsel24_chunked"
     q, k, v, do, gate, bi, scale = case_inputs(case, seed=11)
     ref = oracle(q, k, v, bi, gate, do, 24, scale)
     small = (TileLaunch(16, 4, 2), TileLaunch(16, 4, 2))
-    for m, tn in ((8, TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=16)),
-                  (2, TileTuning(fwd=small, dq=small, dkdv_by="tile", dkdv_rows=64))):
+    for m in (8, 2):
+        tn = TileTuning(fwd=small, dq=small)
         o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=24, scale=scale, m=m, tuning=tn)
         delta = (do * o).sum(-1)
         grads = tt.slc_bwd_tile(q, k, v, bi, do, lse, delta, gate, l_sel=24, scale=scale, m=m, chunk=7,
@@ -199,8 +194,8 @@ def test_sub_block_keys_and_multi_tile_steps():
             assert rel_err(a, r) <= tol(torch.float32) * f, f"m={m} {name}: {rel_err(a, r):.2e}"
 
 
-@pytest.mark.parametrize("by,chunk", [("token", 1024), ("tile", 5)])
-def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
+@pytest.mark.parametrize("chunk", [1024, 5])
+def test_op_with_tile_m4_matches_per_token(chunk, monkeypatch):
     """The whole op (nsa_triton_apply) with KernelTuning.tile.m=4 against m=1 (the per-token kernels)
     and the fp64 reference: same block_idx, o and every gradient, at test_triton_kernels' tolerances."""
     from nsa.ops.triton import function as fn
@@ -223,7 +218,7 @@ def test_op_with_tile_m4_matches_per_token(by, chunk, monkeypatch):
     base = tuning_for(DEV)
     runs = {}
     for m in (1, 4):
-        tn = base.replace(tile=TileTuning(m=m, dkdv_by=by))
+        tn = base.replace(tile=TileTuning(m=m))
         o, bi = nsa_triton_apply(*args, **hp, scale=dk ** -0.5, dkdv_chunk=chunk, tuning=tn)
         runs[m] = (o,) + torch.autograd.grad(o, args, do)
         assert torch.equal(bi.cpu(), rbi), f"m={m}: selected blocks differ from the reference"
@@ -312,33 +307,6 @@ def test_union_kernel_matches_bruteforce(m, mode):
     assert torch.equal(tt._run_union(bi, m, size_only=True)[2], size)
 
 
-def test_sampled_choice_and_guarded_union_kernel():
-    """The per-call choice measures a strided sample of tiles: the kernel's sampled sizes are the full
-    sizes at tiles 0, s, 2s, ... (interpreted kernel and the CPU torch path alike), the flag compares
-    their mean fraction with the threshold; the guarded full-union launch writes nothing when the flag
-    says per-token and the whole union when it says tiles."""
-    from nsa.ops.triton.guard import GUARD_IF_SET
-    gen = torch.Generator().manual_seed(3)
-    B, T, H, S, l_sel, m = 1, 70, 2, 4, 4, 4
-    bi = make_block_idx(B, T, H, S, l_sel, "random", gen)
-    full = tt._run_union(bi, m, size_only=False)[2]
-    for stride in (1, 3, 5):
-        assert torch.equal(tt._run_union(bi, m, size_only=True, stride=stride)[2], full[..., ::stride])
-    frac = float(full[..., ::3].sum()) / (full[..., ::3].numel() * m * S)
-    nt = full.shape[-1]
-    tiles = -(-nt // 3)   # a sample stride of nt // tiles = 3 when the sample holds this many tiles
-    assert nt // tiles == 3
-    assert int(tt.tile_choice(bi, m, frac + 1e-6, tiles=tiles)) == 1
-    assert int(tt.tile_choice(bi, m, frac - 1e-3, tiles=tiles)) == 0
-    for flag in (0, 1):
-        f = torch.tensor([flag], dtype=torch.int32)
-        blocks, bits, size = tt._run_union(bi, m, size_only=False, guard=(f, GUARD_IF_SET))
-        if flag:
-            check_union(bi, m, tt.TileUnion(blocks, bits, size))
-        else:   # the poisoned buffers (conftest: -7) were never written
-            assert (size == -7).all() and (blocks == -7).all() and (bits == -7).all()
-
-
 def test_union_fraction_extremes():
     """Identical selections in a tile: fraction 1/m for full tiles; disjoint ones: 1."""
     gen = torch.Generator().manual_seed(0)
@@ -354,8 +322,6 @@ def test_bad_tile_size_and_union():
         tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=scale, m=0)
     with pytest.raises(ValueError, match="tile size m"):
         tt.tile_unions(bi, tt.MAX_M + 1)
-    with pytest.raises(ValueError, match="dkdv_by"):
-        TileTuning(dkdv_by="blocks")
     with pytest.raises(ValueError, match="TileTuning.m"):
         TileTuning(m=tt.MAX_M + 1)
     with pytest.raises(ValueError, match="union"):
@@ -386,8 +352,8 @@ def test_gpu_tile_matches_per_token(T, HQ, H, d, mode):
     q, k, v, do = r(B, T, HQ, d), r(B, T, H, d), r(B, T, H, d), r(B, T, HQ, d)
     gate = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").bfloat16()[..., 1]
     bi = make_block_idx(B, T, H, n_sel, l_sel, mode, gen, device="cuda")
-    for m, by in ((2, "tile"), (4, "token"), (8, "tile"), (10, "token")):   # 10*G fills 64/128 rows at G=6
-        tn = TileTuning(dkdv_by=by)
+    for m in (2, 4, 8, 10):   # 10*G fills 64/128 rows at G=6
+        tn = TileTuning()
         un, ref_un = tt.tile_unions(bi, m), tt._tile_unions_torch(bi, m)   # kernel vs torch ops
         assert un.perm is None and ref_un.perm is None   # consecutive tiles: no token permutation
         assert all(torch.equal(a, b) for a, b in zip(un[:3], ref_un[:3])), f"m={m}: union kernel differs"
@@ -424,8 +390,7 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
     """The paper shape's captures (`bash bench/gpu.sh capture-paper 8192 65536`; NSA_CAPTURED_PAPER
     points elsewhere): the device preset, which runs query tiles on these local selections, against the
     per-token op (m=1): block_idx identical, o and every gradient within 0.5% relative RMS, also with the
-    other grouping (consecutive tokens where the preset regroups them, else TileTuning.group=16); and, where
-    the preset chooses per call, the choice did pick the tiles there."""
+    other grouping (consecutive tokens where the preset regroups them, else TileTuning.group=16)."""
     entries = captures_at(CAPTURED_PAPER, T)
     if not entries:
         pytest.skip(f"no captured inputs at T={T} under {CAPTURED_PAPER} (bash bench/gpu.sh capture-paper)")
@@ -448,9 +413,6 @@ def test_gpu_preset_tiles_on_captured_paper_inputs(T):
             res.append((bi, o, *torch.autograd.grad(o, x, do)))
         where = f"T={T} layer {e['layer']}"
         assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][0], res[2][0]), f"{where}: block_idx differs"
-        m = base.tile.m_for(G)
-        if base.tile.auto_union > 0:   # a per-call choice (0: the preset always runs the tiles)
-            assert int(tt.tile_choice(res[0][0], m, base.tile.auto_union)) == 1, f"{where}: the preset ran per token"
         for tiled, how in ((res[1], "preset tiles"), (res[2], f"tiles with group={other.group}")):
             for name, a, b in zip(names, tiled[1:], res[0][1:]):
                 assert torch.isfinite(a).all(), f"{where} {how}: non-finite {name}"

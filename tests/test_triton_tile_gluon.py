@@ -1,6 +1,7 @@
 """The Gluon tile forward (nsa/ops/triton/tile_gluon.py). Gluon has no interpreter, so on the CPU: which
 calls it takes, its knob, and that it compiles for sm_90 (Triton's ptxas, no GPU) without spills in few
 enough registers for three programs per SM; on a GPU (`gpu`): bitwise the Triton tile kernel's output."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -40,20 +41,28 @@ def sm90_reports(snippet: str) -> tuple[list[str] | None, str]:
 
 
 def test_rows_2d_views():
+    from nsa.ops.plan import _rows_2d
     k = torch.zeros(2, 96, 4, 128, dtype=torch.bfloat16)
-    assert tg._rows_2d(k)
+    assert _rows_2d(k)
     fused = torch.zeros(2, 96, 3, 4, 128, dtype=torch.bfloat16)      # a fused qkv projection's slice
-    assert tg._rows_2d(fused[:, :, 1])
-    assert not tg._rows_2d(k.transpose(1, 2).contiguous().transpose(1, 2))   # heads not adjacent rows
-    assert not tg._rows_2d(k[..., :64])                                       # head stride != d
+    assert _rows_2d(fused[:, :, 1])
+    assert not _rows_2d(k.transpose(1, 2).contiguous().transpose(1, 2))   # heads not adjacent rows
+    assert not _rows_2d(k[..., :64])                                       # head stride != d
 
 
 def test_gluon_fwd_not_taken_off_hopper_shapes():
-    q = torch.zeros(1, 128, 64, 128, dtype=torch.bfloat16)
-    k = torch.zeros(1, 128, 4, 128, dtype=torch.bfloat16)
-    assert not tg.gluon_tile_ok(q, k, k, 4, 64)                      # CPU tensors
-    assert not tg.gluon_tile_ok(q, k, k, 8, 64)                      # 128 rows
-    assert not tg.gluon_tile_ok(q, k, k, 4, 32)                      # l_sel != 64
+    """The plan takes the Gluon tile kernels at the paper shape on sm90 (64 / 128 rows), not off it."""
+    from nsa.ops.plan import select_plan, sample_inputs
+    from nsa.ops.tuning import HOPPER
+    paper = sample_inputs("sm90", "paper", 8192)
+    eight = HOPPER.replace(tile=dataclasses.replace(HOPPER.tile, m=8, group=0))
+    assert select_plan(paper, HOPPER).fwd == "tile_gluon" and select_plan(paper, eight).fwd == "tile_gluon"
+    assert select_plan(sample_inputs("cpu", "paper", 8192), HOPPER).fwd == "tile"             # no CUDA
+    assert select_plan(sample_inputs("sm80", "paper", 8192), HOPPER).fwd == "tile"            # no Gluon
+    two = HOPPER.replace(tile=dataclasses.replace(HOPPER.tile, m=2, group=0))
+    assert select_plan(paper, two).fwd == "tile"                                               # 32 rows
+    assert select_plan(dataclasses.replace(paper, l_sel=32), HOPPER).fwd == "tile"            # l_sel != 64
+    assert select_plan(dataclasses.replace(paper, refused=frozenset({"gluon_tile"})), HOPPER).fwd == "tile"
 
 
 @pytest.mark.parametrize("bad", [1, -2])
@@ -70,7 +79,9 @@ def test_gluon_stages_knob_is_validated(bad, knob):
 @pytest.mark.parametrize("T,short_t,want", [(130, 0, 2), (130, 131, 3), (130, 130, 2)])
 def test_gluon_dq_slots_follow_the_call_length(T, short_t, want, monkeypatch):
     """Calls shorter than gluon_dq_short_t tokens get gluon_dq_short_stages ring slots, the others
-    gluon_dq_stages (the launcher is stubbed to record them: no Gluon on the CPU)."""
+    gluon_dq_stages: the plan's (sm90, paper shape) reach the launcher (stubbed to record them: no Gluon on the CPU)."""
+    from nsa.ops.plan import select_plan, sample_inputs
+    from nsa.ops.tuning import HOPPER
     gen = torch.Generator().manual_seed(4)
     B, HQ, H, d, m = 1, 8, 2, 16, 4
     q, k, v, do = (torch.randn(B, T, n, d, generator=gen) for n in (HQ, H, H, HQ))
@@ -79,10 +90,10 @@ def test_gluon_dq_slots_follow_the_call_length(T, short_t, want, monkeypatch):
     un = tt.tile_unions(bi, m)
     lse = torch.zeros(B, T, HQ)
     seen = []
-    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: True)
     monkeypatch.setattr(tt, "gtile_dq", lambda *a, stages, **kw: seen.append(stages))   # None: Triton runs
     tn = TileTuning(m=m, gluon_dq_stages=2, gluon_dq_short_t=short_t, gluon_dq_short_stages=3)
-    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn)
+    plan = select_plan(sample_inputs("sm90", "paper", T), HOPPER.replace(tile=tn))
+    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn, gluon_stages=plan.dq_gluon)
     assert seen == [want]
 
 
@@ -97,18 +108,19 @@ def test_union_prefetch_knob_reaches_both_tile_kernels(monkeypatch, knob):
     bi = make_block_idx(B, T, H, 2, 16, "random", gen, device="cpu")
     un = tt.tile_unions(bi, m)
     seen = []
-    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: True)
     for name in ("gtile_fwd", "gtile_dq"):
         monkeypatch.setattr(tt, name, lambda *a, prefetch, _n=name, **kw: seen.append((_n, prefetch)) and False)
     tn = TileTuning(m=m, gluon_fwd_stages=2, gluon_dq_stages=2, gluon_union_prefetch=knob)
-    o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=tn)
-    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn)
+    o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=tn, gluon_stages=2)
+    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn, gluon_stages=2)
     assert seen == [("gtile_fwd", knob), ("gtile_dq", knob)]
 
 
 def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
     """Gluon is experimental: a build / launch failure warns once, is counted, and the Triton kernels take
-    that call and every later one on the device (the interpreter runs them here)."""
+    that call and every later one on the device (the interpreter runs them here): the failure is refused in the
+    one registry (nsa/ops/fallbacks.py), which the plan reads (`slots` stands in for it: no Gluon plan on the CPU)."""
+    from nsa.ops import fallbacks
     from nsa.ops.fallbacks import fallback_counts
     from test_triton_tile import make_block_idx
     gen = torch.Generator().manual_seed(3)
@@ -125,18 +137,24 @@ def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
         calls.append(1)
         raise RuntimeError("async_copy_global_to_shared has been removed")
 
-    monkeypatch.setattr(tt, "gluon_tile_ok", lambda *a: "cpu" not in tg._OFF)
+    def slots() -> int:
+        return 0 if fallbacks.refused("gluon_tile", ("cpu",)) else 2
+
     monkeypatch.setattr(tg, "_fwd", broken)
     monkeypatch.setattr(tg, "_dq", broken)
-    monkeypatch.setattr(tg, "_OFF", {})
+    fallbacks.reset_refusals()
     before = fallback_counts().get("tile_gluon->triton", 0)
     gl = TileTuning(m=m, gluon_fwd_stages=2, gluon_dq_stages=2)
-    with pytest.warns(RuntimeWarning, match="Gluon tile forward failed.*using the Triton kernels"):
-        got = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=gl)
-    dq = tt.tile_dq(q, k, v, do, got[1], got[1], None, un, l_sel=16, scale=0.25, m=m, tuning=gl)
-    assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(dq, dq_want)
-    assert len(calls) == 1 and fallback_counts()["tile_gluon->triton"] == before + 1   # not retried
-    assert "removed" in tg._OFF["cpu"]
+    try:
+        with pytest.warns(RuntimeWarning, match="Gluon tile forward failed.*using the Triton kernels"):
+            got = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=gl, gluon_stages=slots())
+        dq = tt.tile_dq(q, k, v, do, got[1], got[1], None, un, l_sel=16, scale=0.25, m=m, tuning=gl,
+                        gluon_stages=slots())
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and torch.equal(dq, dq_want)
+        assert len(calls) == 1 and fallback_counts()["tile_gluon->triton"] == before + 1   # not retried
+        assert "removed" in fallbacks.refused("gluon_tile", ("cpu",))
+    finally:
+        fallbacks.reset_refusals()
 
 
 COMPILE = r"""
@@ -228,7 +246,12 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
     HQ, H, d = 64, 4, 128
     qkv = torch.randn(B, T, HQ + 2 * H, d, generator=gen, device="cuda").to(dtype)   # k / v as strided views
     q, k, v = qkv[:, :, :HQ], qkv[:, :, HQ:HQ + H], qkv[:, :, HQ + H:]
-    assert tg.gluon_tile_ok(q, k, v, m, 64)
+    from nsa.ops.plan import plan_call
+    tn = tuning_for("cuda")
+    tn = tn.replace(tile=dataclasses.replace(tn.tile, m=m, min_g=1))
+    nc = (T - 32) // 16 + 1
+    kc = torch.zeros(B, nc, H, d, device="cuda", dtype=dtype)
+    assert plan_call(q, kc, kc, k, v, l=32, d=16, l_sel=64, n_sel=16, w=512, tuning=tn).fwd == "tile_gluon"
     # the Triton kernels on whole 64-key blocks, as the Gluon ones (the preset splits blocks at 128 rows)
     same = dict(fwd=(TileLaunch(64, 4, 3), TileLaunch(64, 8, 3)), dq=(TileLaunch(64, 4, 2), TileLaunch(64, 8, 2)))
     for mode in ("random", "local"):
@@ -236,7 +259,8 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
         un = tt.tile_unions(bi, m, group=group)
         # ring slots (0: the Triton kernel), union entries read a step ahead (TileTuning.gluon_union_prefetch)
         run = {(s, pf): tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
-                                        tuning=TileTuning(m=m, gluon_fwd_stages=s, gluon_union_prefetch=pf, **same))
+                                        tuning=TileTuning(m=m, gluon_fwd_stages=s, gluon_union_prefetch=pf, **same),
+                                        gluon_stages=s)
                for s, pf in ((0, True), (2, True), (3, True), (2, False))}
         run[0] = run[0, True]
         if group:   # every row attends its own blocks in the same order: bitwise the consecutive tiles'
@@ -253,7 +277,8 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
         for g, acc in ((gate, dq_in), (None, None)):
             want, *got = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
                                      dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
-                                     tuning=TileTuning(m=m, gluon_dq_stages=s, gluon_union_prefetch=pf, **same))
+                                     tuning=TileTuning(m=m, gluon_dq_stages=s, gluon_union_prefetch=pf, **same),
+                                     gluon_stages=s)
                           for s, pf in ((0, True), (2, True), (2, False)))
             for pf, x in zip((True, False), got):
                 assert torch.equal(x, want), f"{mode} gate={g is not None} prefetch={pf}: Gluon dq differs"
@@ -268,7 +293,7 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
                             (torch.randn(B, maps.slot_src.numel(), d, generator=gen, device="cuda").to(dtype), maps)):
             cb = Combine.of(o_cmp, o_win, gates, rows)
             o_s, lse_s = tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, combine=cb,
-                                         tuning=TileTuning(m=m, gluon_fwd_stages=2, gluon_combine=True))
+                                         tuning=TileTuning(m=m, gluon_fwd_stages=2, gluon_combine=True), gluon_stages=2)
             assert torch.equal(o_s, run[0][0]) and torch.equal(lse_s, run[0][1])
             want = combine(o_cmp, run[0][0], o_win, gates, rows)
             assert torch.equal(cb.out, want), f"{mode} rows={rows is not None}: fused combine differs"
@@ -277,7 +302,7 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
         for mode_bit, runs in ((1, True), (2, False)):
             out = (torch.full_like(run[0][0], float("nan")), torch.full_like(run[0][1], float("nan")))
             tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, out=out,
-                            tuning=TileTuning(m=m, gluon_fwd_stages=2), guard=(flag, mode_bit))
+                            tuning=TileTuning(m=m, gluon_fwd_stages=2), guard=(flag, mode_bit), gluon_stages=2)
             assert torch.equal(out[0], run[0][0]) if runs else out[0].isnan().all()
 
 
@@ -308,12 +333,15 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
     gen = torch.Generator(device="cuda").manual_seed(T + chunk)
     B, HQ, H, d = 1, 64, 4, 128
     q, k, v, do, lse, delta, gate = walk_inputs(B, T, HQ, H, d, gen)
+    from nsa.ops.plan import sample_inputs, select_plan, walk_plan
     base = tuning_for("cuda").select
-    assert wg.gluon_walk_ok(q, k, v, do, base.dkdv_rows_for(HQ // H), 64)
+    assert select_plan(sample_inputs("sm90", "paper", T), tuning_for("cuda")).walk.gluon   # the plan takes it here
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda")
+        walks = {s: walk_plan(dataclasses.replace(base, gluon_walk_stages=s), HQ // H, False, False, lambda r: True)
+                 for s in (2, 0)}
         got, want = (tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=chunk,
-                                   tuning=dataclasses.replace(base, gluon_walk_stages=s)) for s in (2, 0))
+                                   tuning=base, walk=walks[s]) for s in (2, 0))
         for name, a, b in zip(("dk", "dv"), got, want):
             assert torch.isfinite(a).all() and torch.equal(a, b), f"{mode}: Gluon {name} differs from the Triton walk"
 
@@ -327,6 +355,7 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
     import dataclasses
     from test_triton_tile import make_block_idx
     from nsa.ops.triton import select as tsel
+    from nsa.ops.plan import walk_plan
     from nsa.ops.triton.select_block import pair_buffer
     if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon on a Hopper GPU")
@@ -341,7 +370,7 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
         tn = dataclasses.replace(base, gluon_dq_walk_stages=s)
         dqp = pair_buffer(q, 16, H, d, tn, dq=True).zero_()
         dk, dv = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=1024,
-                               tuning=tn, inv=inv, dq_pairs=dqp)
+                               tuning=tn, inv=inv, dq_pairs=dqp, walk=walk_plan(tn, HQ // H, False, True, lambda r: True))
         runs.append((dk, dv, dqp[:inv["n_pairs"] * (HQ // H)]))
     for name, a, b in zip(("dk", "dv", "dq pairs"), *runs):
         assert torch.isfinite(a).all() and torch.equal(a, b), f"T={T}: Gluon {name} differs from the Triton walk"
@@ -361,8 +390,7 @@ def test_walk_row_prefetch_knob_reaches_the_walk_kernel(monkeypatch, knob):
             return lambda *a, **kw: seen.append((kw["ROW_PF"], kw["DQ_PAIRS"]))
 
     monkeypatch.setattr(wg, "_walk_kernel", lambda: Walk())
-    monkeypatch.setattr(tsel, "gluon_walk_ok", lambda *a: True)
-    monkeypatch.setattr(tg, "_OFF", {})
+    from nsa.ops.plan import walk_plan
     T, HQ, H, D = 128, 64, 4, 128
     g = torch.Generator().manual_seed(3)
     q, do = (torch.randn(1, T, HQ, D, generator=g).bfloat16() for _ in range(2))
@@ -370,8 +398,10 @@ def test_walk_row_prefetch_knob_reaches_the_walk_kernel(monkeypatch, knob):
     lse = torch.zeros(1, T, HQ)
     bi = make_block_idx(1, T, H, 2, 64, "random", torch.Generator().manual_seed(1), device="cpu")
     tn = SelectTuning(gluon_walk_stages=2, gluon_dq_walk_stages=2, gluon_walk_row_prefetch=knob)
-    tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn)
+    tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn,
+                  walk=walk_plan(tn, HQ // H, False, False, lambda r: True))
     inv = tsel.invert_selection(bi, 64, 1024, ranks=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn, inv=inv,
-                  dq_pairs=torch.empty(inv["toks"].numel() * (HQ // H), D).bfloat16())
-    assert seen == [(knob, False), (False, True)] and tg._OFF == {}
+                  dq_pairs=torch.empty(inv["toks"].numel() * (HQ // H), D).bfloat16(),
+                  walk=walk_plan(tn, HQ // H, False, True, lambda r: True))
+    assert seen == [(knob, False), (False, True)]

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
 
-from nsa.ops import dispatch, flash, window_split  # noqa: E402
+from nsa.ops import dispatch, fallbacks, flash, window_split  # noqa: E402
 from nsa.ops.testing import rel_rms  # noqa: E402
 
 
@@ -47,14 +47,24 @@ def test_batch_sum_adds_the_batches_in_fp32():
     assert torch.equal(y, x.float().sum(0, keepdim=True).to(torch.bfloat16))
 
 
-def test_split_ok_policy():
+def split_planned(min_t, **inputs) -> bool:
+    """Whether the plan (nsa/ops/plan.py) gives a T = 64, HQ = 8, H = 2 call the split window backward."""
+    import dataclasses
+    from nsa.ops.plan import PlanInputs, select_plan
+    from nsa.ops.tuning import CPU, FlashBranchTuning
+    inp = dataclasses.replace(PlanInputs("cpu", "float32", 1, 64, 8, 2, 16, 16, 4), **inputs)
+    tn = CPU.replace(flash=FlashBranchTuning(win="reference", win_split_min_t=min_t))
+    return select_plan(inp, tn).win_entry == "split"
+
+
+def test_split_policy():
     """Only B == 1, G > 1, contiguous q, from win_split_min_t on, and not after a failure on the device."""
-    q, k = torch.zeros(1, 64, 8, 16), torch.zeros(1, 64, 2, 16)
-    assert window_split.split_ok(q, k, 0) and window_split.split_ok(q, k, 64)
-    assert not window_split.split_ok(q, k, None) and not window_split.split_ok(q, k, 65)
-    assert not window_split.split_ok(torch.zeros(2, 64, 8, 16), torch.zeros(2, 64, 2, 16), 0)   # B > 1
-    assert not window_split.split_ok(q[:, :, :2], k, 0)                                          # G = 1
-    assert not window_split.split_ok(torch.zeros(1, 8, 64, 16).transpose(1, 2), k, 0)            # strided q
+    assert split_planned(0) and split_planned(64)
+    assert not split_planned(None) and not split_planned(65)
+    assert not split_planned(0, B=2)                                                  # B > 1
+    assert not split_planned(0, HQ=2)                                                 # G = 1
+    assert not split_planned(0, layout=frozenset({"q_heads", "kv_rows"}))             # strided q
+    assert not split_planned(0, refused=frozenset({"win_entry"}))                     # failed here
     from nsa.ops.tuning import FlashBranchTuning
     with pytest.raises(ValueError, match="win_split_min_t"):
         FlashBranchTuning(win="auto", win_split_min_t=-1)
@@ -67,7 +77,7 @@ def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):
         raise RuntimeError("private API changed")
 
     monkeypatch.setattr(window_split, "flash_bwd", boom)
-    monkeypatch.setattr(window_split, "_OFF", {})
+    monkeypatch.setattr(fallbacks, "_refused", {})   # this test's refusals only
     dispatch.reset_fallback_counts()
     q, k, v, do = _inputs(21, 4, 2, 16, 16, torch.float32)
     o = window_split.window_attention_split(q, k, v, 5, 0.25, "reference")
@@ -77,7 +87,8 @@ def test_split_failure_falls_back_to_the_gqa_backward(monkeypatch):
     for a, b in zip(g, rg):
         torch.testing.assert_close(a, b)
     assert dispatch.fallback_counts() == {"win_split:reference->gqa": 1}
-    assert not window_split.split_ok(q, k, 0)
+    from nsa.ops.plan import _refused
+    assert "win_entry" in _refused(str(q.device), q.dtype, 16, 16)   # the plan takes the split away from now on
 
 
 @pytest.mark.parametrize("accum", [True, False])
@@ -195,7 +206,7 @@ def test_the_window_gate_folded_into_lse(monkeypatch, split):
         raise RuntimeError("private API changed")
 
     monkeypatch.setattr(window_split, "flash_bwd", boom)
-    monkeypatch.setattr(window_split, "_OFF", {})
+    monkeypatch.setattr(fallbacks, "_refused", {})
     with pytest.warns(RuntimeWarning, match="backward entry failed"):
         _, gp = run(True)
     for name, a, b in zip(names, gp, g0):
