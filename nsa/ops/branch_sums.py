@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .fa4_accum import Accum, fa4_bwd, reference_a, to_accum, zero_rows
+from . import fallbacks
 from .fallbacks import count_fallback
 from .flash import _flash, _mask, dense_attention, flash_lse, reference_attention
 
@@ -127,15 +128,12 @@ def public_bwd(backend: str, q, k, v, do, window: int | None, scale: float):
         return torch.autograd.grad(out, x, do)
 
 
-_OFF: dict[str, str] = {}   # device -> why the compressed branch's own backward failed: FA4's autograd from then on
-
-
 def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, backend: str,
                  sums: RowSums | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a square problem on flash-attn's layout, q [B,N,HQ',dk], k/v [B,N,H,*] ->
     (o [B,N,HQ',dv], lse [B,HQ',N] fp32, not differentiable), whose backward takes D from sums.cmp when
     the NSA backward filled it. backend "fa4" or "reference"."""
-    if backend != "reference" and str(q.device) in _OFF:
+    if backend != "reference" and fallbacks.refused("cmp_entry", (str(q.device),)):   # FA4's autograd instead
         return flash_lse(q, k, v, scale, backend)
     return _CausalFlash.apply(q, k, v, scale, backend, sums)
 
@@ -158,7 +156,7 @@ class _CausalFlash(torch.autograd.Function):
         d_rows = None if d_rows is None else d_rows.view(lse.shape)   # the gate kernel's [B, HQ' * N]
         do = do.contiguous()
         dev = str(q.device)
-        if ctx.backend == "reference" or dev not in _OFF:
+        if ctx.backend == "reference" or not fallbacks.refused("cmp_entry", (dev,)):
             try:
                 keep = ctx.sums is not None and ctx.sums.keep_dq
                 dq, dk, dv = flash_bwd(ctx.backend, q, k, v, o, do, lse, d_rows, scale=ctx.scale, window=None,
@@ -167,8 +165,9 @@ class _CausalFlash(torch.autograd.Function):
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if ctx.backend == "reference" or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
                     raise
-                _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                why = f"{type(exc).__name__}: {str(exc)[:120]}"
+                fallbacks.refuse("cmp_entry", (dev,), why)
                 count_fallback(f"cmp_rowsums:{ctx.backend}->autograd")
-                warnings.warn(f"compressed branch: flash-attn's backward entry failed ({_OFF[dev]}); its "
+                warnings.warn(f"compressed branch: flash-attn's backward entry failed ({why}); its "
                               "public backward from now on", RuntimeWarning, stacklevel=2)
         return (*public_bwd(ctx.backend, q, k, v, do, None, ctx.scale), None, None, None)

@@ -2,10 +2,8 @@
 
 FlashAttention-4's Hopper backward serves GQA (HQ = G * H query heads) by adding each query head's dK / dV
 into fp32 buffers of the KV heads ([B, H, T, d] each) and converting them afterwards. For the window branch at
-long T that path is much slower than the same problem without GQA: H100, paper shape (HQ=64, H=4, d=128), w=512,
-the main backward kernel 8.83 ms at 64k against 6.06 ms with one query head per KV head, at 8k 0.81 against
-0.77 ms (bench/RESULTS.md table 19). The factor of the grouping does not matter (G / nb = 8, 4 or 2 query
-heads per KV head in nb batches all take 8.83 ms); only G = 1 is fast.
+long T that path is much slower than the same problem without GQA, whatever the grouping factor; only G = 1 is
+fast (docs/kernels.md, window split).
 
 So the forward is flash-attn's own GQA call (its fastest), and the backward calls the same backward kernel on
 views that make the G query heads of each KV head G batches of H heads: batch g, head h is query head h*G + g,
@@ -14,7 +12,7 @@ tensors, never copied. Each batch writes its own dK / dV (in the input dtype); t
 in fp32 and in a fixed order, is K's and V's gradient (one pass over G * T * H * d elements each).
 
 Rounding: each batch's partial is rounded to the input dtype before the sum, so dK / dV carry G roundings
-instead of one: against fp32 math, relative RMS 2.9e-3 instead of 2.4e-3 (bf16, 8k, H100). dq is unchanged.
+instead of one (slightly larger relative RMS against fp32 math: docs/kernels.md). dq is unchanged.
 Memory: the partials hold G times K's and V's size during the backward (2 x 1 GB at 64k for the paper shape).
 
 The split is taken only where it pays (FlashBranchTuning.win_split_min_t) and where the views exist: B == 1 (a
@@ -43,20 +41,11 @@ from .fa4_accum import Accum
 from . import fallbacks
 from .fallbacks import count_fallback
 
-_OFF: dict[str, str] = {}   # device -> why FA4's backward entry failed here: flash-attn's GQA backward from then on
-
-
-def split_ok(q: torch.Tensor, k: torch.Tensor, min_t: int | None) -> bool:
-    """Whether the window branch of these inputs takes the split backward (cheap, host-side only)."""
-    return (min_t is not None and q.shape[1] >= min_t and q.shape[0] == 1 and q.shape[2] > k.shape[2]
-            and q.is_contiguous() and str(q.device) not in _OFF)
-
-
 def window_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float,
                            backend: str, sums: RowSums | None = None, split: bool = True,
                            gate_lse: bool = False) -> torch.Tensor:
     """Causal attention over the `window` most recent keys, q [B,T,HQ,d], k/v [B,T,H,*] -> o [B,T,HQ,dv];
-    differentiable in q, k, v, with the split backward (module doc; split_ok must hold) or, split=False,
+    differentiable in q, k, v, with the split backward (module doc; the plan's win_entry "split": B = 1, G > 1, q contiguous) or, split=False,
     FA4's GQA backward through the same entry (for the row sums and the kept dq accumulator). backend:
     "fa4", or "reference" (fp32 math in both passes: the CPU tests of the views and the batch sum). sums:
     the op call's RowSums, whose win slot [B, HQ, T] the NSA backward may fill (branch_sums.py: then o is
@@ -102,17 +91,17 @@ class _WindowSplit(torch.autograd.Function):
         dev = str(q.device)
         dqb = None
         keep = ctx.sums is not None and ctx.sums.keep_dq
-        if dev not in _OFF:
+        if not fallbacks.refused("win_entry", (dev,)):   # after a failure: flash-attn's GQA backward
             try:
                 dqb, dkb, dvb = flash_bwd(ctx.backend, *args, scale=ctx.scale, window=ctx.window, keep_dq=keep,
                                           lse_shift=shift_arg)
             except Exception as exc:  # noqa: BLE001 - a private entry point: any failure means the public path
                 if q.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise
-                _OFF[dev] = f"{type(exc).__name__}: {str(exc)[:120]}"
-                fallbacks.refuse("win_entry", (dev,), _OFF[dev])   # the planner plans the split away
+                why = f"{type(exc).__name__}: {str(exc)[:120]}"
+                fallbacks.refuse("win_entry", (dev,), why)   # the planner plans the split away
                 count_fallback(f"win_split:{ctx.backend}->gqa")
-                warnings.warn(f"window branch: FA4's backward entry failed ({_OFF[dev]}); flash-attn's GQA "
+                warnings.warn(f"window branch: FA4's backward entry failed ({why}); flash-attn's GQA "
                               "backward from now on", RuntimeWarning, stacklevel=2)
         none = (None,) * 6
         if dqb is None:

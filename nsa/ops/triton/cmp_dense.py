@@ -198,7 +198,7 @@ def cmp_attention_dense(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tenso
     return cmp_attention_rows(qr, k_cmp, v_cmp, maps, T=T, HQ=HQ, scale=scale, backend=backend, bnhd=bnhd)
 
 
-_PROBES: dict = {}
+_PROBES: dict = {}   # the probes' outcomes (a cache of results, not of failures: those are fallbacks.refuse's)
 
 
 def probed(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple = BACKENDS) -> bool:
@@ -215,23 +215,6 @@ def probe(device: str, dtype: torch.dtype, dk: int, dv: int,
     if key not in _PROBES:
         _PROBES[key] = _probe_once(*key)
     return _PROBES[key]
-
-
-def disable(device: str, dtype: torch.dtype, dk: int, dv: int, reason: str) -> None:
-    """Makes probe() answer (None, reason) for these arguments from now on (a run-time refusal)."""
-    _PROBES[(device, dtype, dk, dv, BACKENDS)] = (None, reason)
-
-
-_REFUSED: set = set()
-
-
-def refuse(device: str, dtype: torch.dtype, dk: int, dv: int, backend: str) -> None:
-    """A flash-attn backend failed on this device/dtype/head sizes: not chosen again (refused())."""
-    _REFUSED.add((device, dtype, dk, dv, backend))
-
-
-def refused(device: str, dtype: torch.dtype, dk: int, dv: int, backend: str) -> bool:
-    return (device, dtype, dk, dv, backend) in _REFUSED
 
 
 def _probe_once(device: str, dtype: torch.dtype, dk: int, dv: int, backends: tuple) -> tuple[str | None, str]:

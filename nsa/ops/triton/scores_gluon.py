@@ -2,7 +2,7 @@
 
 scores.select_blocks' kernel runs each chunk as a dependent chain (load K~, q K~, exp, the fp16-split map onto
 selection blocks, head sum, ranking) in two 8-warp programs per SM; its K~ loads stay synchronous because the
-relay's CTA barriers keep Triton's pipeliner off the loop (bench/RESULTS.md table 20). Here the same arithmetic
+relay's CTA barriers keep Triton's pipeliner off the loop. Here the same arithmetic
 runs in two kernels:
 
 - the score pass (Gluon, warp-specialized): one program per (16 tokens, b, kv head), as the Triton tile; a
@@ -16,10 +16,10 @@ runs in two kernels:
   scores._merge_chunk and places the forced blocks as scores._select_kernel does (scores.store_blocks).
 
 The scores are the Triton kernel's operation for operation (the same products, the same head-sum order in the
-same accumulator layout), so block_idx is the same bit for bit (GPU test). H100, paper shape, random inputs,
-select_blocks alone: 64k 7.89 -> 6.48 ms, 16k 0.68 -> 0.68 (tables 20, 21); ScoreTuning.gluon_min_t chooses where.
+same accumulator layout), so block_idx is the same bit for bit (GPU test). Faster at long T only
+(docs/kernels.md, scores); ScoreTuning.gluon_min_t chooses where.
 
-Eligible (gluon_scores_ok): CUDA compute capability 9.x with Gluon, bf16 / fp16, the paper's geometry (G = 16
+Eligible (nsa/ops/plan.py, _scores_gluon_ok): CUDA compute capability 9.x with Gluon, bf16 / fp16, the paper's geometry (G = 16
 query heads per KV head, d_k = 128, l = 32, d = 16, l_sel = 64, n_sel <= 16), K~ addressable as 2-D [B*N, H*d_k]
 with 16-byte aligned rows. Everything else, and every call on a device where the kernel once failed to build or
 launch, runs the Triton kernel (counted, warned once). tests/test_triton_scores.py compiles it for sm_90 on the CPU
@@ -37,7 +37,6 @@ import triton
 from ..common import LOG2E, SCORE_MAP_SHIFT
 from .. import fallbacks
 from ..fallbacks import count_fallback
-from .tile_gluon import _target_arch, gluon_available
 
 # the shape the score pass is written for (read-only: ops keep no public mutable module state)
 GEOMETRY = MappingProxyType(dict(G=16, dk=128, l=32, d=16, l_sel=64))
@@ -49,7 +48,6 @@ STAGES = 4         # K~ ring slots (16 KB each)
 # the stored scores grow as T^2 (tiles x chunks): past this the Triton kernel, which stores none (1.2 GB at T=64k,
 # B=1, H=4; 4.7 GB at 128k)
 MAX_SCRATCH_BYTES = 2 << 30
-_OFF: dict[str, str] = {}   # device -> why the Gluon score pass failed there: the Triton kernel from then on
 
 
 def scratch_bytes(B: int, T: int, H: int, l_sel: int) -> int:
@@ -57,27 +55,9 @@ def scratch_bytes(B: int, T: int, H: int, l_sel: int) -> int:
     return B * H * triton.cdiv(T, TILE) * (triton.cdiv(triton.cdiv(T, l_sel), NBJ) + 1) * TILE * NBJ_PAD * 4
 
 
-def gluon_scores_ok(q: torch.Tensor, k_cmp: torch.Tensor, *, l: int, d: int, l_sel: int, n_sel: int) -> bool:
-    """Whether this call can take the Gluon score pass (cheap, host-side only)."""
-    if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16)
-            and k_cmp.dtype == q.dtype and k_cmp.shape[1] > 0):
-        return False
-    if scratch_bytes(q.shape[0], q.shape[1], k_cmp.shape[2], l_sel) > MAX_SCRATCH_BYTES:
-        return False
-    B, N, H, dk = k_cmp.shape
-    es = k_cmp.element_size()
-    if (q.shape[2] != GEOMETRY["G"] * H or q.shape[3] != GEOMETRY["dk"] or dk != GEOMETRY["dk"]
-            or (l, d, l_sel) != (GEOMETRY["l"], GEOMETRY["d"], GEOMETRY["l_sel"]) or not 1 <= n_sel <= NBJ_PAD
-            or q.stride(3) != 1):
-        return False
-    rows_2d = (k_cmp.stride(3) == 1 and k_cmp.stride(2) == dk and (B == 1 or k_cmp.stride(0) == N * k_cmp.stride(1))
-               and (k_cmp.stride(1) * es) % 16 == 0 and k_cmp.data_ptr() % 16 == 0)
-    return rows_2d and _target_arch() // 10 == 9 and gluon_available()
-
-
 def score_pass(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l_sel: int,
                scale: float) -> tuple[torch.Tensor, int, int] | None:
-    """For a call gluon_scores_ok accepts: every chunk's block scores (scr [B*H, tiles, chunks, TILE, NBJ_PAD] fp32,
+    """For a call the plan gives the Gluon score pass: every chunk's block scores (scr [B*H, tiles, chunks, TILE, NBJ_PAD] fp32,
     flat), the tile count and the chunks per tile, for scores.rank_stored; None when the Gluon kernel failed to
     build or launch (then the Triton kernel takes this device from now on)."""
     B, T, HQ, dk = q.shape
@@ -97,7 +77,6 @@ def score_pass(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l
         if q.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise
         why = f"the Gluon score pass failed: {type(exc).__name__}: {str(exc)[:160]}"
-        _OFF[str(q.device)] = why
         fallbacks.refuse("gluon_scores", (str(q.device),), why)   # the planner plans it away from now on
         count_fallback("scores_gluon->triton")
         warnings.warn(f"block selection: {why}; using the Triton kernel from now on", RuntimeWarning, stacklevel=4)

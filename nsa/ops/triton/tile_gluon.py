@@ -3,15 +3,15 @@
 the Gluon dK/dV walk shares (walk_gluon.py: eligibility, K / V descriptors, the launch fallback).
 
 Same programs and the same arithmetic in the same order as the Triton kernels (their outputs are bitwise
-the Triton kernels', bench/RESULTS.md tables 16 and 17), written at the level Triton leaves to its compiler: the
+the Triton kernels', tests/test_triton_tile_gluon.py), written at the level Triton leaves to its compiler: the
 K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
 by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
 shared-memory slots filled a step ahead (the block ids and bits that steer them read a step before that:
-TileTuning.gluon_union_prefetch, table 29); the tile kernels keep q (and dO) in registers as wgmma's A
+TileTuning.gluon_union_prefetch); the tile kernels keep q (and dO) in registers as wgmma's A
 operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two). The
-forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine; table 18).
+forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine).
 
-Eligible (gluon_tile_ok / gluon_walk_ok): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128,
+Eligible (nsa/ops/plan.py, _tile_gluon_ok / _walk): CUDA compute capability 9.x, bf16 / fp16, d_k = d_v = 128,
 l_sel = 64, 64 rows of whole tokens' heads for the walk, 64 or 128 for the tile kernels (the paper shape's
 m=4 or m=8 at G=16: one warpgroup, or two in step), K / V addressable as 2-D
 [B*T, H*d] (heads adjacent, rows evenly strided) and, for the walk, q / dO as [B*T*HQ, d], all 16-byte
@@ -33,15 +33,13 @@ from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels c
 from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper, called from Gluon too
 
 # m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
-# of the union of twice the tokens once, but both warpgroups compute all of it in step: slower than 64 rows at the
-# paper shape (bench/RESULTS.md table 20), faster than the Triton kernels at m=8
+# of the union of twice the tokens once, but both warpgroups compute all of it in step (docs/kernels.md: m)
 TILE_ROWS = (64, 128)
 HEAD_DIM = 128     # d_k = d_v of the shapes these kernels were written and measured for
 LSEL = 64          # keys per selection block (one TMA box of K or V)
 # the forward: three 4-warp programs per SM need <= 168 registers (Triton 3.6 allocates 164 for the one that also
 # writes the op's output, 3.9 171 uncapped; 3.9 174 for the plain one with the union prefetch)
 FWD_MAX_REGS = 168
-_OFF: dict[str, str] = {}   # device -> why a Gluon kernel failed there: the Triton kernels from then on
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,28 +51,6 @@ def gluon_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure means no Gluon path
         return False
     return True
-
-
-def _rows_2d(x: torch.Tensor) -> bool:
-    """x [B, T, H, d] addressable as a 2-D [B*T, H*d] array with 16-byte aligned strides and base."""
-    B, T, H, d = x.shape
-    es = x.element_size()
-    return (x.stride(3) == 1 and x.stride(2) == d and (B == 1 or x.stride(0) == T * x.stride(1))
-            and (x.stride(1) * es) % 16 == 0 and x.data_ptr() % 16 == 0)
-
-
-def gluon_tile_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: int, l_sel: int,
-                  do: torch.Tensor | None = None) -> bool:
-    """Whether the Gluon tile kernels take this call (module doc; do: dq's dO, unit stride in d);
-    cheap, host-side only."""
-    if not (q.is_cuda and str(q.device) not in _OFF and q.dtype in (torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype == v.dtype and (do is None or do.stride(3) == 1)):
-        return False
-    G = q.shape[2] // k.shape[2]
-    if (m * G not in TILE_ROWS or l_sel != LSEL or q.shape[3] != HEAD_DIM or v.shape[3] != HEAD_DIM
-            or q.stride(3) != 1 or not (_rows_2d(k) and _rows_2d(v))):
-        return False
-    return _target_arch() // 10 == 9 and gluon_available()
 
 
 def _target_arch() -> int:
@@ -175,7 +151,7 @@ def _kernel():
         (the CTA barrier first puts every warp past that step's wgmma waits), then wait for entry it's slot.
         Returns (slot, block j, bits of the tile's tokens that chose j, ahead). With PF the union entries come a
         step before their use (ahead = _kv_ahead's three, carried): neither the refill's TMA issue nor the step's
-        mask then waits on a global load (bench/RESULTS.md table 29). (The sizes are the caller's constexprs.)"""
+        mask then waits on a global load. (The sizes are the caller's constexprs.)"""
         jt, jc, bc = ahead
         nxt = it + NSTAGE - 1
         if nxt < nu:
@@ -381,7 +357,6 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
         return True
     except Exception as exc:  # noqa: BLE001 - any failure: the caller launches the Triton kernel instead
         why = f"{name} failed: {type(exc).__name__}: {str(exc)[:160]}"
-        _OFF[str(q.device)] = why
         fallbacks.refuse("gluon_tile", (str(q.device),), why)   # the planner plans it away from now on
         count_fallback("tile_gluon->triton")
         warnings.warn(f"query-tile selection: {why}; using the Triton kernels from now on", RuntimeWarning,
@@ -393,7 +368,7 @@ def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Te
               m: int, scale: float, stages: int, guard: Guard | None = None, combine=None,
               prefetch: bool = True) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
-    gluon_tile_ok accepts; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
+    the plan gives the Gluon tile kernels; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
     function.Combine whose out also gets the gated sum of the three branches; prefetch: the union entries a
     step ahead (TileTuning.gluon_union_prefetch). False (nothing written) when the Gluon kernel failed to
     build or launch (_launch)."""
@@ -432,7 +407,7 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
 
 def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
              has_gate: bool, guard: Guard | None = None, add=None, prefetch: bool = True) -> bool:
-    """select_tile.tile_dq's kernel for inputs gluon_tile_ok accepts (do with a unit last stride): writes
+    """select_tile.tile_dq's kernel for inputs the plan gives the Gluon tile kernels (do with a unit last stride): writes
     dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given, + add's terms: a
     qsum.QAdd); lse / delta contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
     return _launch("the Gluon tile dq", q, lambda: _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m,

@@ -1,6 +1,6 @@
 """The selection's dK/dV walk in Gluon (Triton's explicit-layout dialect) for Hopper, with or without dq pair
 partials: select._slc_bwd_dkdv_kernel's contract, the same programs and arithmetic in the same order (its
-dK / dV / partials are bitwise the Triton walk's, bench/RESULTS.md table 17).
+dK / dV / partials are bitwise the Triton walk's: tests/test_triton_tile_gluon.py).
 
 One program per work item (segment = (b, h, block j), chunk of its token list). The block's K / V tiles come
 by TMA once; each step's q / dO rows (QB tokens x G heads = 64 rows, one [G, d] box per token) arrive by TMA
@@ -9,7 +9,7 @@ steps ahead and their lse / delta / gate one (row_prefetch: SelectTuning.gluon_w
 waits on a dependent gather; with them (where the prefetch would spill 12 B more) the ids are read one step ahead
 and the row values at the step's start.
 
-Eligible (gluon_walk_ok): tile_gluon.gluon_tile_ok's conditions (Hopper, bf16 / fp16, d = 128, l_sel = 64,
+Eligible (nsa/ops/plan.py, _walk): the Gluon tile kernels' conditions (Hopper, bf16 / fp16, d = 128, l_sel = 64,
 K / V as 2-D [B*T, H*d]) with 64 rows of whole tokens' heads per step and q / dO as [B*T*HQ, d]. A failure to
 build or launch turns the Gluon kernels off for the device (tile_gluon._launch). Gluon has no interpreter:
 tests/test_triton_tile_gluon.py compiles the walk for sm_90 on the CPU and compares it bitwise with the Triton
@@ -22,7 +22,7 @@ import functools
 import torch
 
 from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
-from .tile_gluon import LSEL, _descriptors, _launch, gluon_tile_ok
+from .tile_gluon import LSEL, _descriptors, _launch
 
 ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
 # the walk's dq partial in DQC column slices of d: sm_90 spill stores 200 / 52 / 60 B at 1 / 2 / 4 (Triton 3.6,
@@ -130,7 +130,7 @@ def _walk_kernel():
         dv = gl.zeros([LS, DV], gl.float32, layout=mma_k)
         # token ids are read ahead of their use, the rows' (for the lse / delta / gate gathers: two steps with
         # ROW_PF, whose row values then come a step ahead, else one) and the next refill's (for its TMA
-        # coordinates): none then waits on a dependent global load (bench/RESULTS.md tables 17 and 28)
+        # coordinates): none then waits on a dependent global load
         e = start + rs // G
         t_next = gl.load(TOKS + e, mask=e < end, other=0).to(gl.int32)                 # [R], step 0
         toks_r = _step_toks(TOKS, start + (NSTAGE - 1) * QB, end, QB, num_warps)      # [QB], the first refill
@@ -210,26 +210,10 @@ def _walk_kernel():
     return _gwalk_dkdv
 
 
-def _rows_of_heads(x: torch.Tensor) -> bool:
-    """x [B, T, HQ, d] addressable as a 2-D [B*T*HQ, d] array (one row per (token, head)), 16-byte aligned."""
-    B, T, HQ, d = x.shape
-    return (x.stride(3) == 1 and x.stride(2) == d and (T == 1 or x.stride(1) == HQ * d)
-            and (B == 1 or x.stride(0) == T * HQ * d) and (d * x.element_size()) % 16 == 0
-            and x.data_ptr() % 16 == 0)
-
-
-def gluon_walk_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, rows: int, l_sel: int) -> bool:
-    """Whether the Gluon dK/dV walk (with or without dq partials) takes this call: gluon_tile_ok's conditions with
-    `rows` (the walk step's token x head rows) in place of m*G, q / dO one row per (token, head)."""
-    G = q.shape[2] // k.shape[2]
-    return (rows == ROWS and rows % G == 0 and do.dtype == q.dtype and _rows_of_heads(q) and _rows_of_heads(do)
-            and q.numel() // q.shape[3] < 2 ** 31 and gluon_tile_ok(q, k, v, rows // G, l_sel))
-
-
 def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
                scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
                guard: Guard | None = None, row_prefetch: bool = True) -> bool:
-    """select.slc_dkdv's walk for inputs gluon_walk_ok accepts: fills dk32 / dv32 / xdk / xdv as
+    """select.slc_dkdv's walk for inputs the plan gives the Gluon walk: fills dk32 / dv32 / xdk / xdv as
     _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
     there; row_prefetch (without dq_pairs): the rows' values a step ahead. False as gtile_fwd's."""
     return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
