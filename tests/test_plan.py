@@ -71,3 +71,34 @@ def test_cli_prints_the_route(capsys):
     assert main(["--device", "h200", "--shape", "prod", "--T", "16384"]) == 0
     out = capsys.readouterr().out
     assert "plan[sm90]" in out and "compressed" in out
+
+
+def test_docs_kernels_md_holds_the_generated_route_table():
+    """docs/kernels.md shows the golden table to a reader: its generated part is `python -m nsa.ops.plan --markdown`."""
+    from pathlib import Path
+    from nsa.ops.plan import MD_BEGIN, MD_END, markdown
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kernels.md").read_text()
+    assert text[text.index(MD_BEGIN):text.index(MD_END) + len(MD_END)] == markdown(), \
+        "regenerate: python -m nsa.ops.plan --markdown"
+    for fam, shape in GOLDEN:   # the table is the golden one
+        for T, want in zip(TS, GOLDEN[(fam, shape)]):
+            cmp, win, scores, fwd, bwd, walk = want.split()
+            assert f"| {fam} | {shape} | {T // 1024}k | {cmp} | {win} | {scores} | {fwd} | {bwd} | {walk} |" in text
+
+
+def test_env_policy_line_names_the_plan():
+    """env.json's kernel_policy (nsa/train/loop.py) names the op's route for an NSA model on the Triton kernels: the
+    plan of one layer's call at train.seq_len, on the CPU the cpu family's."""
+    import torch
+    from nsa.config import config_from_dict
+    from nsa.ops import KernelPolicy
+    from nsa.ops.dispatch import BRANCHES
+    from nsa.ops.tuning import CPU
+    from nsa.train.loop import _kernel_policy
+    from nsa.train.precision import Precision
+    cfg = config_from_dict({"train": {"seq_len": 256}})
+    pol = KernelPolicy("triton", "cpu", "float32", {b: "triton" for b in BRANCHES}, {b: "test" for b in BRANCHES},
+                       None, CPU)
+    prec = Precision("fp32", "cpu", None, torch.amp.GradScaler("cpu", enabled=False))
+    line = _kernel_policy(cfg, torch.device("cpu"), prec, [pol])
+    assert "plan[cpu] cmp=triton win=triton/plain scores=triton slc fwd=token bwd=token" in line, line

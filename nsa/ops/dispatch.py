@@ -76,13 +76,12 @@ def _cmp_dense_note(cfg: CmpDenseTuning) -> str:
 
 def _win_note(tuning: KernelTuning) -> str:
     """Where the window branch runs under tuning.flash (flash-attn where measured faster)."""
-    own = ("own Triton kernel (H200, 64k, w=512: fwd 4.15 ms vs compiled FlexAttention 4.54; "
-           "bench/bench_attention.py --branch window)")
+    own = "own Triton kernel (faster than compiled FlexAttention: docs/kernels.md, window)"
     f = tuning.flash
     if f.win == "off":
         return f"window branch on the {own}, not flash-attn (tuning.flash.win=off)"
     return (f"window branch on flash-attn from T >= {f.min_t} where installed and allowed "
-            f"(tuning.flash.win={f.win}; H100, 64k, d=64: fwd+bwd 1.97 ms vs 2.35), else the {own}")
+            f"(tuning.flash.win={f.win}; measured faster: docs/kernels.md, window), else the {own}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class KernelPolicy:
     backends: dict[str, str] = field(default_factory=dict)
     reasons: dict[str, str] = field(default_factory=dict)
     fallback: str | None = None  # name of the fallback counter when requested != used
-    tuning: KernelTuning | None = None  # None: tuning_for(device)
+    tuning: KernelTuning | None = None  # None: the device preset
 
     def __post_init__(self) -> None:
         if self.tuning is None:

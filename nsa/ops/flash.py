@@ -9,9 +9,8 @@ aligned bottom-right, as flash-attn does: query i sits at position Tk - Tq + i, 
 (Tq new tokens after Tk - Tq cached ones) is the same call as a full forward. `window=w` keeps the
 w most recent keys of each query (itself included): flash-attn's window_size=(w - 1, 0).
 
-Backends, in the order "auto" tries them on CUDA (docs/flash.md: FA4 was 9-15% faster than cuDNN
-SDPA forward+backward at 8k-64k on an H200, d=128 GQA bf16; cuDNN leads torch's own SDPA kernels
-on Hopper; "math" is the always-working floor):
+Backends, in the order "auto" tries them on CUDA (fastest first, measured: docs/kernels.md, dense backends;
+"math" is the always-working floor):
 
     fa4             flash-attn-4, `from flash_attn.cute import flash_attn_func`; SM90+ (Hopper, Blackwell)
     fa2             flash-attn 2, `from flash_attn import flash_attn_func`; SM80+ (Ampere and later)
@@ -51,12 +50,12 @@ log = logging.getLogger("nsa.ops.flash")
 FLASH_BACKENDS = ("fa4", "fa2")
 SDPA_BACKENDS = ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math")
 CUDA_ORDER = FLASH_BACKENDS + SDPA_BACKENDS
-# SDPA kernels without grouped-query support (torch 2.11, H100: efficient answered "No available kernel"
-# to enable_gqa=True while cuDNN and flash ran it; bench/results/attention_prod.json)
+# SDPA kernels without grouped-query support (efficient answered "No available kernel" to enable_gqa=True
+# while cuDNN and flash ran it; bench/results/attention_prod.json)
 SDPA_NO_GQA = ("sdpa_efficient",)
 BACKENDS = CUDA_ORDER + ("sdpa", "reference", "auto")
-ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa_math (docs/flash.md, H200: "
-              "FA4 9-15% faster than cuDNN SDPA fwd+bwd at 8k-64k)")
+ORDER_NOTE = ("order fa4 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient > sdpa_math (fastest first: "
+              "docs/kernels.md, dense backends)")
 
 _lock = threading.Lock()
 _choices: dict[tuple, tuple[str, str]] = {}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from . import fallbacks
-from .tuning import PRESETS, KernelTuning  # noqa: F401 - PRESETS re-exported
+from .tuning import FAMILY_PRESET, PRESETS, KernelTuning, family_of, tuning_for  # noqa: F401 - re-exported
 
 UNKNOWN = "?"   # a probe outcome not known yet: the plan asks for it (OpPlan.needs)
 
@@ -36,34 +36,13 @@ class Arch:
 
 
 ARCHS = MappingProxyType({a.family: a for a in (
-    Arch("sm100", "hopper", True, False, True, True),   # Blackwell: FA4 yes, Gluon kernels are Hopper's
-    Arch("sm90", "hopper", True, True, True, True),
-    Arch("sm80", "ampere", True, False, False, True),
-    Arch("sm75", "hopper", True, False, False, False),  # older CUDA: the own Triton kernels only
-    Arch("cpu", "cpu", False, False, False, False),
+    Arch("sm100", FAMILY_PRESET["sm100"], True, False, True, True),   # Blackwell: FA4 yes, Gluon kernels are Hopper's
+    Arch("sm90", FAMILY_PRESET["sm90"], True, True, True, True),
+    Arch("sm80", FAMILY_PRESET["sm80"], True, False, False, True),
+    Arch("sm75", FAMILY_PRESET["sm75"], True, False, False, False),  # older CUDA: the own Triton kernels only
+    Arch("cpu", FAMILY_PRESET["cpu"], False, False, False, False),
 )})
 DEVICES = MappingProxyType({"h200": "sm90", "h100": "sm90", "a100": "sm80", "cpu": "cpu"})
-
-
-def family_of(capability: tuple[int, int] | None) -> str:
-    """The ARCHS family of a CUDA compute capability (None: no CUDA device)."""
-    if capability is None:
-        return "cpu"
-    major = capability[0]
-    return "sm100" if major >= 10 else "sm90" if major == 9 else "sm80" if major == 8 else "sm75"
-
-
-def tuning_for(device) -> KernelTuning:
-    """The preset of this device's family (CPU off CUDA; the Hopper values where no driver answers)."""
-    import torch
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return PRESETS["cpu"]
-    try:
-        cap = torch.cuda.get_device_capability(dev)
-    except Exception:  # noqa: BLE001 - no driver (offline compile): the measured defaults
-        cap = (9, 0)
-    return PRESETS[ARCHS[family_of(cap)].preset]
 
 
 @dataclass(frozen=True)
@@ -351,29 +330,50 @@ def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_se
     probe the plan asks for (the dense backend, the dense-SDPA check) runs once here, then it plans again."""
     import torch
     from .flash import device_capability
-    tuning = tuning or tuning_for(q.device)
     B, T, HQ, dk = q.shape
     dev, dv = str(q.device), v_cmp.shape[-1]
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     layout = {"q_heads": _rows_of_heads(q), "kv_rows": _rows_2d(k_slc) and _rows_2d(v_slc),
               "kcmp_rows": _rows_2d(k_cmp), "q_contig": q.is_contiguous()}
     grad = torch.is_grad_enabled()
+    from .triton import cmp_dense   # an outcome probed before (e.g. in eager warm-up) also holds inside a capture
+    sdpa = cmp_dense.probe(dev, q.dtype, dk, dv)[0] if cmp_dense.probed(dev, q.dtype, dk, dv) else UNKNOWN
     inp = PlanInputs(family_of(device_capability(q.device)), str(q.dtype).replace("torch.", ""), B, T, HQ,
                      k_slc.shape[2], dk, dv, k_cmp.shape[1], l, d, l_sel, n_sel, w, grad, grad and q.requires_grad,
                      torch.are_deterministic_algorithms_enabled(), capturing, _installed(q.is_cuda),
-                     frozenset(k for k, v in layout.items() if v), _refused(dev, q.dtype, dk, dv), chunk=chunk)
-    plan = select_plan(inp, tuning)
-    for _ in range(2):   # at most the two probes
+                     frozenset(k for k, v in layout.items() if v), _refused(dev, q.dtype, dk, dv), sdpa=sdpa,
+                     chunk=chunk)
+    return _probed_plan(inp, tuning, q.device, q.dtype)
+
+
+def _probed_plan(inp: PlanInputs, tuning: KernelTuning | None, device, dtype) -> OpPlan:
+    """select_plan under tuning (None: the device's preset), after the (at most two) one-off probes it asks for."""
+    from .triton import cmp_dense
+    tuning = tuning or tuning_for(device)
+    plan, dev = select_plan(inp, tuning), str(device)
+    for _ in range(2):
         if plan.needs == "dense":
             from .flash import choose_dense_backend
-            inp = dataclasses.replace(inp, dense=choose_dense_backend(q.device, q.dtype, dk, True)[0])
+            inp = dataclasses.replace(inp, dense=choose_dense_backend(device, dtype, inp.d_k, True)[0])
         elif plan.needs == "sdpa":
-            from .triton import cmp_dense
-            inp = dataclasses.replace(inp, sdpa=cmp_dense.probe(dev, q.dtype, dk, dv)[0])
+            inp = dataclasses.replace(inp, sdpa=cmp_dense.probe(dev, dtype, inp.d_k, inp.d_v)[0])
         else:
             break
-        plan = select_plan(dataclasses.replace(inp, refused=_refused(dev, q.dtype, dk, dv)), tuning)
+        plan = select_plan(dataclasses.replace(inp, refused=_refused(dev, dtype, inp.d_k, inp.d_v)), tuning)
     return plan
+
+
+def plan_for(device, dtype, *, B: int, T: int, HQ: int, H: int, d_k: int, d_v: int, l: int, d: int, l_sel: int,
+             n_sel: int, w: int, tuning: KernelTuning | None = None) -> OpPlan:
+    """The plan of a training call of this shape on `device` without its tensors (layouts as the model makes
+    them): what env.json and the model's log name. Runs the probes the plan asks for (not inside a capture)."""
+    import torch
+    from .flash import device_capability
+    device = torch.device(device)
+    inp = PlanInputs(family_of(device_capability(device)), str(dtype).replace("torch.", ""), B, T, HQ, H, d_k, d_v,
+                     max(0, (T - l) // d + 1), l, d, l_sel, n_sel, w, installed=_installed(device.type == "cuda"),
+                     refused=_refused(str(device), dtype, d_k, d_v))
+    return _probed_plan(inp, tuning, device, dtype)
 
 
 # ---------------------------------------------------------------------------------------- the route, printed
@@ -410,6 +410,59 @@ def describe(plan: OpPlan) -> str:
     return "\n".join(f"{k:<32} {v:<28} {r}".rstrip() for k, v, r in rows)
 
 
+# one line per choice the golden table shows: (choice, value, why, the bench/RESULTS.md section that decided it)
+NOTES = (
+    ("compressed", "fa4", "flash-attn 4 on the regrouped causal problem from T = 8k (tuning.flash.cmp=auto, sm90)",
+     "Tried / The op: kernels, branches and glue (branches on FA4 from 8k; the 8k alternatives)"),
+    ("compressed", "cudnn", "dense SDPA (the probed backend, cuDNN first) from T = 16k where FA4 is absent",
+     "Tried / The op: kernels, branches and glue (compressed branch on cuDNN); Training and CPU"),
+    ("compressed", "triton", "the gated Triton kernel: short T, no CUDA, or deterministic algorithms",
+     "Tried / The op: kernels, branches and glue"),
+    ("window", "fa4/entry", "FA4 through its backward entry: row sums from the gate kernel, dq kept in FA4's fp32 "
+     "accumulator", "Tried / The op: kernels, branches and glue (row_sums, fa4_accum, win_gate_lse)"),
+    ("window", "fa4/split", "from 16k at B = 1: FA4's backward on grouped views without GQA",
+     "Tried / The op: kernels, branches and glue (window's FA4 backward without GQA)"),
+    ("window", "triton/plain", "the own Triton kernel (faster than compiled FlexAttention) below 8k and off sm90",
+     "Tried / The op: kernels, branches and glue (FlexAttention; own kernels instead of FA4)"),
+    ("scores", "gluon", "paper geometry from 32k: the warp-specialized Gluon score pass (same blocks, bit for bit)",
+     "Tried / The op: block scores"),
+    ("scores", "triton", "fused scores + running top-n, no score tensor", "Tried / The op: block scores"),
+    ("selection fwd", "tile_gluon", "G >= 16 on sm90: query tiles of m = 4 tokens (regrouped within 32) on a Gluon "
+     "TMA ring, the op's output from its epilogue", "Tried / The op: selection at the paper shape (G = 16)"),
+    ("selection fwd", "tile", "query tiles in Triton where the Gluon kernels do not apply",
+     "Tried / The op: selection at the paper shape (G = 16)"),
+    ("selection fwd", "block", "G <= 8 on sm90: block order, fp16 pair partials",
+     "Tried / The op: selection at the production shape (G = 6)"),
+    ("selection fwd", "token", "one program per token: the unswept defaults (sm80, CPU)", "The op vs FA4 tables"),
+    ("selection bwd", "tile", "tile dq (Gluon on sm90) + the dK/dV walk without dq",
+     "Tried / The op: selection at the paper shape (G = 16)"),
+    ("selection bwd", "pairs", "dq from the walk's (token, block) partials",
+     "Tried / The op: selection at the production shape (G = 6)"),
+    ("selection bwd", "token", "per-token dq kernel + the token walk", "The op vs FA4 tables"),
+    ("dK/dV walk", "gluon", "Gluon walk with TMA rows (paper shape, sm90)",
+     "Tried / The op: selection at the paper shape (G = 16)"),
+    ("dK/dV walk", "triton", "the Triton walk (packed heads, token ids prefetched on sm90)",
+     "Tried / The op: selection at the production shape (G = 6)"),
+)
+MD_BEGIN, MD_END = "<!-- python -m nsa.ops.plan --markdown: begin -->", "<!-- python -m nsa.ops.plan --markdown: end -->"
+GOLDEN_TS = (4096, 8192, 16384, 32768, 65536)
+
+
+def markdown() -> str:
+    """The golden route table ({sm90, sm80, cpu} x {paper, prod} x T) and one line per choice (docs/kernels.md)."""
+    head = "| family | shape | T | compressed | window | scores | selection fwd | selection bwd | dK/dV walk |"
+    rows = [head, "|" + "---|" * 9]
+    for fam in ("sm90", "sm80", "cpu"):
+        for shape in ("paper", "prod"):
+            for T in GOLDEN_TS:
+                p = select_plan(sample_inputs(fam, shape, T), PRESETS[ARCHS[fam].preset])
+                rows.append(f"| {fam} | {shape} | {T // 1024}k | {p.cmp} | {p.win}/{p.win_entry} | {p.scores} | "
+                            f"{p.fwd} | {p.bwd} | {'gluon' if p.walk.gluon else 'triton'} |")
+    why = ["| choice | value | why | bench/RESULTS.md |", "|---|---|---|---|"]
+    why += [f"| {c} | {v} | {w} | {r} |" for c, v, w, r in NOTES]
+    return "\n".join([MD_BEGIN, "", *rows, "", *why, "", MD_END])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m nsa.ops.plan", description="print the NSA op's route for a call")
     ap.add_argument("--device", choices=sorted(DEVICES), default="h200")
@@ -417,7 +470,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--no-grad", action="store_true", help="an inference call")
+    ap.add_argument("--markdown", action="store_true", help="print docs/kernels.md's generated route table")
     a = ap.parse_args(argv)
+    if a.markdown:
+        print(markdown())
+        return 0
     fam = DEVICES[a.device]
     plan = select_plan(sample_inputs(fam, a.shape, a.T, a.B, not a.no_grad), PRESETS[ARCHS[fam].preset])
     print(f"{a.device} ({fam}, preset {ARCHS[fam].preset}), shape {a.shape} {SHAPES[a.shape]}, B={a.B} T={a.T}")

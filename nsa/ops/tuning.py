@@ -45,17 +45,25 @@ class AttnTuning:
         return (self.big_fwd, self.big_dq, self.big_dkdv) if big else (self.fwd, self.dq, self.dkdv)
 
 
+def _need(ok: bool, name: str, want: str, value) -> None:
+    """The validators' one error: `name must be <want>, got <value>`."""
+    if not ok:
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+
+
+def _int(v, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
 def check_max_regs(name: str, value) -> None:
     """A register cap (ptxas .maxnreg) is None or an int in [24, 255]."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 24 <= value <= 255):
-        raise ValueError(f"{name} must be None or an int in [24, 255], got {value!r}")
+    _need(value is None or _int(value, 24) and value <= 255, name, "None or an int in [24, 255]", value)
 
 
 def check_gluon_slots(name: str, value: int, what: str) -> None:
     """A Gluon kernel's ring slots: 0 (the Triton kernel instead) or >= 2 (one slot cannot prefetch)."""
-    if value == 1 or value < 0:
-        raise ValueError(f"{name} must be 0 (the Triton kernel) or >= 2 ({what} ring slots of the Gluon kernel), "
-                         f"got {value}")
+    _need(value == 0 or value >= 2, name, f"0 (the Triton kernel) or >= 2 ({what} ring slots of the Gluon kernel)",
+          value)
 
 
 @dataclass(frozen=True)
@@ -99,33 +107,22 @@ class SelectTuning:
         for name in ("gluon_walk_stages", "gluon_dq_walk_stages"):
             check_gluon_slots(f"select.{name}", getattr(self, name), "q / dO")
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
-            if getattr(self, name) not in (0, 2, 3, 4) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"select.{name} must be 0 (off), 2, 3 or 4, got {getattr(self, name)!r}")
-        if isinstance(self.dq_walk_loop_min_g, bool) or not isinstance(self.dq_walk_loop_min_g, int) \
-                or self.dq_walk_loop_min_g < 1:
-            raise ValueError(f"select.dq_walk_loop_min_g must be an int >= 1 (query heads per KV head), "
-                             f"got {self.dq_walk_loop_min_g!r}")
+            v = getattr(self, name)
+            _need(v in (0, 2, 3, 4) and not isinstance(v, bool), f"select.{name}", "0 (off), 2, 3 or 4", v)
         check_max_regs("select.pair_max_regs", self.pair_max_regs)
-        if self.loop not in ("token", "block", "auto"):
-            raise ValueError(f"select.loop must be token, block or auto, got {self.loop!r}")
-        if self.pair_dtype not in ("fp32", "input", "fp16"):
-            raise ValueError(f"select.pair_dtype must be fp32, input or fp16, got {self.pair_dtype!r}")
-        if self.dq_pair_dtype not in ("fp32", "input", None):
-            raise ValueError(f"select.dq_pair_dtype must be fp32, input or null (pair_dtype), got {self.dq_pair_dtype!r}")
-        if self.chunk < 1:
-            raise ValueError(f"select.chunk must be >= 1 (tokens per dK/dV program), got {self.chunk}")
-        if isinstance(self.chunk_min_items, bool) or not isinstance(self.chunk_min_items, int) \
-                or self.chunk_min_items < 0:
-            raise ValueError(f"select.chunk_min_items must be an int >= 0 (0: off), got {self.chunk_min_items!r}")
-        if self.pair_chunk < 0:
-            raise ValueError(f"select.pair_chunk must be >= 0 (0: select.chunk), got {self.pair_chunk}")
-        for name in ("block_max_g", "dq_block_max_g"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-                raise ValueError(f"select.{name} must be an int >= 0 (query heads per KV head), got {val!r}")
-        for name in ("pack_heads", "prefetch", "ids_in_regs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"select.{name} must be true or false, got {getattr(self, name)!r}")
+        for name, ok, want in (
+                ("dq_walk_loop_min_g", _int(self.dq_walk_loop_min_g, 1), "an int >= 1 (query heads per KV head)"),
+                ("loop", self.loop in ("token", "block", "auto"), "token, block or auto"),
+                ("pair_dtype", self.pair_dtype in ("fp32", "input", "fp16"), "fp32, input or fp16"),
+                ("dq_pair_dtype", self.dq_pair_dtype in ("fp32", "input", None), "fp32, input or null (pair_dtype)"),
+                ("chunk", self.chunk >= 1, ">= 1 (tokens per dK/dV program)"),
+                ("chunk_min_items", _int(self.chunk_min_items), "an int >= 0 (0: off)"),
+                ("pair_chunk", self.pair_chunk >= 0, ">= 0 (0: select.chunk)"),
+                ("block_max_g", _int(self.block_max_g), "an int >= 0 (query heads per KV head)"),
+                ("dq_block_max_g", _int(self.dq_block_max_g), "an int >= 0 (query heads per KV head)"),
+                *((n, isinstance(getattr(self, n), bool), "true or false") for n in ("pack_heads", "prefetch",
+                                                                                        "ids_in_regs"))):
+            _need(ok, f"select.{name}", want, getattr(self, name))
 
     def chunk_for(self, pairs: int) -> int:
         """Tokens per dK/dV program for a call with `pairs` (token, kv head, selected block) pairs."""
@@ -196,17 +193,13 @@ class TileTuning:
     group: int = 0                  # regroup each window of `group` tokens into alike tiles (0: consecutive)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.m <= TILE_MAX_M:
-            raise ValueError(f"TileTuning.m must be in 1..{TILE_MAX_M} (1: per-token kernels), got {self.m}")
-        if self.min_g < 1:
-            raise ValueError(f"TileTuning.min_g must be >= 1 (1: tiles at every G), got {self.min_g}")
-        if self.group not in (0, 8, 16, 32, 64) or self.group % self.m:
-            raise ValueError(f"TileTuning.group must be 0 (consecutive tokens) or 8 / 16 / 32 / 64, a multiple of m="
-                             f"{self.m}; got group={self.group!r}")
+        _need(1 <= self.m <= TILE_MAX_M, "TileTuning.m", f"in 1..{TILE_MAX_M} (1: per-token kernels)", self.m)
+        _need(self.min_g >= 1, "TileTuning.min_g", ">= 1 (1: tiles at every G)", self.min_g)
+        _need(self.group in (0, 8, 16, 32, 64) and not self.group % self.m, "TileTuning.group",
+              f"0 (consecutive tokens) or 8 / 16 / 32 / 64, a multiple of m={self.m}", self.group)
         for f in ("gluon_fwd_stages", "gluon_dq_stages", "gluon_dq_short_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
-        if self.gluon_dq_short_t < 0:
-            raise ValueError(f"TileTuning.gluon_dq_short_t must be >= 0 (0: never), got {self.gluon_dq_short_t}")
+        _need(self.gluon_dq_short_t >= 0, "TileTuning.gluon_dq_short_t", ">= 0 (0: never)", self.gluon_dq_short_t)
 
     def m_for(self, G: int) -> int:
         """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
@@ -250,8 +243,8 @@ class ScoreTuning:
     gluon_min_t: int | None = None   # from this T the paper geometry's score pass in Gluon (None: never)
 
     def __post_init__(self) -> None:
-        if self.gluon_min_t is not None and self.gluon_min_t < 0:
-            raise ValueError(f"ScoreTuning.gluon_min_t must be >= 0 or None, got {self.gluon_min_t}")
+        _need(self.gluon_min_t is None or self.gluon_min_t >= 0, "ScoreTuning.gluon_min_t", ">= 0 or None",
+              self.gluon_min_t)
 
     def tile_for(self, big: bool) -> ScoreTile:
         """The tile for padded head dims > 128 (big) or not."""
@@ -273,8 +266,8 @@ class CmpDenseTuning:
     min_t: int = 16384    # below this the gated Triton kernel is as fast
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "off", "cudnn", "flash", "math"):
-            raise ValueError(f"CmpDenseTuning.mode must be auto/off/cudnn/flash/math, got {self.mode!r}")
+        _need(self.mode in ("auto", "off", "cudnn", "flash", "math"), "CmpDenseTuning.mode", "auto/off/cudnn/flash/math",
+              self.mode)
 
 
 FLASH_BRANCH_MODES = ("off", "auto", "fa4", "fa2", "reference")
@@ -310,12 +303,11 @@ class FlashBranchTuning:
         return cls(**{p: "auto" for p in parts})
 
     def __post_init__(self) -> None:
-        if self.win_split_min_t is not None and self.win_split_min_t < 0:
-            raise ValueError(f"FlashBranchTuning.win_split_min_t must be >= 0 or None, got {self.win_split_min_t}")
+        _need(self.win_split_min_t is None or self.win_split_min_t >= 0, "FlashBranchTuning.win_split_min_t",
+              ">= 0 or None", self.win_split_min_t)
         for f in ("win", "cmp"):
-            if getattr(self, f) not in FLASH_BRANCH_MODES:
-                raise ValueError(f"FlashBranchTuning.{f} must be one of {FLASH_BRANCH_MODES}, "
-                                 f"got {getattr(self, f)!r}")
+            _need(getattr(self, f) in FLASH_BRANCH_MODES, f"FlashBranchTuning.{f}", f"one of {FLASH_BRANCH_MODES}",
+                  getattr(self, f))
 
 
 @dataclass(frozen=True)
@@ -392,7 +384,7 @@ class KernelTuning:
         return dataclasses.replace(self, **fields)
 
 
-# sm_90 (H100 / H200): the swept values; flash-attn 4 branches from 8k, block order for G <= 8, query tiles
+# sm_90: the swept values; flash-attn 4 branches from 8k, block order for G <= 8, query tiles
 # (Gluon) for G >= 16, capped-register score tiles; docs/kernels.md gives the reason and measurement of each.
 HOPPER = KernelTuning("hopper", flash=FlashBranchTuning(win="auto", cmp="auto", min_t=8192, win_split_min_t=16384),
                       select=SelectTuning(loop="auto", dq_block_max_g=16, pair_dtype="fp16", dq_pair_dtype="input",
@@ -413,7 +405,26 @@ CPU = KernelTuning("cpu", scores=EXACT_SCORES)
 PRESETS = MappingProxyType({t.name: t for t in (HOPPER, AMPERE, CPU)})   # read-only
 
 
+# the preset of each architecture family (nsa/ops/plan.py ARCHS: what else each family can run)
+FAMILY_PRESET = MappingProxyType({"sm100": "hopper", "sm90": "hopper", "sm80": "ampere", "sm75": "hopper",
+                                  "cpu": "cpu"})
+
+
+def family_of(capability: tuple[int, int] | None) -> str:
+    """The architecture family of a CUDA compute capability (None: no CUDA device)."""
+    if capability is None:
+        return "cpu"
+    major = capability[0]
+    return "sm100" if major >= 10 else "sm90" if major == 9 else "sm80" if major == 8 else "sm75"
+
+
 def tuning_for(device: torch.device | str) -> KernelTuning:
-    """The preset of this device's architecture family (nsa/ops/plan.py ARCHS)."""
-    from .plan import tuning_for as preset
-    return preset(device)
+    """The preset of this device's family (CPU off CUDA; the sm90 values where no driver answers)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return CPU
+    try:
+        cap = torch.cuda.get_device_capability(dev)
+    except Exception:  # noqa: BLE001 - no driver (offline compile): the measured defaults
+        cap = (9, 0)
+    return PRESETS[FAMILY_PRESET[family_of(cap)]]

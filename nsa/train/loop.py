@@ -120,7 +120,8 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision, probed: list) -> str:
     """The policy line for env.json: an NSA model's policies as probed at model build (so a probe's
-    fallback shows), a dense model's dense-kernel choice (flash-attn probes run only for dense models)."""
+    fallback shows) and, on the Triton kernels, the route of one layer's call at train.seq_len
+    (nsa/ops/plan.py's line); a dense model's dense-kernel choice (flash-attn probes run only for dense models)."""
     try:
         if probed:
             from nsa.ops.flash import branch_summary
@@ -128,6 +129,7 @@ def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision, probed
             if any(p.backend == "triton" for p in probed):
                 line += "; " + branch_summary(device, prec.dtype or torch.float32, cfg.model.d_k,
                                               cfg.nsa.allow_flash_attn, probed[0].tuning.flash)
+                line += "; " + _plan_line(cfg, device, prec, probed[0].tuning)
             return line
         from nsa.ops import KernelPolicy
         dense = cfg.model.attention == "dense"
@@ -136,6 +138,14 @@ def _kernel_policy(cfg: RunConfig, device: torch.device, prec: Precision, probed
                                         head_dim=cfg.model.d_k if dense else None))
     except Exception as exc:  # describing the policy must never stop training
         return f"unavailable: {exc}"
+
+
+def _plan_line(cfg: RunConfig, device: torch.device, prec: Precision, tuning) -> str:
+    """The op's route for one layer of this model at train.seq_len (a training call, B = 1 per layer call)."""
+    from nsa.ops.plan import plan_for
+    m, n = cfg.model, cfg.nsa
+    return plan_for(device, prec.dtype or torch.float32, B=1, T=cfg.train.seq_len, HQ=m.n_heads, H=m.n_kv_groups,
+                    d_k=m.d_k, d_v=m.d_v, l=n.l, d=n.d, l_sel=n.l_sel, n_sel=n.n_sel, w=n.w, tuning=tuning).line()
 
 
 def _fallbacks() -> dict[str, int]:

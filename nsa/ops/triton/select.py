@@ -194,7 +194,7 @@ def walk_ids(TOKS, start, end, WIN: tl.constexpr):
     """The token ids of list entries start .. end-1 (end - start <= WIN), loaded once into registers
     [WIN] int32 (walk_rows_in then takes each step's from there, no dependent global load per step).
     The block-order forward's pieces fit; the dK/dV walk's 1024-entry lists would need windows, whose
-    pipeline restarts were slower than its token-id prefetch (64k: 2.43 -> 2.60 ms)."""
+    pipeline restarts were slower than its token-id prefetch."""
     offs = start + tl.arange(0, WIN)
     return tl.load(TOKS + offs, mask=offs < end, other=0).to(tl.int32)
 

@@ -52,7 +52,7 @@ def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS, FLAG,
     hq = (h * G + g).to(tl.int64)
     inv_vs = 1.0 / tl.load(VS) if SCALED else 1.0       # fp16 partials hold o / max|v| (in [-1, 1])
     # no token-id prefetch here (select.prefetch is the dK/dV walk's): Triton pipelines this q gather one
-    # step ahead, carried token ids stop that, and it measured slower (H100, bench/RESULTS.md table 9)
+    # step ahead, carried token ids stop that, and it measured slower (bench/RESULTS.md, Tried)
     if IDS_IN_REGS:   # short pieces: their token ids in registers, so the q gathers pipeline
         ids = walk_ids(TOKS, start, end, WIN)
         for idx in range(start, end, QB):

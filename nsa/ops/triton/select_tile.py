@@ -102,8 +102,7 @@ def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRID
     int32 slots) every entry sees its predecessor and the M - 1 keys after it: it is the run's first iff
     its block differs from its predecessor's, a first entry's bits are its run's tokens, and its rank among
     the distinct blocks is the prefix count of first entries (a register tensor cannot be shifted or
-    sliced, hence KEYS). One sort instead of all-pairs compares of the entries: 4-5x faster at 64k
-    (bench/RESULTS.md table 18).
+    sliced, hence KEYS). One sort instead of all-pairs compares of the entries (faster: docs/kernels.md).
     Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
     STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
     if GUARD != 0:

@@ -11,9 +11,8 @@ p of head h holding token perm[b, h, p], a permutation of each window (a partial
 tokens in its first places). The tile kernels then read a tile's rows through perm, and its union is built
 from the permuted block indices (`permuted`); every row still attends exactly its own token's blocks.
 
-Captured selections of a trained model (paper shape, 64k, H200, bench/RESULTS.md table 26): the union of
-m=4 tiles falls from 0.537 of m x n_sel (consecutive) to 0.495 / 0.455 / 0.422 for W = 8 / 16 / 32 on
-layer 0, 0.422 to 0.400 / 0.377 / 0.361 on layer 3.
+On captured selections of a trained model the unions of m=4 tiles shrink with the window W (docs/kernels.md,
+tile.group).
 
 One program per (window, b * H + h). Each token's selection is a bit mask of mask_bits(n_blocks) bits
 (block id modulo that: exact up to 1024 blocks, i.e. 64k tokens at l_sel = 64; beyond, blocks 1024 apart
@@ -21,11 +20,8 @@ count as one, which only blurs the heuristic: any permutation is correct), [W, b
 registers; each of the W picks is a popcount of (mask & ~union) per token, a min and an OR.
 `group_tokens_torch` is the same greedy on bool masks (the CPU path and the kernel's cross-check).
 
-H200, bench/RESULTS.md table 27: at 64k (4 KV heads) the greedy takes 0.20 / 0.29 / 0.59 ms for W = 16 / 32
-/ 64 (an all-pairs compare of the window's entries per pick took 0.68 / 1.99 at W = 16 / 32: 118 / 254
-registers on sm_90 against 40 / 55 here); 8k 0.03 ms. The Hopper preset groups within W = 32: op forward +
-backward on captured layer 0 -3.7% / -5.5% / -4.1% at 8k / 16k / 64k, layer 3 within 1%, random inputs
-0.4-2.3% faster. W = 64 shrinks the unions a little more but was slower at 8k (forward +0.3 ms).
+The greedy is cheap next to the op (an all-pairs compare per pick needed several times the registers); the
+Hopper preset groups within W = 32, W = 64 was slower (docs/kernels.md, tile.group).
 """
 from __future__ import annotations
 
