@@ -90,6 +90,11 @@ class TinyLM(nn.Module):
     def from_config(cls, model_cfg: Any, nsa_cfg: Any, **overrides: Any) -> "TinyLM":
         """Build from nsa.config dataclasses (duck-typed): each constructor argument is taken from
         `overrides`, else nsa_cfg, else model_cfg (attributes of the same name), else its default."""
+        return cls(**cls.config_kwargs(model_cfg, nsa_cfg, **overrides))
+
+    @classmethod
+    def config_kwargs(cls, model_cfg: Any, nsa_cfg: Any, **overrides: Any) -> dict[str, Any]:
+        """The constructor arguments from_config passes (exporters record them, nsa/hf.py)."""
         kwargs: dict[str, Any] = {}
         for name in inspect.signature(cls.__init__).parameters:
             if name == "self":
@@ -104,7 +109,7 @@ class TinyLM(nn.Module):
                     break
         if overrides:
             raise ValueError(f"from_config: unknown overrides {sorted(overrides)}")
-        return cls(**kwargs)
+        return kwargs
 
     # ------------------------------------------------------------------ helpers
     def nsa_layers(self) -> list[NSAAttention]:
