@@ -16,7 +16,7 @@ a property a directory can be checked for (``checkpoint_problem``: meta.json par
 lists has the listed size), for directories written by other code or older versions. Only complete
 directories count as checkpoints (``list_checkpoints``); ``scan_checkpoints`` also returns the
 incomplete ones with the reason, and ``set_aside`` renames one out of the ``checkpoint_*`` namespace.
-Nothing here imports Ray.
+``prune_checkpoints`` keeps the newest ``train.keep_checkpoints`` complete ones. Nothing here imports Ray.
 
 Rules: never overwrite an existing checkpoint (``save_checkpoint`` raises ``FileExistsError``); a
 complete but unreadable file raises ``CheckpointError`` naming the file.
@@ -199,7 +199,7 @@ def _step_of(d: Path) -> Optional[int]:
     if meta.is_file():
         try:
             return int(json.loads(meta.read_text())["step"])
-        except (ValueError, KeyError, json.JSONDecodeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):   # any meta.json not of ours
             pass
     m = _DIR_RE.match(d.name)
     return int(m.group(1)) if m else None
@@ -221,13 +221,18 @@ def checkpoint_problem(d: str | os.PathLike) -> Optional[str]:
         int(meta["step"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{META_FILE} is unreadable (a partial write)"
+    # edited or foreign meta.json ({"checkpoint.pt": "abc"}, a list, "../x"): incomplete, not a traceback
+    if not isinstance(files, dict) or not all(
+            isinstance(n, str) and n and "/" not in n and n not in (".", "..")
+            and type(sz) is int and sz >= 0 for n, sz in files.items()):
+        return f"{META_FILE} 'files' is not a map of file name to byte count (edited or foreign)"
     for name, size in files.items():
         f = d / name
         have = f.stat().st_size if f.is_file() else None
         if have is None:
             return f"{name} is missing"
-        if have != int(size):
-            return f"{name} has {have} of {int(size)} bytes (an interrupted write)"
+        if have != size:
+            return f"{name} has {have} of {size} bytes (an interrupted write)"
     return None
 
 
@@ -278,6 +283,36 @@ def persist_checkpoint(src: str | os.PathLike, target: str | os.PathLike) -> Pat
         raise
     fsync_dir(target.parent)
     return target
+
+
+_PRUNING = ".pruning-"
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int,
+                      protect: tuple[str | os.PathLike, ...] = ()) -> list[Path]:
+    """Delete the complete checkpoints of ``run_dir`` older than its newest ``keep`` (at least 1: the newest
+    complete one is never deleted), except ``protect``ed dirs; whoever wrote or registered them. Each is
+    renamed out of the ``checkpoint_*`` namespace before it is removed, so a crash mid-delete leaves no
+    partial checkpoint, only a ``.pruning-*`` dir that the next prune removes. Incomplete dirs are left
+    alone (``set_aside`` keeps them for inspection). Returns the dirs deleted, oldest first."""
+    import shutil
+    root = Path(run_dir)
+    if root.is_dir():
+        for left in root.glob(_PRUNING + "checkpoint_*"):
+            shutil.rmtree(left, ignore_errors=True)
+    good = list_checkpoints(root)
+    keep_dirs = {d.resolve() for _, d in good[-max(1, int(keep)):]} | {Path(p).resolve() for p in protect}
+    removed = []
+    for _, d in good:
+        if d.resolve() in keep_dirs:
+            continue
+        doomed = d.with_name(f"{_PRUNING}{d.name}-{os.getpid()}")
+        os.replace(d, doomed)
+        shutil.rmtree(doomed)
+        removed.append(d)
+    if removed:
+        fsync_dir(root)
+    return removed
 
 
 def set_aside(d: str | os.PathLike) -> Path:
