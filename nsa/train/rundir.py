@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from nsa.config import ConfigError, check_run_name
 from nsa.fileio import atomic_write_bytes, atomic_write_text, fsync_dir  # noqa: F401  (re-exported)
-from nsa.train.checkpoint import scan_checkpoints, set_aside, verify_checkpoint
+from nsa.train.checkpoint import prune_checkpoints, scan_checkpoints, set_aside, verify_checkpoint
 
 def lock_path(run_dir: Path) -> Path:
     return run_dir.parent / f".{run_dir.name}.lock"
@@ -219,9 +219,11 @@ def _dir_step(d: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
-    """After every check passed: set incomplete checkpoint dirs aside, move a stale ``.HALT`` aside, and
-    write config.yaml atomically, in the run dir this process claimed. Returns what it did, one line each."""
+def commit_run(run_dir: str | os.PathLike, config_text: str, keep: Optional[int] = None) -> list[str]:
+    """After every check passed: set incomplete checkpoint dirs aside, prune complete ones beyond the newest
+    ``keep`` (train.keep_checkpoints; never the one resumed from), make Ray's checkpoint list the run dir's
+    (``settle_checkpoints``), move a stale ``.HALT`` aside, and write config.yaml atomically, in the run dir
+    this process claimed. Returns what it did, one line each."""
     run_dir = Path(run_dir).resolve()
     claim = _HELD.get(run_dir)
     if claim is None or not claim.lock.held:
@@ -232,6 +234,7 @@ def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
         if d.exists():
             done.append(f"note: set the incomplete {d.name} ({why}) aside as {set_aside(d).name}; delete it to "
                         "free its space")
+    done += settle_checkpoints(run_dir, keep, protect=(claim.resume_file.parent,) if claim.resume_file else ())
     halt = run_dir / ".HALT"
     if halt.exists():
         moved = run_dir / f".HALT.consumed-{int(time.time())}"
@@ -239,6 +242,22 @@ def commit_run(run_dir: str | os.PathLike, config_text: str) -> list[str]:
         done.append(f"note: moved stale {halt.name} of an earlier halt to {moved.name}")
     atomic_write_text(run_dir / "config.yaml", config_text)
     return done
+
+
+def settle_checkpoints(run_dir: str | os.PathLike, keep: Optional[int], protect: tuple[Path, ...] = ()) -> list[str]:
+    """Prune to the newest ``keep`` complete checkpoints (None: keep all) and rewrite Ray's checkpoint list
+    to match (nsa/train/ray_snapshot.py). Run by the lock holder while no Ray run uses the dir: before
+    fit (commit_run) and after it (a worker group killed before Ray registered its newest checkpoint
+    leaves one Ray never prunes). Returns what it did, one line each."""
+    from nsa.train.ray_snapshot import sync_snapshot
+    done = []
+    if keep is not None:
+        gone = prune_checkpoints(run_dir, keep, protect)
+        if gone:
+            done.append(f"note: pruned {', '.join(d.name for d in gone)} (train.keep_checkpoints={keep} keeps the "
+                        "newest complete ones)")
+    note = sync_snapshot(run_dir)
+    return done + ([note] if note else [])
 
 
 def release_run(run_dir: str | os.PathLike) -> None:
