@@ -52,19 +52,6 @@ def _abs(p: str) -> str:
 
 def prepare_local_corpus(out: Path) -> None:
     """Build the default shard directory from the offline local corpus (the data helper's API)."""
-    from nsa.launch.owner import FolderBusy, own
-    try:   # one builder per folder (as prepare_data.py --out): two at once would leave orphan shards
-        lock = own(out, "data.path", "another launch or prepare_data.py is building it: wait for it to end")
-    except FolderBusy as e:
-        raise UserError(str(e)) from None
-    try:
-        if not out.exists():      # not built by another launch meanwhile
-            _build_local_corpus(out)
-    finally:
-        lock.release()
-
-
-def _build_local_corpus(out: Path) -> None:
     from nsa.data.shards import write_shards
     from nsa.data.sources import iter_source
     print(f"data: {out} is missing and data.auto_prepare=true: building it from the offline local corpus "
@@ -98,8 +85,6 @@ def validate_inputs(cfg: RunConfig) -> None:
     from nsa.launch.storage import apply_storage
     default_data = cfg.data.path == DEFAULT_DATA_PATH
     apply_storage(cfg)     # absolute paths: against runtime.storage_root; never inside Ray's working-dir copy
-    from nsa.launch.owner import check_place
-    check_place(cfg.logging.root, cfg.logging.name, mlflow_uri(cfg))   # a file in the way is named before Ray
     try:
         get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -130,8 +115,6 @@ def validate_inputs(cfg: RunConfig) -> None:
     if cfg.runtime.use_gpu is False and cfg.runtime.num_workers == -1:
         raise UserError("runtime.num_workers=-1 means one worker per GPU but runtime.use_gpu=false; "
                         "set runtime.num_workers to a count")
-    from nsa.launch.preflight import preflight
-    preflight(cfg)     # a read-only storage_root, too little data or memory: refused before Ray, with numbers
 
 
 # ------------------------------------------------------------------------------------------ run dir
@@ -361,17 +344,16 @@ def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any], *,
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from nsa.train.failures import NsaTorchTrainer     # user errors in a worker are not retried
+    from ray.train.torch import TorchTrainer
     from nsa.train.ray_loop import train_loop_per_worker
-    from nsa.train.rendezvous import LoopbackTorchConfig  # torch's store on 127.0.0.1 with a local instance
     n = resolve_num_workers(cfg)
     check_resources(cfg, n)
     run_dir = Path(run_dir).resolve()
     opts = ExecutionOptions(preserve_order=True)   # reproducible stream -> exact data resume (nsa/train/loop.py)
     loop_config = {"cfg": cfg.to_dict(), "run_dir": str(run_dir), "mlflow_uri": mlflow_uri(cfg),
                    "resume_from": cfg.train.resume_from, "torch_threads": max(1, int(cfg.runtime.cpus_per_worker))}
-    return NsaTorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_config, torch_config=LoopbackTorchConfig(),
+    return TorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_config,
         scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.runtime.use_gpu,
                                      resources_per_worker=worker_resources(cfg),
                                      placement_strategy=cfg.runtime.placement_strategy),
@@ -453,15 +435,14 @@ def print_summary(run_dir: Path, summary: dict[str, Any], cfg: RunConfig, wall: 
         print(f"tensorboard:  tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
-def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> int:
+def _fit(trainer: Any, run_dir: Path) -> int:
     """trainer.fit() under the driver's signal handlers; 1 and one readable line if it fails."""
-    from nsa.train.failures import failure_cause
-    since = time.time()
+    from nsa.train.rundir import failure_line
     with _DriverSignals(run_dir):
         try:
             trainer.fit()
-        except Exception as e:  # TrainingFailedError & co: the cause first (nsa/train/failures.py)
-            print(f"error: training failed: {failure_cause(e, run_dir, cfg, since)}\n"
+        except Exception as e:  # TrainingFailedError & co: one readable line (the storage cause first)
+            print(f"error: training failed: {failure_line(e)}\n"
                   f"  see {run_dir}/heartbeat_rank*.jsonl and the Ray logs above", flush=True)
             return 1
     return 0
@@ -499,7 +480,7 @@ def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quie
         commit_prepared(run_dir, cfg, sources)
         mfile = run_dir / "metrics.json"
         before = _stamp(mfile)
-        code, summary = _fit(trainer, run_dir, cfg), {}
+        code, summary = _fit(trainer, run_dir), {}
         _settle(run_dir, cfg)
     finally:
         release_run(run_dir)
