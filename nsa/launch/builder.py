@@ -52,6 +52,19 @@ def _abs(p: str) -> str:
 
 def prepare_local_corpus(out: Path) -> None:
     """Build the default shard directory from the offline local corpus (the data helper's API)."""
+    from nsa.launch.owner import FolderBusy, own
+    try:   # one builder per folder (as prepare_data.py --out): two at once would leave orphan shards
+        lock = own(out, "data.path", "another launch or prepare_data.py is building it: wait for it to end")
+    except FolderBusy as e:
+        raise UserError(str(e)) from None
+    try:
+        if not out.exists():      # not built by another launch meanwhile
+            _build_local_corpus(out)
+    finally:
+        lock.release()
+
+
+def _build_local_corpus(out: Path) -> None:
     from nsa.data.shards import write_shards
     from nsa.data.sources import iter_source
     print(f"data: {out} is missing and data.auto_prepare=true: building it from the offline local corpus "
@@ -85,6 +98,8 @@ def validate_inputs(cfg: RunConfig) -> None:
     from nsa.launch.storage import apply_storage
     default_data = cfg.data.path == DEFAULT_DATA_PATH
     apply_storage(cfg)     # absolute paths: against runtime.storage_root; never inside Ray's working-dir copy
+    from nsa.launch.owner import check_place
+    check_place(cfg.logging.root, cfg.logging.name, mlflow_uri(cfg))   # a file in the way is named before Ray
     try:
         get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)
     except (ValueError, FileNotFoundError, ImportError) as e:
