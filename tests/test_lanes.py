@@ -262,6 +262,7 @@ def test_shipped_lanes_run_through_tune(ray_session, tmp_path, capsys):
     with pytest.raises(LaneError, match=r"--max-concurrent=1000: each lane holds up to 0.26 CPU"):
         size_concurrency(plan, 1000)          # refused before fit(): Ray would wait forever
     assert 1 <= size_concurrency(plan, None) <= 2
+    plan.release()                            # plan_grid took its (unnamed) grid's folder lock
     code = lanes_cli.main(["--lanes", str(lanes), *only, "--name", "g1", "--steps", "3", "--stall-seconds", "300",
                            "--hang-grace", "0", *SMALL, f"logging.root={root}"])
     out = capsys.readouterr().out
@@ -339,6 +340,7 @@ def test_other_shipped_lanes_train_in_process(tiny_data, tmp_path):
     real_text = [o for o in SMALL if not o.startswith("data.source=")] + [f"data.path={tiny_data}"]
     args = lanes_cli.build_parser().parse_args(["--name", "g2", "--steps", "2", *real_text, f"logging.root={root}"])
     plan = plan_grid(args)
+    plan.release()                            # the lanes run in process here, each under its own run lock
     assert {ln.name for ln, _ in plan.skipped} == set(CPU_SKIPPED)
     local = [lc for lc in plan.lanes if lc.lane.name == "baseline" or lc.lane.name not in TUNE_LANES]
     names = {lc.lane.name for lc in local}
