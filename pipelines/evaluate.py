@@ -107,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     from nsa.config import config_from_dict
     from nsa.data.tokenizers import get_tokenizer
     from nsa.evaluation import core, report
-    from nsa.train.checkpoint import checkpoint_kind, load_checkpoint, resolve_checkpoint_file
+    from nsa.train.checkpoint import CheckpointError, checkpoint_kind, load_checkpoint, resolve_checkpoint_file
 
-    f = resolve_checkpoint_file(args.checkpoint)
-    state = load_checkpoint(f, map_location="cpu")
+    try:
+        f = resolve_checkpoint_file(args.checkpoint)
+        state = load_checkpoint(f, map_location="cpu")
+    except CheckpointError as exc:
+        raise UserError(f"--checkpoint: {exc}") from None
     step, kind = int(state["step"]), checkpoint_kind(state)
     cfg = config_from_dict(state["config"])
     tok = get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path)

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from nsa.evaluation import report
     from nsa.train.checkpoint import load_checkpoint, resolve_checkpoint_file
 
+    if not args.alias or not all(c.isalnum() or c in "_-" for c in args.alias):
+        raise UserError(f"--alias={args.alias!r}: use letters, digits, '_' or '-'")
     run_dir = Path(args.run).expanduser()
     if not run_dir.is_dir():
         raise UserError(f"run {str(run_dir)!r} is not a directory: pass a run directory such as runs/<name>")
@@ -62,8 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     if Path(results["checkpoint"]).resolve() != f.resolve():
         raise UserError(f"--eval: {eval_json} evaluates {results['checkpoint']}, not the run's latest checkpoint "
                         f"{f}: evaluate that one (python pipelines/evaluate.py --checkpoint {run_dir})")
-    if not args.alias or not all(c.isalnum() or c in "_-" for c in args.alias):
-        raise UserError(f"--alias={args.alias!r}: use letters, digits, '_' or '-'")
 
     uri, run_id, experiment = report.mlflow_target(run_dir, cfg, args.mlflow_uri)
     ev = results.get("mlflow") or {}
