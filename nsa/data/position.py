@@ -121,9 +121,20 @@ def seek_units(units: Sequence[Unit], pos: DataPosition, files: Sequence[str | o
 
 
 def read_unit(path: str | os.PathLike, unit: Unit) -> list[Any]:
-    """The `text` values of docs [lo, hi) of one row group (None for nulls)."""
-    table = open_parquet(path).read_row_group(unit.row_group, columns=["text"])
-    col = table.column(0).slice(unit.lo, unit.hi - unit.lo).to_pylist()
+    """The `text` values of docs [lo, hi) of one row group (None for nulls). A shard damaged after the
+    preflight (its cached verdict still says clean) fails here: DataError naming the shard and row group."""
+    try:
+        table = open_parquet(path).read_row_group(unit.row_group, columns=["text"])
+        col = table.column(0).slice(unit.lo, unit.hi - unit.lo).to_pylist()
+    except Exception as exc:   # pyarrow's decode errors (OSError, ArrowInvalid, ...) name neither
+        from nsa.data.shards import PREPARE_HINT, DataError
+        from nsa.data.sources import is_url
+        if is_url(str(path)):
+            raise      # a hub read may fail for the network: Ray's error names the URL, and a retry may help
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise DataError(f"{path}: row group {unit.row_group} cannot be decoded ({type(exc).__name__}: {first}): "
+                        f"the shard is corrupt; delete it and re-run {PREPARE_HINT} --out {Path(str(path)).parent} "
+                        "--overwrite") from None
     READ_COUNTER["docs"] += len(col)
     READ_COUNTER["units"] += 1
     return col

@@ -130,6 +130,8 @@ def validate_inputs(cfg: RunConfig) -> None:
     if cfg.runtime.use_gpu is False and cfg.runtime.num_workers == -1:
         raise UserError("runtime.num_workers=-1 means one worker per GPU but runtime.use_gpu=false; "
                         "set runtime.num_workers to a count")
+    from nsa.launch.preflight import preflight
+    preflight(cfg)     # a read-only storage_root, too little data or memory: refused before Ray, with numbers
 
 
 # ------------------------------------------------------------------------------------------ run dir
@@ -359,16 +361,17 @@ def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any], *,
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchTrainer
+    from nsa.train.failures import NsaTorchTrainer     # user errors in a worker are not retried
     from nsa.train.ray_loop import train_loop_per_worker
+    from nsa.train.rendezvous import LoopbackTorchConfig  # torch's store on 127.0.0.1 with a local instance
     n = resolve_num_workers(cfg)
     check_resources(cfg, n)
     run_dir = Path(run_dir).resolve()
     opts = ExecutionOptions(preserve_order=True)   # reproducible stream -> exact data resume (nsa/train/loop.py)
     loop_config = {"cfg": cfg.to_dict(), "run_dir": str(run_dir), "mlflow_uri": mlflow_uri(cfg),
                    "resume_from": cfg.train.resume_from, "torch_threads": max(1, int(cfg.runtime.cpus_per_worker))}
-    return TorchTrainer(
-        train_loop_per_worker, train_loop_config=loop_config,
+    return NsaTorchTrainer(
+        train_loop_per_worker, train_loop_config=loop_config, torch_config=LoopbackTorchConfig(),
         scaling_config=ScalingConfig(num_workers=n, use_gpu=cfg.runtime.use_gpu,
                                      resources_per_worker=worker_resources(cfg),
                                      placement_strategy=cfg.runtime.placement_strategy),
@@ -450,14 +453,15 @@ def print_summary(run_dir: Path, summary: dict[str, Any], cfg: RunConfig, wall: 
         print(f"tensorboard:  tensorboard --logdir {run_dir / 'tb'}", flush=True)
 
 
-def _fit(trainer: Any, run_dir: Path) -> int:
+def _fit(trainer: Any, run_dir: Path, cfg: RunConfig) -> int:
     """trainer.fit() under the driver's signal handlers; 1 and one readable line if it fails."""
-    from nsa.train.rundir import failure_line
+    from nsa.train.failures import failure_cause
+    since = time.time()
     with _DriverSignals(run_dir):
         try:
             trainer.fit()
-        except Exception as e:  # TrainingFailedError & co: one readable line (the storage cause first)
-            print(f"error: training failed: {failure_line(e)}\n"
+        except Exception as e:  # TrainingFailedError & co: the cause first (nsa/train/failures.py)
+            print(f"error: training failed: {failure_cause(e, run_dir, cfg, since)}\n"
                   f"  see {run_dir}/heartbeat_rank*.jsonl and the Ray logs above", flush=True)
             return 1
     return 0
@@ -495,7 +499,7 @@ def launch(cfg: RunConfig, sources: dict[str, str], *, prefix: str = "run", quie
         commit_prepared(run_dir, cfg, sources)
         mfile = run_dir / "metrics.json"
         before = _stamp(mfile)
-        code, summary = _fit(trainer, run_dir), {}
+        code, summary = _fit(trainer, run_dir, cfg), {}
         _settle(run_dir, cfg)
     finally:
         release_run(run_dir)

@@ -51,7 +51,8 @@ class BatchStream:
                     continue
                 yield b
             if produced == 0 and fresh:
-                raise ValueError(f"the training data produced no batch in epoch {self.epoch}: fewer rows per "
+                from nsa.data.shards import DataError   # a user error: Ray Train does not retry it
+                raise DataError(f"the training data produced no batch in epoch {self.epoch}: fewer rows per "
                                  "worker than train.batch_size; lower train.batch_size/seq_len or add data")
             self.epoch += 1
             self.batches_in_epoch = 0

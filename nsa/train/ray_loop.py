@@ -160,6 +160,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     _worker_logging()
     cfg = config_from_dict(config["cfg"])
-    env = RayEnv(cfg, Path(config["run_dir"]))
-    run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
-                 resume_from=config.get("resume_from"))
+    from nsa.train.failures import not_retried
+    with not_retried():     # a user error (storage, data) leaves as NotRetried: Ray Train does not retry it
+        env = RayEnv(cfg, Path(config["run_dir"]))
+        run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
+                     resume_from=config.get("resume_from"))
