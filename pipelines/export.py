@@ -26,7 +26,7 @@ from nsa.launch.cli import UserError, main_entry
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n")[1],
+    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--checkpoint", required=True, help="run dir (latest checkpoint), checkpoint dir or checkpoint.pt")
     p.add_argument("--out", required=True, help="directory to write (absent or empty, or see --overwrite)")
