@@ -85,9 +85,12 @@ class ModelConfig:
     compile: bool = False
     # nsa: sparse attention blocks | dense: the same TinyLM with causal full attention (the A/B twin)
     attention: str = "nsa"
+    dense_backend: str = "auto"       # the dense twin's kernel: auto or one of nsa.ops.flash.BACKENDS (sdpa_flash, ...)
 
     def __post_init__(self) -> None:
         _one_of("model.attention", self.attention, ("nsa", "dense"))
+        from nsa.ops.flash import BACKENDS as dense   # the one list of kernel names (dense_attention's)
+        _one_of("model.dense_backend", self.dense_backend, dense)
         _positive("model", self, ("vocab", "dim", "n_layers", "n_heads", "n_kv_groups", "d_k", "d_v", "ffn_mult"))
         _require(self.n_heads % self.n_kv_groups == 0,
                  f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_groups={self.n_kv_groups} "
@@ -252,10 +255,14 @@ class LoggingConfig:
     health_max_gate: Optional[float] = 0.9      # per-layer mean of the largest gate
     health_max_collapse: Optional[float] = 0.05  # per-layer share of (token, head) with max gate > 0.9
     verbose: bool = False            # show Ray's routine start-up/shutdown noise on the terminal
+    # first N steps (nsa/train/debug_steps.py): module fwd/bwd ms + grad norms -> trace/, CUDA memory history -> memory/
+    trace_steps: int = 0
+    memory_snapshot_steps: int = 0
 
     def __post_init__(self) -> None:
         _positive("logging", self, ("log_every", "heartbeat_every"))
-        _require(self.stats_every >= 0, "logging.stats_every must be >= 0 (0 disables gate stats)")
+        for n in ("stats_every", "trace_steps", "memory_snapshot_steps"):   # 0: off
+            _require(getattr(self, n) >= 0, f"logging.{n}={getattr(self, n)} must be >= 0 (0 turns it off)")
         if self.name is not None:
             check_run_name(self.name)
 
@@ -285,6 +292,8 @@ class RunConfig:
                  "token (and so no learned selection) would ever be visible; raise seq_len or lower nsa.l")
         if self.runtime.precision == "fp16" and not self.runtime.use_gpu:
             raise ConfigError("runtime.precision=fp16 needs GPUs (runtime.use_gpu=true); use bf16 or fp32 on CPU")
+        _require(not self.logging.memory_snapshot_steps or self.runtime.use_gpu, "logging.memory_snapshot_steps "
+                 "records CUDA memory: it needs runtime.use_gpu=true (set logging.memory_snapshot_steps=0 on CPU)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -85,7 +85,7 @@ def _check_model_compat(cfg: RunConfig, ckpt_cfg: dict[str, Any], where: str) ->
     default = {s: dataclasses.asdict(type(getattr(cfg, s))()) for s in ("model", "nsa")}
     diffs = [f"{s}.{k}: checkpoint {ckpt_cfg.get(s, {}).get(k, default[s][k])!r}, config {v!r}"
              for s in ("model", "nsa") for k, v in mine[s].items()
-             if k not in ("backend", "allow_flash_attn", "flash_branches", "grad_checkpointing")
+             if k not in ("backend", "allow_flash_attn", "flash_branches", "grad_checkpointing", "dense_backend")
              and ckpt_cfg.get(s, {}).get(k, default[s][k]) != v]
     if diffs:
         raise UserError(f"{where} was trained with another model shape: " + "; ".join(diffs) +

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nsa.layers.rope import apply_rope
-from nsa.ops.flash import BACKENDS, choose_dense_backend, dense_attention
+from nsa.ops.flash import BACKENDS, FLASH_BACKENDS, choose_dense_backend, dense_attention
 
 
 class DenseKVCache:
@@ -79,6 +79,9 @@ class DenseAttention(nn.Module):
             raise ValueError(f"rope_base={rope_base}: must be > 0")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: dense attention backends are {list(BACKENDS)}")
+        if backend in FLASH_BACKENDS and not allow_flash:   # an explicit kernel would silently override the switch
+            raise ValueError(f"backend={backend!r} (model.dense_backend) is flash-attn, which allow_flash=False "
+                             "(nsa.allow_flash_attn=false) turns off: choose another backend or allow flash-attn")
         self.dim, self.n_heads, self.n_kv_groups, self.d_k, self.d_v = dim, n_heads, n_kv_groups, d_k, d_v
         self.rope_base, self.backend, self.allow_flash = float(rope_base), backend, bool(allow_flash)
         self._split = (n_heads * d_k, n_kv_groups * d_k, n_kv_groups * d_v)

@@ -52,14 +52,14 @@ class LlamaBlockNSA(nn.Module):
                  w: int = 128, ffn_mult: float = 8.0 / 3.0, backend: str = "auto",
                  compression: str = "mlp", rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, attention: str = "nsa", allow_flash_attn: bool = True,
-                 flash_branches: str = "preset") -> None:
+                 flash_branches: str = "preset", dense_backend: str = "auto") -> None:
         super().__init__()
         if ffn_mult <= 0:
             raise ValueError(f"ffn_mult={ffn_mult}: must be > 0")
         self.attn_norm = RMSNorm(dim, norm_eps)
         if attention == "dense":  # the dense twin (nsa/layers/dense.py): same block, full attention
             self.attn = DenseAttention(dim, n_heads, n_kv_groups, d_k, d_v, rope_base=rope_base,
-                                       allow_flash=allow_flash_attn)
+                                       backend=dense_backend, allow_flash=allow_flash_attn)
         else:
             self.attn = NSAAttention(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
                                      compression=compression, rope_base=rope_base, backend=backend,

@@ -34,7 +34,8 @@ class TinyLM(nn.Module):
                  backend: str = "auto", compression: str = "mlp", ffn_mult: float = 8.0 / 3.0,
                  tie_embeddings: bool = False, rope_base: float = 10000.0,
                  norm_eps: float = 1e-6, compile_blocks: bool | str = False,
-                 attention: str = "nsa", allow_flash_attn: bool = True, flash_branches: str = "preset") -> None:
+                 attention: str = "nsa", allow_flash_attn: bool = True, flash_branches: str = "preset",
+                 dense_backend: str = "auto") -> None:
         super().__init__()
         if attention not in ("nsa", "dense"):
             raise ValueError(f"attention={attention!r}: choose 'nsa' or 'dense' (model.attention)")
@@ -50,7 +51,8 @@ class TinyLM(nn.Module):
             LlamaBlockNSA(dim, n_heads, n_kv_groups, d_k, d_v, l, d, l_sel, n_sel, w,
                           ffn_mult=ffn_mult, backend=backend, compression=compression,
                           rope_base=rope_base, norm_eps=norm_eps, attention=attention,
-                          allow_flash_attn=allow_flash_attn, flash_branches=flash_branches)
+                          allow_flash_attn=allow_flash_attn, flash_branches=flash_branches,
+                          dense_backend=dense_backend)
             for _ in range(n_layers))
         self.norm = RMSNorm(dim, norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)

@@ -8,7 +8,8 @@ data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier)
     -> [stats step: gate/selection stats transfer] -> [eval step] -> control decision (tiny CPU
     all-reduce) -> [checkpoint + report] -> step_end hb -> watchdog kick -> stop if agreed
 
-Host syncs: only at log/stats/eval/checkpoint steps (deliberate, marked ``sync-ok``). The heartbeat's
+Host syncs: only at log/stats/eval/checkpoint steps and the first ``logging.trace_steps`` steps
+(deliberate, marked ``sync-ok``). The heartbeat's
 loss/grad-norm are the last logged values, with ``loss_step`` (the step they belong to); a progress record
 before the first log step of a (re)start has none; step/fetch times are host wall clock.
 Non-finite steps never change the weights (see nsa/train/step.py); with ``on_nonfinite=halt`` the loop
@@ -47,6 +48,7 @@ from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_n
                                   scan_checkpoints)
 from nsa.train.batches import BatchStream
 from nsa.train.control import Control, Decision, Faults
+from nsa.train.debug_steps import DebugSteps
 from nsa.train.precision import Precision, precision_from_config
 from nsa.train.reporting import DeviceStepTimer, RunReporter
 from nsa.train.schedule import build_optimizer, build_scheduler
@@ -257,6 +259,9 @@ class Trainer:
                                resume_step=self.step if self.resumed_from else None)
         self.ctl = Control(self.run_dir, self.rank, self.world, self.device)
         self.faults = Faults(r.fault, self.run_dir, self.rank, self.world)
+        # logging.trace_steps / memory_snapshot_steps: no-ops unless set (their syncs are those steps' only)
+        self.debug = DebugSteps(cfg.logging, self.core, self.opt, self.device, self.run_dir, self.rank,
+                                self.rep.train_log.log_artifact, start_step=self.step)
         self.meter = IntervalMeter(self.device)
         self.timer = DeviceStepTimer(self.device)
         # periods of warm-up / capture steps are not steady-state step times
@@ -417,6 +422,7 @@ class Trainer:
             self.ctl.close()
             close_step(self.graphed)
             self.data.close()
+            self.debug.close()
         summary = self._summary(status, reason, wd)
         self.rep.heartbeat("end", self.step, status=status, reason=reason)
         self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")
@@ -440,11 +446,13 @@ class Trainer:
                 stats_due = lg.stats_every > 0 and step % lg.stats_every == 0
                 self.core.set_record_stats(stats_due)
                 self.lr_used = host_lr(self.sched)
+                traced = self.debug.before(step)   # hooks fire only in eager steps
                 if self.graphed is not None:   # stats steps run eagerly: the graph records no stats
-                    res = self.graphed(micro, poison=poison, eager=stats_due)
+                    res = self.graphed(micro, poison=poison, eager=stats_due or traced)
                 else:
                     res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
                                      poison=poison)
+                self.debug.after(step, res)
             self.step = step
             tokens_step = res.tokens
             self.tokens += res.tokens * self.world
