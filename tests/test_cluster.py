@@ -162,6 +162,36 @@ def test_gpu_nodes_are_a100_80gb_with_40gb_documented(launcher):
     assert "40 GB as the alternative" in readme
 
 
+FA2_PIN = re.compile(r'"flash-attn==(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?"')
+
+
+def test_a100_workers_and_the_image_install_flash_attention_2(launcher):
+    """FlashAttention-2 (flash-attn-4 needs SM90+) through the .[flash2] extra, the same pin in the image and on the
+    launcher's A100 workers, built against the installed torch for sm_80 only; the CPU head does not build it."""
+    docker = (ROOT / "cluster" / "Dockerfile").read_text()
+    worker = " ".join(launcher["worker_setup_commands"])
+    assert re.search(r"^flash2 = \[\"flash-attn", (ROOT / "pyproject.toml").read_text(), re.M)
+    pins = set()
+    for where, text in (("cluster/Dockerfile", docker.replace("${FLASH_ATTN_VERSION}", re.search(
+            r"ARG FLASH_ATTN_VERSION=(\S+)", docker).group(1))), ("worker_setup_commands", worker)):
+        assert "/home/ray/nsa[flash2]" in text and "--no-build-isolation" in text, where
+        assert "FLASH_ATTN_CUDA_ARCHS=80" in text, f"{where}: A100 is sm_80"
+        m = FA2_PIN.search(text)
+        assert m and m.group(1) == "2" and (int(m.group(2)), int(m.group(3))) >= (8, 3), f"{where}: pin FA2 >= 2.8.3"
+        pins.add(m.group(0))
+    assert len(pins) == 1, f"the image and the workers pin different flash-attn versions: {pins}"
+    # the image installs it after torch (it builds against it) and checks FA2's own import path
+    assert docker.index('"torch==') < docker.index("[flash2]") and "from flash_attn import flash_attn_func" in docker
+    for key in ("setup_commands", "head_setup_commands"):
+        assert "flash" not in " ".join(launcher[key]), f"{key}: the CPU head needs no flash-attn build"
+    assert worker.startswith('python -c "import flash_attn" 2>/dev/null ||'), "skip the build where it is installed"
+    readme = (ROOT / "cluster" / "README.md").read_text()
+    section = readme.split("### FlashAttention-2 on the A100s", 1)[1].split("\n### ", 1)[0]
+    assert next(iter(pins)).strip('"') in section and "not measured on an A100" in section
+    for lane in ("dense_flash_off", "sdpa_flash"):    # the lanes it gives something to decide, as shipped
+        assert lane in section and f"\n  {lane}:\n" in (ROOT / "lanes" / "lanes.yaml").read_text()
+
+
 def test_readme_states_what_ran_on_a100_and_where_ray_binds():
     readme = (ROOT / "cluster" / "README.md").read_text()
     section = readme.split("### What ran on real A100s", 1)[1].split("\n## ", 1)[0]
