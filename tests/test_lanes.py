@@ -30,10 +30,12 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml")
 PROD = str(REPO / "pipelines" / "configs" / "prod_50k.yaml")
 RUNBOOK_LANES = ("baseline", "conservative", "torch", "triton", "dense", "dense_flash_off", "fp32", "bf16", "fp16",
-                 "deterministic", "prefill", "anomaly", "no_aux_stats", "grad_ckpt", "no_grad_ckpt", "accum2")
+                 "deterministic", "prefill", "anomaly", "no_aux_stats", "grad_ckpt", "no_grad_ckpt", "accum2",
+                 "sdpa_flash", "memory", "trace")
 # lanes the CPU base cannot run, or already is (the baseline is that lane there)
 CPU_SKIPPED = {"torch": "already runs", "triton": "needs a GPU", "dense_flash_off": "CUDA only",
-               "fp32": "already runs", "fp16": "needs a GPU", "no_grad_ckpt": "already runs"}
+               "fp32": "already runs", "fp16": "needs a GPU", "no_grad_ckpt": "already runs",
+               "sdpa_flash": "needs a GPU", "memory": "needs a GPU"}
 # on the GPU base (no flash-attn package here): auto is triton, bf16 and checkpointing are the profile's own
 GPU_SKIPPED = {"triton": "already runs", "bf16": "already runs", "grad_ckpt": "already runs",
                "dense_flash_off": "no flash_attn package"}
@@ -92,6 +94,11 @@ def test_shipped_lanes_each_change_something_on_both_bases(base, skipped):
     assert by["deterministic"].effective["runtime.deterministic"] is True
     assert by["deterministic"].effective["lane.repeat"] == 2 and by["prefill"].effective["lane.checks"] == "prefill"
     assert by["dense"].effective["model.attention"] == "dense"
+    assert by["trace"].effective == {"logging.trace_steps": 2}
+    if "memory" in by:                       # the GPU base: the runbooks' debug lanes change one field each
+        assert by["memory"].effective == {"logging.memory_snapshot_steps": 3}
+        assert by["sdpa_flash"].effective["model.dense_backend"] == "sdpa_flash"
+        assert by["dense"].effective["model.dense_backend"] == "auto"
 
 
 def test_duplicate_lane_exits_2_before_ray(tmp_path, monkeypatch, capsys):
@@ -375,6 +382,11 @@ def test_other_shipped_lanes_train_in_process(tiny_data, tmp_path):
         for key, want in lc.lane.overrides.items():
             assert p[key] in (str(want), fmt_value(want)), (name, key, p[key], want)
         params[name] = p
+        arts = {a.path for a in client.list_artifacts(r["mlflow_run_id"], "debug")}
+        # the trace lane's per-module table of its 2 steps, on disk and in its MLflow run; no other lane has one
+        assert (arts == {"debug/trace_steps.json", "debug/trace_steps.csv"}) == (name == "trace"), (name, arts)
+    trace = json.loads((plan.grid_dir / "trace" / "trace" / "trace_steps.json").read_text())
+    assert trace["steps"] == [1, 2] and any(r["module"] == "blocks.0.attn" and r["bwd_ms"] > 0 for r in trace["rows"])
     order = sorted(params)
     for i, a in enumerate(order):            # each lane's run differs from every other in its params
         for b in order[i + 1:]:

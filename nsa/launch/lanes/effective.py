@@ -18,7 +18,8 @@ from nsa.config import RunConfig
 from nsa.launch.lanes.schema import PINNED, Lane, fmt_value
 
 NO_EFFECT = "<no effect>"
-GPU_ONLY = ("runtime.tf32", "runtime.cuda_graph", "runtime.cuda_graph_warmup", "runtime.gpus_per_worker")
+GPU_ONLY = ("runtime.tf32", "runtime.cuda_graph", "runtime.cuda_graph_warmup", "runtime.gpus_per_worker",
+            "logging.memory_snapshot_steps")
 SCALER = ("runtime.scaler_init_scale", "runtime.scaler_growth_interval", "runtime.scaler_growth_factor",
           "runtime.scaler_backoff_factor")
 NSA_LAYER = ("nsa.l", "nsa.d", "nsa.l_sel", "nsa.n_sel", "nsa.w", "nsa.backend", "nsa.flash_branches",
@@ -68,7 +69,10 @@ def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[s
     if cfg.model.attention == "dense":
         for k in NSA_LAYER:
             set_(k, NO_EFFECT, "the dense twin has no NSA layer")
+        if cfg.model.dense_backend != "auto":   # an explicit kernel: allow_flash_attn no longer chooses
+            set_("nsa.allow_flash_attn", NO_EFFECT, f"model.dense_backend={cfg.model.dense_backend} picks the kernel")
     else:
+        set_("model.dense_backend", NO_EFFECT, "only the dense twin (model.attention=dense) has dense layers")
         backend = cfg.nsa.backend
         if backend in ("auto", "triton"):
             # "auto" on CUDA is triton when its kernels load on the workers: assumed, as the policy would
@@ -83,7 +87,8 @@ def effective_config(cfg: RunConfig, lane: Lane) -> tuple[dict[str, Any], dict[s
                  "the GPU presets run no NSA branch on flash-attn (nsa.ops.tuning FlashBranchTuning)")
         elif gpu and cfg.nsa.allow_flash_attn and flash_installed() is None:
             set_("nsa.allow_flash_attn", False, "no flash-attn package importable (pip install -e '.[flash]')")
-    if gpu and cfg.model.attention == "dense" and cfg.nsa.allow_flash_attn and flash_installed() is None:
+    if (gpu and cfg.model.attention == "dense" and cfg.model.dense_backend == "auto" and cfg.nsa.allow_flash_attn
+            and flash_installed() is None):
         set_("nsa.allow_flash_attn", False, "no flash-attn package importable (pip install -e '.[flash]')")
     eff["lane.repeat"], eff["lane.checks"] = lane.repeat, ",".join(lane.checks)
     return eff, notes
