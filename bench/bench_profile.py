@@ -6,6 +6,7 @@
     python bench/bench_profile.py kernels --T 65536 --inputs captured:bench/captured_paper --layer 3 --compare "" tile.m=1
     python bench/bench_profile.py kernels --T 65536 --fwd --compare ""          # the forward alone
     python bench/bench_profile.py step [--variants ckpt,nockpt] [section.key=value ...]
+    python bench/bench_profile.py split --T 8192 16384 65536 [--models nsa,dense] [section.key=value ...]
     ncu --kernel-name regex:_slc_fwd_kernel --launch-count 1 --section SpeedOfLight \\
         python bench/bench_profile.py ncu-attention --T 65536 --calls 1
     ncu --kernel-name regex:_slc_bwd_dkdv_kernel --launch-skip 1 --launch-count 1 --set full \\
@@ -24,6 +25,9 @@ step: a training step of the prod_50k model per step-mode variant (bare nsa.trai
   tokens): wall ms (sync per step, p50), host ms (until the step returns: the enqueue cost; host ~= wall
   means host-bound), GPU ms (summed kernel time, torch.profiler), launches per step, and the ops with
   the most self CPU / GPU time. JSON: profile_step.
+split: one eager training step per model (nsa, dense) and length, its kernels' time charged to the attention op,
+  the rest of the attention layer, MLP, norms, embedding/head, optimizer and other (nsa/telemetry/step_split.py),
+  host gaps (wall minus busy device time) and the graphed step's wall time. JSON: profile_split.
 ncu-source REPORT: the warp-state samples of an Nsight Compute report (ncu --set full) per source line and stall
   reason (Triton kernels carry their Python lines); needs Nsight's extras/python on PYTHONPATH (gpu.sh ncu).
 accuracy: on captured inputs (bench/captured), o and every gradient of the bf16 op against the fp32 per-token op,
@@ -346,6 +350,53 @@ def run_step(a) -> None:
     common.write_result({"rows": rows}, "profile_step", a)
 
 
+def split_row(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
+    """One eager step of the model split by category (nsa/telemetry/step_split.py), its wall time, host gaps
+    (wall minus busy device time) and, on CUDA, the same step's wall time as a CUDA-graph replay."""
+    from nsa.telemetry import step_split as ss
+    from nsa.train.graphed import single_device_step
+    cfg, dev, prec, model, opt, sched, batch = _build(["runtime.cuda_graph=false"] + overrides)
+    cuda = dev.type == "cuda"
+    run_step, _ = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
+    wall = []
+    with ss.labelled(model, opt):
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            run_step([batch])
+            common.sync()
+            wall.append((time.perf_counter() - t0) * 1e3)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            run_step([batch])
+            common.sync()
+    ms, via_bwd = ss.attribute(prof.events(), cuda)
+    eager = statistics.median(wall[warmup:])
+    row = {"attention": cfg.model.attention, "seq_len": cfg.train.seq_len, "eager_wall_ms": eager,
+           "busy_ms": sum(ms.values()), "host_gap_ms": eager - sum(ms.values()) if cuda else float("nan"),
+           "ms": ms, "backward_labelled_ms": via_bwd}
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+        row["graphed_wall_ms"] = profile_variant("graph", overrides + ["runtime.cuda_graph=true"], steps, warmup,
+                                                 0)["wall_ms_p50"]
+    return row
+
+
+def run_split(a) -> None:
+    from nsa.telemetry.step_split import CATS
+    rows = []
+    for T in a.T:
+        for m in a.models.split(","):
+            if m not in ("nsa", "dense"):
+                raise SystemExit(f"--models: unknown {m!r}; choose from nsa, dense")
+            rows.append(r := split_row([f"model.attention={m}", f"train.seq_len={T}"] + a.overrides, a.steps,
+                                       a.warmup))
+            print(f"{m:5s} T={T:6d} eager {r['eager_wall_ms']:8.1f} ms busy {r['busy_ms']:8.1f}  "
+                  + "  ".join(f"{c} {r['ms'][c]:.1f}" for c in CATS)
+                  + (f"  graphed {r['graphed_wall_ms']:.1f}" if "graphed_wall_ms" in r else ""), flush=True)
+    common.write_result({"rows": rows, "categories": CATS}, "profile_split", a)
+
+
 # ----------------------------------------------------------------------------------------- ncu drivers
 def run_ncu_attention(a) -> None:
     torch.manual_seed(0)
@@ -506,6 +557,13 @@ def main() -> int:
     s.add_argument("--top", type=int, default=20)
     common.result_args(s)
     s.add_argument("overrides", nargs="*", metavar="section.key=value")
+    sp = sub.add_parser("split", help="a training step split by category, NSA vs the dense twin, eager and graphed")
+    sp.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 65536])
+    sp.add_argument("--models", default="nsa,dense", help="comma list of nsa, dense")
+    sp.add_argument("--steps", type=int, default=3)
+    sp.add_argument("--warmup", type=int, default=2)
+    common.result_args(sp)
+    sp.add_argument("overrides", nargs="*", metavar="section.key=value")
     na = sub.add_parser("ncu-attention", help="Nsight Compute driver: a few NSA forward+backward calls")
     na.add_argument("--T", type=int, default=65536)
     na.add_argument("--calls", type=int, default=2)
@@ -524,9 +582,9 @@ def main() -> int:
     nd.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
     common.check_inputs(getattr(a, "inputs", "random"))
-    if a.mode not in ("step", "ncu-source") and not common.has_cuda():
+    if a.mode not in ("step", "split", "ncu-source") and not common.has_cuda():
         raise SystemExit(f"bench_profile.py {a.mode} needs a CUDA device")
-    {"kernels": run_kernels, "step": run_step, "ncu-attention": run_ncu_attention,
+    {"kernels": run_kernels, "step": run_step, "split": run_split, "ncu-attention": run_ncu_attention,
      "ncu-decode": run_ncu_decode, "ncu-source": run_ncu_source,
      "accuracy": run_accuracy}[a.mode](a)
     return 0

@@ -1,26 +1,36 @@
-"""bench/bench_step_split.py charges a training step's time to what computes it: on a tiny CPU model every
-category the issue names gets time, backward work reaches its forward module through the autograd node's
+"""nsa/telemetry/step_split.py (bench_profile.py split) charges a training step's time to what computes it: on a
+tiny CPU model every category gets time, backward work reaches its forward module through the autograd node's
 sequence number, and little is left unlabelled."""
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-bss = pytest.importorskip("bench_step_split")
+from nsa.telemetry.step_split import CATS
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 TINY = ("model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_groups=2 model.d_k=16 model.d_v=16 nsa.l=16 "
         "nsa.d=8 nsa.l_sel=16 nsa.n_sel=4 nsa.w=32 train.batch_size=1 runtime.precision=fp32 train.seq_len=128 "
         "model.grad_checkpointing=false nsa.backend=torch").split()
 
 
+@pytest.fixture(scope="module")
+def bench_profile():
+    import sys
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_profile_split", BENCH / "bench_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
-def test_step_split_labels_every_part_of_the_step(attention):
-    row = bss.split_step([f"model.attention={attention}"] + TINY, steps=1, warmup=1)
+def test_step_split_labels_every_part_of_the_step(attention, bench_profile):
+    row = bench_profile.split_row([f"model.attention={attention}"] + TINY, steps=1, warmup=1)
     ms = row["ms"]
-    assert set(ms) == set(bss.CATS)
+    assert set(ms) == set(CATS)
     for cat in ("op", "attn_rest", "mlp", "norms", "embed_head", "optimizer"):
         assert ms[cat] > 0, (cat, ms)
     assert row["backward_labelled_ms"] > 0.2 * row["busy_ms"], row   # backward is about 2/3 of the ops
