@@ -11,6 +11,7 @@ import torch
 
 import nsa.ops as ops
 import nsa.ops.triton as nsa_triton
+from nsa.ops import plan as route
 from nsa.ops import dispatch, probe
 from nsa.ops.dispatch import probe_model
 from nsa.ops.probe import PROBE_COUNTER, ProbeShape, can_probe
@@ -200,7 +201,7 @@ def preset_smem(tn, d: int) -> dict[str, int]:
         "select.fwd": smem_bytes(g, dp, st.fwd_stages, st.fwd_keys, 2 * dp),
         "select.dq": smem_bytes(g, 2 * dp, st.dq_stages, st.dq_keys, 2 * dp),
         "select.dkdv": smem_bytes(st.fwd_keys, 2 * dp, st.dkdv_stages,
-                                  max(st.dkdv_rows_for(gg, big) for gg in (1, g)), 2 * dp),
+                                  max(route.dkdv_rows_for(st, gg, big) for gg in (1, g)), 2 * dp),
         # block scores: query rows held, compressed keys streamed (K only)
         "scores": max(smem_bytes(sc.rows, dp, sc.stages, sc.min_keys, dp) for sc in scores),
     }

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa.ops import plan as route
 from nsa.ops import KernelPolicy, nsa_attention, nsa_decode
 from nsa.ops.batched import nsa_torch
 from nsa.ops.common import NSAParams
@@ -28,34 +29,34 @@ def test_presets_are_frozen_and_named():
     assert HOPPER.torch.dense_factor == 4.0 and CPU.attn == HOPPER.attn and CPU.decode == HOPPER.decode
     # query tiles: only Hopper, only for G >= 16 (the paper shape, per-token programs of 16 rows); at G <= 8 they stopped paying against the block-order kernels (both measured);
     # the launches are shared
-    assert CPU.tile == AMPERE.tile == TileTuning() and CPU.tile.m_for(16) == 1
+    assert CPU.tile == AMPERE.tile == TileTuning() and route.m_for(CPU.tile, 16) == 1
     assert HOPPER.tile.fwd == CPU.tile.fwd and HOPPER.tile.dq == CPU.tile.dq
-    assert HOPPER.tile.m_for(16) == 4 and HOPPER.tile.m_for(6) == HOPPER.tile.m_for(8) == 1
+    assert route.m_for(HOPPER.tile, 16) == 4 and route.m_for(HOPPER.tile, 6) == route.m_for(HOPPER.tile, 8) == 1
     # selection forward and dq block by block on Hopper for the production model's G=6, dq alone for the
     # paper's G=16 (both measured), per token on the other presets (not measured block by block)
-    assert HOPPER.select.by_block(6) and not HOPPER.select.by_block(16) and HOPPER.select.pair_dtype == "fp16"
-    assert HOPPER.select.dq_by_block(16) and not HOPPER.select.dq_by_block(32)
+    assert route.by_block(HOPPER.select, 6) and not route.by_block(HOPPER.select, 16) and HOPPER.select.pair_dtype == "fp16"
+    assert route.dq_by_block(HOPPER.select, 16) and not route.dq_by_block(HOPPER.select, 32)
     assert HOPPER.select.dq_pair_dtype == "input" and HOPPER.select.pair_max_regs == 128
-    assert not AMPERE.select.by_block(6) and not CPU.select.by_block(1)
-    assert not AMPERE.select.dq_by_block(6) and AMPERE.select.pair_max_regs is None
+    assert not route.by_block(AMPERE.select, 6) and not route.by_block(CPU.select, 1)
+    assert not route.dq_by_block(AMPERE.select, 6) and AMPERE.select.pair_max_regs is None
     # where dq comes from the walk's pair partials, the walk takes 64 rows per step with its token ids
     # prefetched at G=6 (pipelined at G=16, below), and at G=6 the score tiles 128 rows (all measured); the
     # other presets keep theirs
-    assert HOPPER.select.dkdv_rows_for(6) == HOPPER.select.dkdv_rows_for(16) == 64
-    assert HOPPER.select.dkdv_rows_for(32) == HOPPER.select.dkdv_rows == 32
-    assert HOPPER.select.prefetch_for(6) and not HOPPER.select.prefetch_for(32)
-    assert not AMPERE.select.prefetch_for(6) and not CPU.select.prefetch_for(1)
+    assert route.dkdv_rows_for(HOPPER.select, 6) == route.dkdv_rows_for(HOPPER.select, 16) == 64
+    assert route.dkdv_rows_for(HOPPER.select, 32) == HOPPER.select.dkdv_rows == 32
+    assert route.prefetch_for(HOPPER.select, 6) and not route.prefetch_for(HOPPER.select, 32)
+    assert not route.prefetch_for(AMPERE.select, 6) and not route.prefetch_for(CPU.select, 1)
     # the walk without dq (query tiles) runs its step loop pipelined on Hopper; the walk with dq pair
     # partials only at the paper's G=16 (the production shape's G=6 keeps its token-id prefetch: slower
     # pipelined), and nothing compiled for Ampere or the interpreter changes
-    assert HOPPER.select.loop_stages_for(False, 16) == 3 and HOPPER.select.loop_stages_for(True, 16) == 2
-    assert HOPPER.select.loop_stages_for(True, 6) == 0
-    assert not HOPPER.select.prefetch_for(16)
-    assert AMPERE.select.loop_stages_for(False, 16) == CPU.select.loop_stages_for(True, 16) == 0
+    assert route.loop_stages_for(HOPPER.select, False, 16) == 3 and route.loop_stages_for(HOPPER.select, True, 16) == 2
+    assert route.loop_stages_for(HOPPER.select, True, 6) == 0
+    assert not route.prefetch_for(HOPPER.select, 16)
+    assert route.loop_stages_for(AMPERE.select, False, 16) == route.loop_stages_for(CPU.select, True, 16) == 0
     assert HOPPER.select.ids_in_regs and not AMPERE.select.ids_in_regs and not CPU.select.ids_in_regs
     assert HOPPER.select.pair_chunk == 128 and AMPERE.select.pair_chunk == 0
     assert HOPPER.select.pack_heads and not AMPERE.select.pack_heads and not CPU.select.pack_heads
-    assert AMPERE.select.dkdv_rows_for(6) == CPU.select.dkdv_rows_for(6) == 32
+    assert route.dkdv_rows_for(AMPERE.select, 6) == route.dkdv_rows_for(CPU.select, 6) == 32
     assert HOPPER.scores.tile_for(False) is HOPPER.scores.tile and HOPPER.scores.tile.rows == 256
     assert HOPPER.scores.relayout and not AMPERE.scores.relayout and not CPU.scores.relayout
     assert HOPPER.scores.tile_for(True) is HOPPER.scores.big and AMPERE.scores.tile_for(False) is AMPERE.scores.tile
@@ -88,7 +89,7 @@ def test_tile_tuning_is_checked():
             TileTuning(m=bad)
     with pytest.raises(ValueError, match="TileTuning.min_g must be >= 1"):
         TileTuning(min_g=0)
-    assert TileTuning(m=8, min_g=16).m_for(32) == 8 and TileTuning(m=8).m_for(1) == 8
+    assert route.m_for(TileTuning(m=8, min_g=16), 32) == 8 and route.m_for(TileTuning(m=8), 1) == 8
     on = HOPPER.replace(tile=dataclasses.replace(HOPPER.tile, m=8))
     assert on.tile.m == 8 and on.tile.fwd == HOPPER.tile.fwd and on.select == HOPPER.select
     tn = TileTuning()
@@ -101,12 +102,12 @@ def test_dkdv_chunk_halves_for_calls_with_few_pairs():
     16 blocks x 8192 tokens), 1024 from 16k and for the paper shape at 8k."""
     from nsa.ops.tuning import SelectTuning
     tn = SelectTuning(chunk=1024, chunk_min_items=512)
-    assert tn.chunk_for(512 * 1024) == 1024 and tn.chunk_for(512 * 1024 - 1) == 512
-    assert tn.chunk_for(512 * 512 - 1) == 256 and tn.chunk_for(1) == 16
-    assert SelectTuning().chunk_for(1) == 1024
+    assert route.chunk_for(tn, 512 * 1024) == 1024 and route.chunk_for(tn, 512 * 1024 - 1) == 512
+    assert route.chunk_for(tn, 512 * 512 - 1) == 256 and route.chunk_for(tn, 1) == 16
+    assert route.chunk_for(SelectTuning(), 1) == 1024
     hs = HOPPER.select
-    assert hs.chunk_for(8192 * 2 * 16) == 512 and hs.chunk_for(16384 * 2 * 16) == 1024
-    assert hs.chunk_for(8192 * 4 * 16) == 1024 and CPU.select.chunk_for(1) == CPU.select.chunk
+    assert route.chunk_for(hs, 8192 * 2 * 16) == 512 and route.chunk_for(hs, 16384 * 2 * 16) == 1024
+    assert route.chunk_for(hs, 8192 * 4 * 16) == 1024 and route.chunk_for(CPU.select, 1) == CPU.select.chunk
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="select.chunk_min_items"):
             SelectTuning(chunk_min_items=bad)

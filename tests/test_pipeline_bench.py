@@ -112,9 +112,9 @@ def test_tile_m_variant_sets_only_the_tile_size():
     v = common.tile_m_variant(base, 4)
     assert v.tile.m == 4 and base.tile.m == 1 and v.replace(tile=base.tile) == base
     h = common.tile_m_variant(HOPPER, 8)
-    assert h.tile.m_for(6) == 8
+    assert route.m_for(h.tile, 6) == 8
     assert h.replace(tile=dataclasses.replace(h.tile, m=HOPPER.tile.m, min_g=HOPPER.tile.min_g)) == HOPPER
-    assert common.tile_m_variant(HOPPER, 1).tile.m_for(16) == 1
+    assert route.m_for(common.tile_m_variant(HOPPER, 1).tile, 16) == 1
     assert common.tile_m_variant(HOPPER, 0) is HOPPER
 
 

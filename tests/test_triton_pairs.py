@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from test_triton_tile import CASES, DEV, captured_dir, captures_at, case_inputs, oracle, rel_err, tol  # noqa: E402
 
+from nsa.ops import plan as route  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.inversion import work_items  # noqa: E402
 from nsa.ops.triton import select_block as sb  # noqa: E402
@@ -191,17 +192,17 @@ def test_walk_loop_stages_change_nothing(case, dq):
         for name in ("walk_loop_stages", "dq_walk_loop_stages"):
             with pytest.raises(ValueError, match=f"select.{name}"):
                 SelectTuning(**{name: bad})
-    assert SelectTuning(walk_loop_stages=3).loop_stages_for(False, 16) == 3
-    assert SelectTuning(walk_loop_stages=3).loop_stages_for(True, 16) == 0
+    assert route.loop_stages_for(SelectTuning(walk_loop_stages=3), False, 16) == 3
+    assert route.loop_stages_for(SelectTuning(walk_loop_stages=3), True, 16) == 0
     # the walk with dq partials pipelined only from dq_walk_loop_min_g query heads per KV head
     g16 = SelectTuning(loop="block", prefetch=True, dq_walk_loop_stages=2, dq_walk_loop_min_g=16)
-    assert g16.loop_stages_for(True, 16) == 2 and g16.loop_stages_for(True, 6) == 0
-    assert not g16.prefetch_for(16) and g16.prefetch_for(6)
+    assert route.loop_stages_for(g16, True, 16) == 2 and route.loop_stages_for(g16, True, 6) == 0
+    assert not route.prefetch_for(g16, 16) and route.prefetch_for(g16, 6)
     for bad in (0, True, 2.0):
         with pytest.raises(ValueError, match="select.dq_walk_loop_min_g"):
             SelectTuning(dq_walk_loop_min_g=bad)
     pre = SelectTuning(loop="block", prefetch=True, walk_loop_stages=3)
-    assert pre.prefetch_for(2, dq_pairs=True) and not pre.prefetch_for(2, dq_pairs=False)
+    assert route.prefetch_for(pre, 2, dq_pairs=True) and not route.prefetch_for(pre, 2, dq_pairs=False)
 
 
 OP_HP = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
@@ -287,12 +288,12 @@ def test_op_token_forward_with_dq_from_pairs(monkeypatch):
 
 def test_auto_picks_block_order_by_group_size():
     tn = SelectTuning(loop="auto", block_max_g=8)
-    assert tn.by_block(6) and tn.by_block(8) and not tn.by_block(16)
-    assert not SelectTuning().by_block(1) and SelectTuning(loop="block").by_block(64)
+    assert route.by_block(tn, 6) and route.by_block(tn, 8) and not route.by_block(tn, 16)
+    assert not route.by_block(SelectTuning(), 1) and route.by_block(SelectTuning(loop="block"), 64)
     hybrid = SelectTuning(loop="auto", block_max_g=8, dq_block_max_g=16)
-    assert not hybrid.by_block(16) and hybrid.dq_by_block(16) and not hybrid.dq_by_block(32)
-    assert not SelectTuning(loop="token", dq_block_max_g=16).dq_by_block(16)
-    assert hybrid.dkdv_rows_for(16) == hybrid.block_dkdv_rows and hybrid.dkdv_rows_for(32) == hybrid.dkdv_rows
+    assert not route.by_block(hybrid, 16) and route.dq_by_block(hybrid, 16) and not route.dq_by_block(hybrid, 32)
+    assert not route.dq_by_block(SelectTuning(loop="token", dq_block_max_g=16), 16)
+    assert route.dkdv_rows_for(hybrid, 16) == hybrid.block_dkdv_rows and route.dkdv_rows_for(hybrid, 32) == hybrid.dkdv_rows
     for bad in (dict(block_max_g=-1), dict(dq_block_max_g=2.5), dict(dq_block_max_g=True)):
         with pytest.raises(ValueError, match="max_g"):
             SelectTuning(**bad)

@@ -97,25 +97,6 @@ def test_gluon_dq_slots_follow_the_call_length(T, short_t, want, monkeypatch):
     assert seen == [want]
 
 
-@pytest.mark.parametrize("knob", [True, False])
-def test_union_prefetch_knob_reaches_both_tile_kernels(monkeypatch, knob):
-    """TileTuning.gluon_union_prefetch goes from slc_fwd_tile / tile_dq to both Gluon launchers (stubbed to
-    record it and report a failed launch: no Gluon on the CPU, the Triton kernels then run)."""
-    from test_triton_tile import make_block_idx
-    gen = torch.Generator().manual_seed(5)
-    B, T, HQ, H, d, m = 1, 64, 8, 2, 16, 4
-    q, k, v, do = (torch.randn(B, T, n, d, generator=gen) for n in (HQ, H, H, HQ))
-    bi = make_block_idx(B, T, H, 2, 16, "random", gen, device="cpu")
-    un = tt.tile_unions(bi, m)
-    seen = []
-    for name in ("gtile_fwd", "gtile_dq"):
-        monkeypatch.setattr(tt, name, lambda *a, prefetch, _n=name, **kw: seen.append((_n, prefetch)) and False)
-    tn = TileTuning(m=m, gluon_fwd_stages=2, gluon_dq_stages=2, gluon_union_prefetch=knob)
-    o, lse = tt.slc_fwd_tile(q, k, v, bi, l_sel=16, scale=0.25, m=m, union=un, tuning=tn, gluon_stages=2)
-    tt.tile_dq(q, k, v, do, lse, lse, None, un, l_sel=16, scale=0.25, m=m, tuning=tn, gluon_stages=2)
-    assert seen == [("gtile_fwd", knob), ("gtile_dq", knob)]
-
-
 def test_a_failing_gluon_kernel_falls_back_to_triton_once(monkeypatch):
     """Gluon is experimental: a build / launch failure warns once, is counted, and the Triton kernels take
     that call and every later one on the device (the interpreter runs them here): the failure is refused in the
@@ -257,18 +238,16 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
     for mode in ("random", "local"):
         bi = make_block_idx(B, T, H, 16, 64, mode, gen, device="cuda").to(torch.int32)
         un = tt.tile_unions(bi, m, group=group)
-        # ring slots (0: the Triton kernel), union entries read a step ahead (TileTuning.gluon_union_prefetch)
-        run = {(s, pf): tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
-                                        tuning=TileTuning(m=m, gluon_fwd_stages=s, gluon_union_prefetch=pf, **same),
-                                        gluon_stages=s)
-               for s, pf in ((0, True), (2, True), (3, True), (2, False))}
-        run[0] = run[0, True]
+        # ring slots (0: the Triton kernel)
+        run = {s: tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un,
+                                  tuning=TileTuning(m=m, gluon_fwd_stages=s, **same), gluon_stages=s)
+               for s in (0, 2, 3)}
         if group:   # every row attends its own blocks in the same order: bitwise the consecutive tiles'
             plain = tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, tuning=TileTuning(m=m, **same))
             assert all(torch.equal(a, b) for a, b in zip(run[0], plain)), f"{mode}: regrouped tiles differ"
-        for key in ((2, True), (3, True), (2, False)):
+        for key in (2, 3):
             for name, a, b in zip(("o", "lse"), run[key], run[0]):
-                assert torch.equal(a, b), f"{mode} stages, prefetch={key}: {name} differs from the Triton kernel"
+                assert torch.equal(a, b), f"{mode} stages={key}: {name} differs from the Triton kernel"
         # dq: with the branch gate and an fp32 dq_in to accumulate, and without either
         do = torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype)
         lse, delta = run[0][1], torch.randn(B, T, HQ, generator=gen, device="cuda")
@@ -277,11 +256,11 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
         for g, acc in ((gate, dq_in), (None, None)):
             want, *got = (tt.tile_dq(q, k, v, do, lse, delta, g, un, l_sel=64, scale=d ** -0.5, m=m,
                                      dq_in=None if acc is None else acc.clone(), dq_dtype=torch.float32,
-                                     tuning=TileTuning(m=m, gluon_dq_stages=s, gluon_union_prefetch=pf, **same),
+                                     tuning=TileTuning(m=m, gluon_dq_stages=s, **same),
                                      gluon_stages=s)
-                          for s, pf in ((0, True), (2, True), (2, False)))
-            for pf, x in zip((True, False), got):
-                assert torch.equal(x, want), f"{mode} gate={g is not None} prefetch={pf}: Gluon dq differs"
+                          for s in (0, 2))
+            for x in got:
+                assert torch.equal(x, want), f"{mode} gate={g is not None}: Gluon dq differs"
         # the op's output written by the forward's epilogue (TileTuning.gluon_combine), o_cmp in q's rows and
         # in the dense compressed problem's: bitwise the combine kernel's
         from nsa.ops.triton.cmp_dense import _maps
@@ -297,13 +276,6 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
             assert torch.equal(o_s, run[0][0]) and torch.equal(lse_s, run[0][1])
             want = combine(o_cmp, run[0][0], o_win, gates, rows)
             assert torch.equal(cb.out, want), f"{mode} rows={rows is not None}: fused combine differs"
-        # guarded: the program runs or returns by the device flag (guard.py), leaving out untouched
-        flag = torch.ones(1, dtype=torch.int32, device="cuda")
-        for mode_bit, runs in ((1, True), (2, False)):
-            out = (torch.full_like(run[0][0], float("nan")), torch.full_like(run[0][1], float("nan")))
-            tt.slc_fwd_tile(q, k, v, bi, l_sel=64, scale=d ** -0.5, m=m, union=un, out=out,
-                            tuning=TileTuning(m=m, gluon_fwd_stages=2), guard=(flag, mode_bit), gluon_stages=2)
-            assert torch.equal(out[0], run[0][0]) if runs else out[0].isnan().all()
 
 
 def walk_inputs(B, T, HQ, H, d, gen):
@@ -377,10 +349,9 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
 
 
 @pytest.mark.skipif(not tg.gluon_available(), reason="this Triton has no Gluon for Hopper")
-@pytest.mark.parametrize("knob", [True, False])
-def test_walk_row_prefetch_knob_reaches_the_walk_kernel(monkeypatch, knob):
-    """SelectTuning.gluon_walk_row_prefetch goes from slc_dkdv to the Gluon walk's ROW_PF (no GPU: the walk is a
-    stand-in that records its constexprs and returns), and never with dq partials, where the prefetch spills."""
+def test_walk_row_prefetch_reaches_the_walk_kernel(monkeypatch):
+    """The Gluon walk's ROW_PF is on without dq partials (no GPU: the walk is a stand-in that records its
+    constexprs and returns), and never with them, where the prefetch spills."""
     from nsa.ops.triton import select as tsel
     from test_triton_tile import make_block_idx
     seen = []
@@ -397,11 +368,11 @@ def test_walk_row_prefetch_knob_reaches_the_walk_kernel(monkeypatch, knob):
     k, v = (torch.randn(1, T, H, D, generator=g).bfloat16() for _ in range(2))
     lse = torch.zeros(1, T, HQ)
     bi = make_block_idx(1, T, H, 2, 64, "random", torch.Generator().manual_seed(1), device="cpu")
-    tn = SelectTuning(gluon_walk_stages=2, gluon_dq_walk_stages=2, gluon_walk_row_prefetch=knob)
+    tn = SelectTuning(gluon_walk_stages=2, gluon_dq_walk_stages=2)
     tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn,
                   walk=walk_plan(tn, HQ // H, False, False, lambda r: True))
     inv = tsel.invert_selection(bi, 64, 1024, ranks=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, lse, None, l_sel=64, scale=0.1, tuning=tn, inv=inv,
                   dq_pairs=torch.empty(inv["toks"].numel() * (HQ // H), D).bfloat16(),
                   walk=walk_plan(tn, HQ // H, False, True, lambda r: True))
-    assert seen == [(knob, False), (False, True)]
+    assert seen == [(True, False), (False, True)]

@@ -89,7 +89,6 @@ class WalkPlan:
     gluon: int                  # Gluon ring slots, 0: the Triton kernel
     prefetch: bool              # token ids two steps ahead (Triton kernel)
     loop_stages: int            # tl.range stages of the step loop, 0: a plain loop
-    row_prefetch: bool          # Gluon: rows' lse / delta / gate a step ahead
 
 
 @dataclass(frozen=True)
@@ -138,12 +137,24 @@ def _half(inp: PlanInputs) -> bool:
     return inp.dtype in ("bfloat16", "float16")
 
 
+# why a preset's flash part stands where it was never measured (only Hopper's was: docs/kernels.md)
+FLASH_UNMEASURED = MappingProxyType({"ampere": "ampere preset: not measured on an A100; FA2 untried"})
+
+
+def _flash_note(tn: KernelTuning) -> str | None:
+    """None where tn.flash is the measured (hopper) preset's, else why its values are not measurements."""
+    if tn.flash == PRESETS["hopper"].flash:
+        return None
+    return FLASH_UNMEASURED.get(tn.name, f"{tn.name} preset: not the measured hopper values")
+
+
 def _flash(branch: str, inp: PlanInputs, tn: KernelTuning, arch: Arch) -> tuple[str | None, str]:
     """(fa4 / fa2 / reference or None, why) for a branch under tuning.flash (flash.branch_flash_backend's rule)."""
     f = tn.flash
     mode = getattr(f, branch)
     if mode == "off":
-        return None, f"tuning.flash.{branch}=off"
+        return None, (f"tuning.flash off ({FLASH_UNMEASURED[tn.name]})" if tn.name in FLASH_UNMEASURED
+                      else f"tuning.flash.{branch}=off")
     if mode == "reference":
         return "reference", f"tuning.flash.{branch}=reference (fp32 math)"
     if inp.T < f.min_t:
@@ -156,7 +167,9 @@ def _flash(branch: str, inp: PlanInputs, tn: KernelTuning, arch: Arch) -> tuple[
         if inp.dense == UNKNOWN:
             return UNKNOWN, "dense"
         if inp.dense in ("fa4", "fa2"):
-            return inp.dense, f"{inp.dense} (tuning.flash.{branch}=auto; measured faster from T={f.min_t})"
+            note = _flash_note(tn)
+            return inp.dense, (f"{inp.dense} (tuning.flash.{branch}=auto; measured faster from T={f.min_t})"
+                               if note is None else f"{inp.dense} (tuning.flash.{branch}=auto from T={f.min_t}; {note})")
         return None, f"no flash-attn backend chosen here ({inp.dense})"
     ok = (arch.cuda and _half(inp) and 8 <= inp.d_k <= 256 and inp.d_k % 8 == 0
           and getattr(arch, mode) and mode in inp.installed)
@@ -205,15 +218,63 @@ def _scores_gluon_ok(inp: PlanInputs, arch: Arch) -> bool:
             and 1 <= inp.n_sel <= sg.NBJ_PAD and sg.scratch_bytes(inp.B, inp.T, inp.H, inp.l_sel) <= sg.MAX_SCRATCH_BYTES)
 
 
+# ------------------------------------------------ what the tuning values mean for a call of G heads per KV head
+
+def m_for(t, G: int) -> int:
+    """Tokens per query tile under TileTuning t (1: no tiles): tiles only from t.min_g heads per KV head."""
+    return t.m if G >= t.min_g else 1
+
+
+def dq_stages_for(t, T: int) -> int:
+    """K/V ring slots of the Gluon tile dq under TileTuning t for T tokens (0: the Triton kernel)."""
+    return t.gluon_dq_short_stages if 0 < t.gluon_dq_stages and T < t.gluon_dq_short_t else t.gluon_dq_stages
+
+
+def by_block(s, G: int) -> bool:
+    """Whether the selection forward runs block by block under SelectTuning s."""
+    return s.loop == "block" or (s.loop == "auto" and G <= s.block_max_g)
+
+
+def dq_by_block(s, G: int) -> bool:
+    """Whether dq comes from the dK/dV walk's pair partials under SelectTuning s."""
+    return s.loop == "block" or (s.loop == "auto" and G <= s.dq_block_max_g)
+
+
+def dkdv_rows_for(s, G: int, big: bool = False) -> int:
+    """(query, head) rows per dK/dV step; big: padded head dims > 128 (block_dkdv_rows is measured at d = 64,
+    and 128 rows would not fit sm_80's shared memory there)."""
+    return s.block_dkdv_rows if dq_by_block(s, G) and not big else s.dkdv_rows
+
+
+def loop_stages_for(s, dq_pairs: bool, G: int) -> int:
+    """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials."""
+    if dq_pairs:
+        return s.dq_walk_loop_stages if G >= s.dq_walk_loop_min_g else 0
+    return s.walk_loop_stages
+
+
+def prefetch_for(s, G: int, dq_pairs: bool = True) -> bool:
+    """Whether the walk prefetches its token ids: not where its loop is a pipelined tl.range, which loads them."""
+    return s.prefetch and dq_by_block(s, G) and not loop_stages_for(s, dq_pairs, G)
+
+
+def chunk_for(s, pairs: int) -> int:
+    """Tokens per dK/dV program for `pairs` (token, kv head, block) pairs: halved (down to 16) while the
+    pairs fill fewer than chunk_min_items full chunks (a ragged last wave)."""
+    chunk = s.chunk
+    while chunk >= 32 and pairs < s.chunk_min_items * chunk:
+        chunk //= 2
+    return chunk
+
+
 def walk_plan(s, G: int, big: bool, dq_pairs: bool, gluon_ok=lambda rows: False) -> WalkPlan:
     """The dK/dV walk under SelectTuning s for G query heads per KV head (big: head dims > 128);
     gluon_ok(rows): whether the Gluon walk takes steps of `rows` rows here (default: never, the Triton walk)."""
-    rows = max(s.dkdv_rows_for(G, big), _pow2(G))
+    rows = max(dkdv_rows_for(s, G, big), _pow2(G))
     group = G if s.pack_heads else _pow2(G)
     stages = s.gluon_dq_walk_stages if dq_pairs else s.gluon_walk_stages
     gluon = stages if stages and group == G and gluon_ok(rows) else 0
-    return WalkPlan(dq_pairs, rows, group, gluon, s.prefetch_for(G, dq_pairs), s.loop_stages_for(dq_pairs, G),
-                    s.gluon_walk_row_prefetch and not dq_pairs)
+    return WalkPlan(dq_pairs, rows, group, gluon, prefetch_for(s, G, dq_pairs), loop_stages_for(s, dq_pairs, G))
 
 
 def _walk(inp: PlanInputs, tn: KernelTuning, arch: Arch, dq_pairs: bool) -> WalkPlan:
@@ -228,7 +289,7 @@ def _walk(inp: PlanInputs, tn: KernelTuning, arch: Arch, dq_pairs: bool) -> Walk
 
 def _chunk(inp: PlanInputs, tn: KernelTuning) -> int:
     """Halve the chunk while the call's (token, kv head, block) pairs fill few full ones (ragged last wave)."""
-    return inp.chunk if inp.chunk is not None else tn.select.chunk_for(inp.B * inp.T * inp.H * inp.n_sel)
+    return inp.chunk if inp.chunk is not None else chunk_for(tn.select, inp.B * inp.T * inp.H * inp.n_sel)
 
 
 @functools.lru_cache(maxsize=512)
@@ -260,20 +321,20 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
                               "plain": "flash-attn's public API" if win != "triton" else "own kernel"}[entry]))
     scores = "gluon" if t_ok(s_min := tn.scores.gluon_min_t, inp.T) and _scores_gluon_ok(inp, arch) else "triton"
     why.append(("scores", f"Gluon score pass from T={s_min}" if scores == "gluon" else "Triton fused scores + top-n"))
-    m = t.m_for(G)
-    by_block, dq_block = s.by_block(G), s.dq_by_block(G)
+    m = m_for(t, G)
+    blocks, dq_block = by_block(s, G), dq_by_block(s, G)
     tile_gluon = m > 1 and _tile_gluon_ok(inp, arch, m)
     if m > 1:
         fwd = "tile_gluon" if t.gluon_fwd_stages and tile_gluon else "tile"
         bwd = "tile"
         why.append(("fwd", f"query tiles of {m} tokens at G={G} >= tile.min_g={t.min_g}"))
     else:
-        fwd = "block" if by_block else "token"
+        fwd = "block" if blocks else "token"
         bwd = "pairs" if dq_block else "token"
-        why.append(("fwd", f"block order at G={G} <= {s.block_max_g}" if by_block else "one program per token"))
+        why.append(("fwd", f"block order at G={G} <= {s.block_max_g}" if blocks else "one program per token"))
     dq_gluon = 0
     if m > 1 and t.gluon_dq_stages and tile_gluon:
-        dq_gluon = t.dq_stages_for(inp.T)
+        dq_gluon = dq_stages_for(t, inp.T)
     why.append(("bwd", {"tile": "tile dq + token walk", "pairs": "dq from the walk's pair partials",
                         "token": "per-token dq + token walk"}[bwd]))
     walk = _walk(inp, tn, arch, bwd == "pairs")

@@ -101,7 +101,6 @@ class SelectTuning:
     dq_walk_loop_min_g: int = 1
     gluon_walk_stages: int = 0
     gluon_dq_walk_stages: int = 0
-    gluon_walk_row_prefetch: bool = True
 
     def __post_init__(self) -> None:
         for name in ("gluon_walk_stages", "gluon_dq_walk_stages"):
@@ -123,39 +122,6 @@ class SelectTuning:
                 *((n, isinstance(getattr(self, n), bool), "true or false") for n in ("pack_heads", "prefetch",
                                                                                         "ids_in_regs"))):
             _need(ok, f"select.{name}", want, getattr(self, name))
-
-    def chunk_for(self, pairs: int) -> int:
-        """Tokens per dK/dV program for a call with `pairs` (token, kv head, selected block) pairs."""
-        chunk = self.chunk
-        while chunk >= 32 and pairs < self.chunk_min_items * chunk:
-            chunk //= 2
-        return chunk
-
-    def by_block(self, G: int) -> bool:
-        """Whether the forward runs block by block for G query heads per KV head."""
-        return self.loop == "block" or (self.loop == "auto" and G <= self.block_max_g)
-
-    def dq_by_block(self, G: int) -> bool:
-        """Whether dq comes from the dK/dV walk's pair partials for G query heads per KV head."""
-        return self.loop == "block" or (self.loop == "auto" and G <= self.dq_block_max_g)
-
-    def dkdv_rows_for(self, G: int, big: bool = False) -> int:
-        """(query, head) rows per dK/dV step for G query heads per KV head; big: padded head dims
-        above 128 (block_dkdv_rows is measured at head dim 64 only, and 128 rows would not fit sm_80's
-        shared memory there)."""
-        return self.block_dkdv_rows if self.dq_by_block(G) and not big else self.dkdv_rows
-
-    def loop_stages_for(self, dq_pairs: bool, G: int) -> int:
-        """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials,
-        for G query heads per KV head."""
-        if dq_pairs:
-            return self.dq_walk_loop_stages if G >= self.dq_walk_loop_min_g else 0
-        return self.walk_loop_stages
-
-    def prefetch_for(self, G: int, dq_pairs: bool = True) -> bool:
-        """Whether the dK/dV walk (with or without dq partials) prefetches its token ids for G query heads per
-        KV head: not where its step loop is a pipelined tl.range (loop_stages_for), which loads them itself."""
-        return self.prefetch and self.dq_by_block(G) and not self.loop_stages_for(dq_pairs, G)
 
 
 TILE_MAX_M = 32   # token bits of a tile-union entry live in one int32
@@ -188,7 +154,6 @@ class TileTuning:
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
     gluon_dq_short_t: int = 0       # below this T the Gluon dq takes gluon_dq_short_stages slots (0: never)
     gluon_dq_short_stages: int = 3
-    gluon_union_prefetch: bool = True   # Gluon kernels read the next union entry a step early
     gluon_combine: bool = False     # the tile forward also writes the op's gated sum (no combine pass)
     group: int = 0                  # regroup each window of `group` tokens into alike tiles (0: consecutive)
 
@@ -200,15 +165,6 @@ class TileTuning:
         for f in ("gluon_fwd_stages", "gluon_dq_stages", "gluon_dq_short_stages"):
             check_gluon_slots(f"TileTuning.{f}", getattr(self, f), "K/V")
         _need(self.gluon_dq_short_t >= 0, "TileTuning.gluon_dq_short_t", ">= 0 (0: never)", self.gluon_dq_short_t)
-
-    def m_for(self, G: int) -> int:
-        """Tokens per tile for a call whose KV heads serve G query heads (1: no tiles)."""
-        return self.m if G >= self.min_g else 1
-
-    def dq_stages_for(self, T: int) -> int:
-        """K/V ring slots of the Gluon tile dq for a call of T tokens (0: the Triton kernel)."""
-        return self.gluon_dq_short_stages if 0 < self.gluon_dq_stages and T < self.gluon_dq_short_t \
-            else self.gluon_dq_stages
 
     def launch(self, pair: tuple[TileLaunch, TileLaunch], rows: int) -> TileLaunch:
         return pair[0] if rows <= 64 else pair[1]

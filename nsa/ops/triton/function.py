@@ -35,7 +35,6 @@ from . import cmp_dense
 from ._utils import next_pow2
 from .attn import attn_bwd, attn_fwd
 from .scores import select_blocks
-from .guard import Guard, skip_program
 from .select import dq_buffer, invert_selection, slc_bwd, slc_dkdv, slc_fwd
 from .select_block import pair_buffer, pair_dq, slc_fwd_pairs
 from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_unions
@@ -55,13 +54,10 @@ def _cmp_rows(r, ok, SLOT, n_per_b, s_rows, DV: tl.constexpr, ROWS: tl.constexpr
 
 
 @triton.jit
-def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, FLAG, n_per_b, n_rows, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
-                        BLOCK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr, GUARD: tl.constexpr):
+def _combine_fwd_kernel(OC, OS, OW, GT, O, SLOT, n_per_b, n_rows, s_rows, DV: tl.constexpr, BDV: tl.constexpr,
+                        BLOCK: tl.constexpr, SUB: tl.constexpr, ROWS: tl.constexpr):
     """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win over rows [n_rows, DV] (o_cmp's rows: _cmp_rows),
-    SUB blocks of BLOCK rows per program (fewer programs to start, or to skip under GUARD, guard.py)."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
+    SUB blocks of BLOCK rows per program (fewer programs to start)."""
     c = tl.arange(0, BDV)
     cm = c[None, :] < DV
     for i in tl.static_range(SUB):
@@ -130,21 +126,18 @@ COMBINE_SUB = 4   # row blocks per combine program
 
 
 def combine(o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor,
-            cmp_rows: cmp_dense.CmpMaps | None = None, out: torch.Tensor | None = None,
-            guard: Guard | None = None) -> torch.Tensor:
+            cmp_rows: cmp_dense.CmpMaps | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """All contiguous: o_* [B,T,HQ,dv] (o_cmp [B,S,dv] in the dense problem's rows with cmp_rows),
-    gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype (into out when given; guard: only where the
-    device flag says so, guard.py)."""
+    gates [B,T,HQ,3] -> o [B,T,HQ,dv] in o_slc's dtype (into out when given)."""
     o = torch.empty_like(o_slc) if out is None else out
     n_rows, dv = o.numel() // o.shape[-1], o.shape[-1]
     if n_rows == 0:
         return o
     nb, bdv, block = _rows_grid(n_rows, dv)
-    flag, mode = guard if guard is not None else (o, 0)
     slot, n_per_b = _rows_args(cmp_rows, o)
     _combine_fwd_kernel[(triton.cdiv(nb, COMBINE_SUB),)](
-        o_cmp, o_slc, o_win, gates, o, slot, flag, n_per_b, n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
-        SUB=COMBINE_SUB, ROWS=cmp_rows is not None, GUARD=mode)
+        o_cmp, o_slc, o_win, gates, o, slot, n_per_b, n_rows, o_cmp.shape[1], DV=dv, BDV=bdv, BLOCK=block,
+        SUB=COMBINE_SUB, ROWS=cmp_rows is not None)
     return o
 
 
@@ -172,9 +165,9 @@ class Combine(NamedTuple):
         slot, n_per_b = _rows_args(cmp_rows, out)
         return Combine(gates, o_cmp, o_win, out, slot, n_per_b, o_cmp.shape[1], cmp_rows)
 
-    def run(self, o_slc: torch.Tensor, guard: Guard | None) -> None:
-        """The combine kernel into out (what the fused epilogue would have written), under guard."""
-        combine(self.o_cmp, o_slc, self.o_win, self.gates, self.cmp_rows, out=self.out, guard=guard)
+    def run(self, o_slc: torch.Tensor) -> None:
+        """The combine kernel into out (what the fused epilogue would have written)."""
+        combine(self.o_cmp, o_slc, self.o_win, self.gates, self.cmp_rows, out=self.out)
 
 
 def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor,

@@ -20,7 +20,6 @@ from ..plan import WalkPlan, walk_plan
 from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step
-from .guard import GUARD_IF_CLEAR, GUARD_IF_SET, Guard, skip_program
 from .inversion import invert_selection
 from .walk_gluon import gwalk_dkdv
 
@@ -30,14 +29,11 @@ from .walk_gluon import gwalk_dkdv
 
 
 @triton.jit
-def _slc_fwd_kernel(Q, K, V, BI, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                     sob, sot, soh, sbb, sbt, sbh, T, H, scale_log2,
                     G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
-                    BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
-    if GUARD != 0:   # per-call kernel choice made on the device (guarded_launch): the other one runs
-        if skip_program(FLAG, GUARD):
-            return
+                    BS: tl.constexpr, DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -93,16 +89,13 @@ def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
 
 
 @triton.jit
-def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN, FLAG,
+def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt, sbb, sbt, sbh,
                        T, H, scale_log2, scale,
                        G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                       DOT_PREC: tl.constexpr, GUARD: tl.constexpr):
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
+                       DOT_PREC: tl.constexpr):
     t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -263,25 +256,22 @@ def _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok,
 
 @triton.jit
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                         DKO, DVO, XDK, XDV, DQP, FLAG,
+                         DKO, DVO, XDK, XDV, DQP,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                          T, H, NSB, NSEG, scale_log2, scale,
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
-                         DQ_PAIRS: tl.constexpr, GUARD: tl.constexpr, PREFETCH: tl.constexpr,
+                         DQ_PAIRS: tl.constexpr, PREFETCH: tl.constexpr,
                          LOOP_STAGES: tl.constexpr):
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
-    token by select_block.pair_dq). GUARD: the program runs only where the device flag says (guard.py).
+    token by select_block.pair_dq).
     PREFETCH: each step's token ids are loaded two steps before (Triton pipelines the gathers they address
     one step ahead, and without this each of them first waits for its token-id load). LOOP_STAGES > 0:
     the step loop is tl.range(num_stages=LOOP_STAGES), which pipelines every load of a step (token ids,
     lse / delta / gate, the gathers), not only the dot operands as the kernel's num_stages does."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
     seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
@@ -373,24 +363,21 @@ def _slc_meta(q: torch.Tensor, G: int, dk: int, dv: int, l_sel: int) -> dict:
 
 def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
             l_sel: int, scale: float, tuning: SelectTuning | None = None,
-            out: tuple[torch.Tensor, torch.Tensor] | None = None,
-            guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
-    tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous);
-    guard: run only where the device flag says so (a per-call choice, see Guard)."""
+    tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous)."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
-    flag, mode = guard if guard is not None else (lse, 0)
     _slc_fwd_kernel[(T, B * H)](
-        q, k, v, block_idx, o, lse, flag, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.fwd_keys), num_stages=tn.fwd_stages,
-        num_warps=tn.fwd_warps, GUARD=mode, **meta)
+        num_warps=tn.fwd_warps, **meta)
     return o, lse
 
 
@@ -420,21 +407,19 @@ def dq_buffer(q: torch.Tensor, dq_in: torch.Tensor | None, dq_dtype: torch.dtype
 def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
            lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
            dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
-           tuning: SelectTuning | None = None, dq_out: torch.Tensor | None = None,
-           guard: Guard | None = None) -> torch.Tensor:
+           tuning: SelectTuning | None = None, dq_out: torch.Tensor | None = None) -> torch.Tensor:
     """dq of slc_fwd (plus dq_in), per (token, kv head) program; dq_out: the buffer to write
-    (dq_buffer's), guard: a per-call device choice (guard.py)."""
+    (dq_buffer's)."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
-    flag, mode = guard if guard is not None else (lse, 0)
     _slc_bwd_dq_kernel[(T, B * H)](
-        q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, flag, *strides,
+        q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
         block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.dq_keys), HAS_GATE=gate is not None,
-        ACC_DQ=dq_in is not None, num_stages=tn.dq_stages, num_warps=tn.dq_warps, GUARD=mode,
+        ACC_DQ=dq_in is not None, num_stages=tn.dq_stages, num_warps=tn.dq_warps,
         **_slc_meta(q, HQ // H, dk, dv, l_sel))
     return dq
 
@@ -443,13 +428,11 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
              chunk: int = 1024, tuning: SelectTuning | None = None,
              inv: dict | None = None, dq_pairs: torch.Tensor | None = None,
-             guard: Guard | None = None, walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
     invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
-    (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv); with guard (the
-    device's per-call choice) only where it holds: the walk without dq runs where it does not (the
-    extra dot and registers would slow the walk when the tile kernels compute dq). walk: the plan's
+    (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv). walk: the plan's
     (nsa/ops/plan.py: rows, Gluon or Triton, prefetch, loop stages); None: the Triton walk under tuning."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
@@ -463,26 +446,18 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
     xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
     xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
     bs = max(16, next_pow2(l_sel))
-    flag, mode = guard if guard is not None else (lse, 0)
-    walks = [(dq_pairs, mode)]
-    if dq_pairs is not None and mode != 0:
-        walks.append((None, GUARD_IF_SET + GUARD_IF_CLEAR - mode))   # the other choice: no dq here
-    G = HQ // H
-    for dqp, gm in walks:
-        wk = walk if walk is not None and walk.dq_pairs == (dqp is not None) else \
-            walk_plan(tn, G, max(dk, dv) > 128, dqp is not None)
-        if wk.gluon and gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv,
-                                   chunk=chunk, scale=scale, stages=wk.gluon, has_gate=gate is not None, dq_pairs=dqp,
-                                   guard=None if gm == 0 else (flag, gm), row_prefetch=wk.row_prefetch):
-            continue
-        rows = wk.rows
+    wk = walk if walk is not None and walk.dq_pairs == (dq_pairs is not None) else \
+        walk_plan(tn, HQ // H, max(dk, dv) > 128, dq_pairs is not None)
+    if not (wk.gluon and gwalk_dkdv(q, k, v, do, lse, delta, g_arg, strides[-1], inv, dk32, dv32, xdk, xdv,
+                                    chunk=chunk, scale=scale, stages=wk.gluon, has_gate=gate is not None,
+                                    dq_pairs=dq_pairs)):
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
-            dk32, dv32, xdk, xdv, dk32 if dqp is None else dqp, flag, *strides, T, H, inv["nsb"],
-            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dqp is not None, GUARD=gm,
+            dk32, dv32, xdk, xdv, dk32 if dq_pairs is None else dq_pairs, *strides, T, H, inv["nsb"],
+            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dq_pairs is not None,
             PREFETCH=wk.prefetch, LOOP_STAGES=wk.loop_stages,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
-            GP=wk.group, ROWS=rows,
+            GP=wk.group, ROWS=wk.rows,
             **{k: v for k, v in meta.items() if k != "GR"})
     return reduce_dkdv(dk32, dv32, xdk, xdv, inv, k.dtype, v.dtype, l_sel=l_sel, bdk=meta["BDK"], bdv=meta["BDV"])
 

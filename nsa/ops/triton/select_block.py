@@ -25,24 +25,20 @@ import triton.language as tl
 from ..common import LOG2E
 from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, reg_cap
-from .guard import Guard, skip_program
 from .inversion import work_items
 from .qsum import QAdd, add_q_terms, q_add_args
 from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
 
 
 @triton.jit
-def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS, FLAG,
+def _pair_fwd_kernel(Q, K, V, TOKS, SEGOFF, WSEG, WCHUNK, OP, LP, VS,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      T, H, NSB, NSEG, scale_log2,
                      G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                      CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr,
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr,
                      IDS_IN_REGS: tl.constexpr, WIN: tl.constexpr, SCALED: tl.constexpr):
     """One work item (segment = (b, h, block j), chunk c of its token list): partials of its pairs."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
     _, _, _, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
     kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
@@ -114,13 +110,10 @@ def _slot_rows(RANK, s, rows, row_ok, G: tl.constexpr):
 
 
 @triton.jit
-def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, FLAG, srb, srt, srh, sob, sot, soh, T, H,
+def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, srb, srt, srh, sob, sot, soh, T, H,
                        G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DV: tl.constexpr,
-                       BDV: tl.constexpr, GUARD: tl.constexpr, SCALED: tl.constexpr):
+                       BDV: tl.constexpr, SCALED: tl.constexpr):
     """o, lse of one (token, kv head): the softmax merge of its slots' partials (slot order)."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
     t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dv = tl.arange(0, BDV)
     dv_ok = offs_dv[None, :] < DV
@@ -148,16 +141,13 @@ def _pair_merge_kernel(RANK, OP, LP, VS, O, LSE, FLAG, srb, srt, srh, sob, sot, 
 
 
 @triton.jit
-def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
+def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                     srb, srt, srh, T, H,
                     G: tl.constexpr, GR: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr,
-                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr,
+                    BDK: tl.constexpr, ACC_DQ: tl.constexpr, HAS_GC: tl.constexpr,
                     HAS_GW: tl.constexpr, GC_ACC: tl.constexpr, GW_ACC: tl.constexpr):
     """dq of one (token, kv head): its slots' pair partials summed in slot order (+ dq_in, + the flash
     branches' gradients of q: qsum.add_q_terms)."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
     t64, b, h, rows, row_ok, hq = _token_rows(H, G, GR)
     offs_dk = tl.arange(0, BDK)
     dk_ok = offs_dk[None, :] < DK
@@ -186,27 +176,25 @@ def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTun
 
 
 def pair_dq(q: torch.Tensor, dq_pairs: torch.Tensor, inv: dict, n_sel: int, H: int, *, dq: torch.Tensor,
-            dq_in: torch.Tensor | None, guard: Guard | None = None, add: QAdd | None = None) -> torch.Tensor:
+            dq_in: torch.Tensor | None, add: QAdd | None = None) -> torch.Tensor:
     """dq [B,T,HQ,dk] (contiguous, written) = the sum of each token's pair partials (from the dK/dV
-    kernel, select.slc_dkdv(dq_pairs=)) + dq_in + add's terms; guard: the device's per-call choice."""
+    kernel, select.slc_dkdv(dq_pairs=)) + dq_in + add's terms."""
     B, T, HQ, dk = q.shape
     G = HQ // H
     rank = inv["rank"]
-    flag, mode = guard if guard is not None else (rank, 0)
     add_args, add_kw = q_add_args(add, dq)
-    _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, flag, *add_args,
+    _pair_dq_kernel[(T, B * H)](rank, dq_pairs, dq, dq if dq_in is None else dq_in, *add_args,
                                 rank.stride(0), rank.stride(2), rank.stride(1), T, H, G=G,
                                 GR=max(16, next_pow2(G)), NSEL=n_sel, DK=dk, BDK=max(16, next_pow2(dk)),
-                                ACC_DQ=dq_in is not None, GUARD=mode, num_warps=2, **add_kw)
+                                ACC_DQ=dq_in is not None, num_warps=2, **add_kw)
     return dq
 
 
 def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, inv: dict, *,
                   l_sel: int, scale: float, chunk: int, tuning: SelectTuning | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  guard: Guard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """slc_fwd's (o [B,T,HQ,dv], lse fp32 [B,T,HQ]) block by block. inv: invert_selection(block_idx,
-    l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out / guard as in slc_fwd. Programs walk
+    l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out as in slc_fwd. Programs walk
     tuning.pair_chunk entries of a block's list (0: the inversion's chunk): pairs are independent here,
     so short lists cost nothing but balance the long ones (block 0, each token's own block)."""
     tn = tuning or SelectTuning()
@@ -221,24 +209,23 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     # fp16 partials of o / max|v| (a device scalar from one reduction: no sync; clamped so an all-zero v,
     # whose o is 0, divides by no zero)
     vs = torch.linalg.vector_norm(v.detach(), float("inf")).float().clamp_min(1e-30).reshape(1) if scaled else lp
-    flag, mode = guard if guard is not None else (lp, 0)
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     wg = walk_group(G, tn)
     prec = dot_precision(q.dtype, q.is_cuda)
     items = (inv if tn.pair_chunk in (0, inv["chunk"])
              else work_items(inv["segoff"], inv["n_pairs"], tn.pair_chunk))
     _pair_fwd_kernel[(items["w_max"],)](
-        q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, vs, flag,
+        q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, vs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
         G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
-        BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec, GUARD=mode,
+        BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec,
         IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
         num_warps=tn.pair_warps, num_stages=tn.pair_stages,
         **reg_cap(tn.pair_max_regs, q.is_cuda))
     rank = inv["rank"]
     _pair_merge_kernel[(T, B * H)](
-        rank, op, lp, vs, o, lse, flag, rank.stride(0), rank.stride(2), rank.stride(1),
+        rank, op, lp, vs, o, lse, rank.stride(0), rank.stride(2), rank.stride(1),
         o.stride(0), o.stride(1), o.stride(2), T, H, G=G, GR=max(16, gp), NSEL=n_sel, DV=dv, BDV=bdv,
-        GUARD=mode, SCALED=scaled, num_warps=tn.merge_warps)
+        SCALED=scaled, num_warps=tn.merge_warps)
     return o, lse

@@ -30,7 +30,6 @@ import triton.language as tl
 from ..tuning import TILE_MAX_M, SelectTuning, TileLaunch, TileTuning
 from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
-from .guard import Guard, skip_program
 from .select import _bwd_args, dq_buffer, slc_dkdv
 from .qsum import QAdd, add_q_terms, q_add_args
 from .tile_gluon import gtile_dq, gtile_fwd
@@ -93,9 +92,9 @@ def _tile_unions_torch(block_idx: torch.Tensor, m: int) -> TileUnion:
 
 
 @triton.jit
-def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
+def _union_kernel(BI, UB, UBITS, USZ, KEYS, sbb, sbt, sbh, T, H, NT, STRIDE, NS,
                   M: tl.constexpr, S: tl.constexpr, UW: tl.constexpr, LP: tl.constexpr,
-                  SIZE_ONLY: tl.constexpr, GUARD: tl.constexpr):
+                  SIZE_ONLY: tl.constexpr):
     """One program per (tile n, b*H + h). Entry e of the tile is slot e % S of token n*M + e // S. The
     entries become int32 keys block * 32 + token (tokens < MAX_M = 32, blocks < 2**26), sorted ascending,
     so each block's entries form one run of at most M keys in token order. Through KEYS (this program's LP
@@ -104,10 +103,7 @@ def _union_kernel(BI, UB, UBITS, USZ, KEYS, FLAG, sbb, sbt, sbh, T, H, NT, STRID
     the distinct blocks is the prefix count of first entries (a register tensor cannot be shifted or
     sliced, hence KEYS). One sort instead of all-pairs compares of the entries (faster: docs/kernels.md).
     Program k handles tile n = k * STRIDE and writes its size to USZ[b*H + h, k] (NS slots per head):
-    STRIDE > 1 samples tiles (size only). GUARD: skipped unless the device flag chose tiles (guard.py)."""
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
+    STRIDE > 1 samples tiles (size only)."""
     n = tl.program_id(0) * STRIDE
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -145,7 +141,7 @@ def _check_m(m: int) -> None:
         raise ValueError(f"tile size m must be in 1..{MAX_M}, got {m}")
 
 
-def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1, guard: Guard | None = None):
+def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1):
     """(blocks, bits, size [B,H,ns]) of tiles 0, stride, 2*stride, ... (ns of them; stride > 1: sizes only)."""
     _check_m(m)
     B, T, H, S = block_idx.shape
@@ -157,19 +153,17 @@ def _run_union(block_idx: torch.Tensor, m: int, size_only: bool, stride: int = 1
     bits = size if size_only else torch.empty(B, H, nt, uw, device=dev, dtype=torch.int32)
     lp = max(16, next_pow2(uw))
     keys = torch.empty(B * H * ns * lp, device=dev, dtype=torch.int32)   # scratch: each program's sorted entries
-    flag, mode = guard if guard is not None else (size, 0)
-    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, keys, flag, block_idx.stride(0), block_idx.stride(1),
+    _union_kernel[(ns, B * H)](block_idx, blocks, bits, size, keys, block_idx.stride(0), block_idx.stride(1),
                                block_idx.stride(2), T, H, nt, stride, ns, M=m, S=S, UW=uw, LP=lp,
-                               SIZE_ONLY=size_only or stride > 1, GUARD=mode, num_warps=2)
+                               SIZE_ONLY=size_only or stride > 1, num_warps=2)
     return blocks, bits, size
 
 
-def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None, group: int = 0,
+def tile_unions(block_idx: torch.Tensor, m: int, group: int = 0,
                 n_blocks: int | None = None) -> TileUnion:
     """block_idx [B,T,H,n_sel] (ascending, -1 padded; unit stride in n_sel) -> TileUnion for tiles of
     m consecutive tokens, or with group = W of m similar tokens of each window of W (tile_group.py). On
-    CUDA one kernel launch (_union_kernel; two with group), else torch ops; no host sync. guard: built
-    only where the device flag chose the tile kernels (else left unwritten: unread). n_blocks: a bound on the
+    CUDA one kernel launch (_union_kernel; two with group), else torch ops; no host sync. n_blocks: a bound on the
     block ids for the grouping (group_tokens)."""
     perm = None
     if group:
@@ -178,7 +172,7 @@ def tile_unions(block_idx: torch.Tensor, m: int, guard: Guard | None = None, gro
     if not block_idx.is_cuda:
         _check_m(m)
         return _tile_unions_torch(block_idx, m)._replace(perm=perm)
-    blocks, bits, size = _run_union(block_idx, m, size_only=False, guard=guard)
+    blocks, bits, size = _run_union(block_idx, m, size_only=False)
     return TileUnion(blocks=blocks, bits=bits, size=size, perm=perm)
 
 
@@ -220,15 +214,12 @@ def _tile_rows(Q, PERM, b, h, n, T, sqb, sqt, sqh, offs_d, G: tl.constexpr, M: t
 
 
 @triton.jit
-def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, PERM, O, LSE, FLAG, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, PERM, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
                      sob, sot, soh, T, H, NT, scale_log2,
                      G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                      LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
-                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr, GUARD: tl.constexpr,
+                     BDV: tl.constexpr, BS: tl.constexpr, DOT_PREC: tl.constexpr,
                      HAS_PERM: tl.constexpr):
-    if GUARD != 0:   # per-call choice against the per-token kernel, made on the device (guard.py)
-        if skip_program(FLAG, GUARD):
-            return
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -269,18 +260,15 @@ def _tile_fwd_kernel(Q, K, V, UB, UBITS, USZ, PERM, O, LSE, FLAG, sqb, sqt, sqh,
 
 
 @triton.jit
-def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+def _tile_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, GC, SLOT, GW, sgc,
                         gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
                         T, H, NT, scale_log2, scale,
                         G: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, UW: tl.constexpr,
                         LSEL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                         BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
-                        DOT_PREC: tl.constexpr, GUARD: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr,
+                        DOT_PREC: tl.constexpr, HAS_GC: tl.constexpr, HAS_GW: tl.constexpr,
                         GC_ACC: tl.constexpr, GW_ACC: tl.constexpr, HAS_PERM: tl.constexpr):
-    if GUARD != 0:
-        if skip_program(FLAG, GUARD):
-            return
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -361,13 +349,13 @@ def _union(block_idx: torch.Tensor, m: int, union: TileUnion | None) -> TileUnio
 def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
                  l_sel: int, scale: float, m: int, union: TileUnion | None = None,
                  tuning: TileTuning | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 guard: Guard | None = None, combine=None, gluon_stages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 combine=None, gluon_stages: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """As select.slc_fwd (q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o, lse fp32
     [B,T,HQ])) with one program per m consecutive tokens x G heads. union: tile_unions(block_idx, m)
     when the caller already has it (the backward reuses it). tuning: launch parameters (None: the
-    preset of q's device; its m is not read, m is the argument). out / guard: as slc_fwd's.
+    preset of q's device; its m is not read, m is the argument). out: as slc_fwd's.
     combine: a function.Combine (the caller passes one under TileTuning.gluon_combine) whose out then holds
-    the op's output under the same guard: written by the Gluon forward's epilogue or, when that does not
+    the op's output: written by the Gluon forward's epilogue or, when that does not
     run, by combine.run. gluon_stages: the plan's Gluon forward (ring slots; 0: the Triton kernel)."""
     tn = tuning or TileTuning()
     B, T, HQ, dk = q.shape
@@ -377,20 +365,19 @@ def slc_fwd_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: t
     nt = un.size.shape[2]
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    if gluon_stages and gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=gluon_stages, guard=guard,
-                                  combine=combine, prefetch=tn.gluon_union_prefetch):
+    if gluon_stages and gtile_fwd(q, k, v, un, o, lse, m=m, scale=scale, stages=gluon_stages,
+                                  combine=combine):
         return o, lse
     meta = _meta(q, G, m, dk, dv, l_sel, un)
     rows = max(16, next_pow2(m * G))
-    flag, mode = guard if guard is not None else (lse, 0)
     _tile_fwd_kernel[(nt, B * H)](
-        q, k, v, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, flag, q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows, GUARD=mode,
+        o.stride(0), o.stride(1), o.stride(2), T, H, nt, scale * LOG2E, ROWS=rows,
         HAS_PERM=un.perm is not None,
         **_launch(tn, tn.fwd, rows, l_sel, meta["BDK"]), **meta)
     if combine is not None:
-        combine.run(o, guard)
+        combine.run(o)
     return o, lse
 
 
@@ -398,9 +385,9 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             delta: torch.Tensor, gate: torch.Tensor | None, un: TileUnion, *, l_sel: int, scale: float, m: int,
             dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
             tuning: TileTuning | None = None, dq_out: torch.Tensor | None = None,
-            guard: Guard | None = None, add: QAdd | None = None, gluon_stages: int = 0) -> torch.Tensor:
+            add: QAdd | None = None, gluon_stages: int = 0) -> torch.Tensor:
     """dq of slc_fwd_tile (plus dq_in and add's terms, qsum.py) on query tiles of m tokens walking the
-    union `un`; dq_out / guard as select.slc_dq's; gluon_stages: the plan's Gluon dq (0: Triton)."""
+    union `un`; dq_out as select.slc_dq's; gluon_stages: the plan's Gluon dq (0: Triton)."""
     tn = tuning or TileTuning()
     B, T, HQ, dk = q.shape
     H, dv = k.shape[2], v.shape[3]
@@ -409,17 +396,15 @@ def tile_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
     if gluon_stages and gtile_dq(q, k, v, do, lse, delta, g_arg, un, dq, dq_in, strides[-1], m=m, scale=scale,
-                                 stages=gluon_stages, has_gate=gate is not None, guard=guard, add=add,
-                                 prefetch=tn.gluon_union_prefetch):
+                                 stages=gluon_stages, has_gate=gate is not None, add=add):
         return dq
     rows = max(16, next_pow2(m * HQ // H))
-    flag, mode = guard if guard is not None else (lse, 0)
     add_args, add_kw = q_add_args(add, dq)
     _tile_bwd_dq_kernel[(nt, B * H)](
         q, k, v, do, lse, delta, g_arg, un.blocks, un.bits, un.size, un.perm_arg(), dq,
-        dq if dq_in is None else dq_in, flag, *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows,
+        dq if dq_in is None else dq_in, *add_args, *strides, T, H, nt, scale * LOG2E, scale, ROWS=rows,
         HAS_GATE=gate is not None, HAS_PERM=un.perm is not None,
-        ACC_DQ=dq_in is not None, GUARD=mode, **add_kw, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
+        ACC_DQ=dq_in is not None, **add_kw, **_launch(tn, tn.dq, rows, l_sel, meta["BDK"]), **meta)
     return dq
 
 

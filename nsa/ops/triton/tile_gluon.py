@@ -6,8 +6,8 @@ Same programs and the same arithmetic in the same order as the Triton kernels (t
 the Triton kernels', tests/test_triton_tile_gluon.py), written at the level Triton leaves to its compiler: the
 K / V tiles of a block ([64 keys, d] each) and a walk step's q / dO rows (one [G, d] box per token) arrive
 by TMA, one copy issued by one thread instead of 8 cp.async per thread, into rings of mbarrier-guarded
-shared-memory slots filled a step ahead (the block ids and bits that steer them read a step before that:
-TileTuning.gluon_union_prefetch); the tile kernels keep q (and dO) in registers as wgmma's A
+shared-memory slots filled a step ahead (the block ids and bits that steer them read a step before that,
+so neither a refill nor a step's mask waits on a global load); the tile kernels keep q (and dO) in registers as wgmma's A
 operand, so the forward needs 64 KB of shared memory and three programs share an SM (Triton's: two). The
 forward can also write the op's output from its epilogue (function.Combine, TileTuning.gluon_combine).
 
@@ -29,7 +29,6 @@ import torch
 
 from .. import fallbacks
 from ..fallbacks import count_fallback
-from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 from .qsum import add_q_terms, q_add_args   # add_q_terms: a @triton.jit helper, called from Gluon too
 
 # m * G of the tile kernels: one warpgroup (4 warps) per 64 rows. 128 rows (8 warps, m=8 at G=16) load each block
@@ -145,11 +144,10 @@ def _kernel():
                 other=0), gl.load(UBITS + ubase, mask=nu > 0, other=0))
 
     @gluon.jit
-    def _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, ahead, NSTAGE, LS, D, DV,
-                 PF: gl.constexpr):
+    def _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h, ahead, NSTAGE, LS, D, DV):
         """Step it of a tile kernel's union walk: union entry it + NSTAGE - 1 into the slot step it - 1 read
         (the CTA barrier first puts every warp past that step's wgmma waits), then wait for entry it's slot.
-        Returns (slot, block j, bits of the tile's tokens that chose j, ahead). With PF the union entries come a
+        Returns (slot, block j, bits of the tile's tokens that chose j, ahead). The union entries come a
         step before their use (ahead = _kv_ahead's three, carried): neither the refill's TMA issue nor the step's
         mask then waits on a global load. (The sizes are the caller's constexprs.)"""
         jt, jc, bc = ahead
@@ -157,21 +155,12 @@ def _kernel():
         if nxt < nu:
             cta_barrier()
             s2 = nxt % NSTAGE
-            if PF:
-                _issue_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), jt, row0, h, LS, D,
-                             DV)
-            else:
-                _load_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), UB, ubase + nxt,
-                            row0, h, LS, D, DV)
-        if PF:
-            j = jc
-            bits = bc
-            jt = gl.load(UB + ubase + nxt + 1, mask=nxt + 1 < nu, other=0)
-            jc = gl.load(UB + ubase + it + 1, mask=it + 1 < nu, other=0)
-            bc = gl.load(UBITS + ubase + it + 1, mask=it + 1 < nu, other=0)
-        else:
-            j = gl.load(UB + ubase + it)
-            bits = gl.load(UBITS + ubase + it)
+            _issue_block(k_desc, v_desc, bars.index(s2), k_smem.index(s2), v_smem.index(s2), jt, row0, h, LS, D, DV)
+        j = jc
+        bits = bc
+        jt = gl.load(UB + ubase + nxt + 1, mask=nxt + 1 < nu, other=0)
+        jc = gl.load(UB + ubase + it + 1, mask=it + 1 < nu, other=0)
+        bc = gl.load(UBITS + ubase + it + 1, mask=it + 1 < nu, other=0)
         slot = it % NSTAGE
         mbarrier.wait(bars.index(slot), phase=(it // NSTAGE) & 1)
         return slot, j, bits, (jt, jc, bc)
@@ -205,15 +194,12 @@ def _kernel():
         gl.store(O2 + off, res.to(O2.dtype.element_ty), mask=ok[:, None])
 
     @gluon.jit
-    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, PERM, O, LSE, FLAG, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot,
+    def _gtile_fwd(Q, k_desc, v_desc, UB, UBITS, USZ, PERM, O, LSE, GT, OC, OW, O2, SLOT, sqb, sqt, sqh, sob, sot,
                    soh, T, H, NT, n_per_b, s_rows, scale_log2, G: gl.constexpr, M: gl.constexpr, LS: gl.constexpr,
-                   D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr, GUARD: gl.constexpr,
-                   COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr, PF: gl.constexpr,
+                   D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
+                   COMBINE: gl.constexpr, CROWS: gl.constexpr, HAS_PERM: gl.constexpr,
                    num_warps: gl.constexpr):
         R: gl.constexpr = G * M
-        if GUARD != 0:
-            if skip_program(FLAG, GUARD):
-                return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
         # S = q K^T [R, LS] and O [R, DV] accumulators: a warpgroup per 64 rows, 16-row wgmma atoms
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -234,7 +220,7 @@ def _kernel():
         ahead = _kv_ahead(UB, UBITS, ubase, nu, NSTAGE)
         for it in range(nu):
             slot, j, bits, ahead = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h,
-                                            ahead, NSTAGE, LS, D, DV, PF)
+                                            ahead, NSTAGE, LS, D, DV)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, ))
             # the row's token chose block j, and causality (keys past T are past every token)
@@ -280,18 +266,15 @@ def _kernel():
                           HAS_PERM)
 
     @gluon.jit
-    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, FLAG, GC, SLOT, GW, sgc,
+    def _gtile_dq(Q, k_desc, v_desc, DO, LSE, DELTA, GATE, UB, UBITS, USZ, PERM, DQ, DQ_IN, GC, SLOT, GW, sgc,
                   gc_n, gc_h, gc_s, gw_t, gw_h, gw_g, gw_s,
                   sqb, sqt, sqh, sdb, sdt, sdh, sgt, T, H, NT, scale_log2, scale, G: gl.constexpr, M: gl.constexpr,
                   LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr, UW: gl.constexpr, NSTAGE: gl.constexpr,
-                  HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, GUARD: gl.constexpr, HAS_GC: gl.constexpr,
+                  HAS_GATE: gl.constexpr, ACC_DQ: gl.constexpr, HAS_GC: gl.constexpr,
                   HAS_GW: gl.constexpr, GC_ACC: gl.constexpr, GW_ACC: gl.constexpr, HAS_PERM: gl.constexpr,
-                  PF: gl.constexpr, num_warps: gl.constexpr):
+                  num_warps: gl.constexpr):
         """select_tile._tile_bwd_dq_kernel, operation for operation: q and dO in wgmma's A registers."""
         R: gl.constexpr = G * M
-        if GUARD != 0:
-            if skip_program(FLAG, GUARD):
-                return
         n, b, h, ubase, nu, row0 = _tile_program(USZ, T, H, NT, UW)
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, LS, 16])
@@ -318,7 +301,7 @@ def _kernel():
         ahead = _kv_ahead(UB, UBITS, ubase, nu, NSTAGE)
         for it in range(nu):
             slot, j, bits, ahead = _kv_step(k_desc, v_desc, k_smem, v_smem, bars, UB, UBITS, ubase, it, nu, row0, h,
-                                            ahead, NSTAGE, LS, D, DV, PF)
+                                            ahead, NSTAGE, LS, D, DV)
             sacc = warpgroup_mma(qa, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             dpa = warpgroup_mma(doa, v_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             sacc, dpa = warpgroup_mma_wait(num_outstanding=0, deps=(sacc, dpa))
@@ -365,33 +348,29 @@ def _launch(name: str, q: torch.Tensor, fn) -> bool:
 
 
 def gtile_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, un, o: torch.Tensor, lse: torch.Tensor, *,
-              m: int, scale: float, stages: int, guard: Guard | None = None, combine=None,
-              prefetch: bool = True) -> bool:
+              m: int, scale: float, stages: int, combine=None) -> bool:
     """Fills o [B,T,HQ,dv] / lse [B,T,HQ] fp32 as select_tile.slc_fwd_tile does, for inputs that
     the plan gives the Gluon tile kernels; un: the TileUnion; stages: K/V ring slots (>= 2). combine: a
-    function.Combine whose out also gets the gated sum of the three branches; prefetch: the union entries a
-    step ahead (TileTuning.gluon_union_prefetch). False (nothing written) when the Gluon kernel failed to
+    function.Combine whose out also gets the gated sum of the three branches. False (nothing written) when the Gluon kernel failed to
     build or launch (_launch)."""
-    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine,
-                                                               prefetch))
+    return _launch("the Gluon tile forward", q, lambda: _fwd(q, k, v, un, o, lse, m, scale, stages, combine))
 
 
-def _fwd(q, k, v, un, o, lse, m, scale, stages, guard, combine, prefetch) -> None:
+def _fwd(q, k, v, un, o, lse, m, scale, stages, combine) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
-    flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
     if combine is not None:
         cb = (combine.gates, combine.o_cmp, combine.o_win, combine.out, combine.slot, combine.n_per_b,
               combine.s_rows)
     else:
         cb = (o, o, o, o, o, 1, 1)
-    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, flag, *cb[:5], q.stride(0),
+    _kernel()[0][(nt, B * H)](q, kd, vd, un.blocks, un.bits, un.size, un.perm_arg(), o, lse, *cb[:5], q.stride(0),
                               q.stride(1), q.stride(2), o.stride(0), o.stride(1), o.stride(2), T, H, nt, *cb[5:],
                               scale * 1.4426950408889634, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3],
-                              NSTAGE=stages, GUARD=mode, COMBINE=combine is not None, HAS_PERM=un.perm is not None,
-                              CROWS=combine is not None and combine.rows, PF=prefetch, num_warps=m * (HQ // H) // 16,
+                              NSTAGE=stages, COMBINE=combine is not None, HAS_PERM=un.perm is not None,
+                              CROWS=combine is not None and combine.rows, num_warps=m * (HQ // H) // 16,
                               maxnreg=FWD_MAX_REGS)
 
 
@@ -406,25 +385,23 @@ def _descriptors(k: torch.Tensor, v: torch.Tensor):
 
 
 def gtile_dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt: int, *, m: int, scale: float, stages: int,
-             has_gate: bool, guard: Guard | None = None, add=None, prefetch: bool = True) -> bool:
+             has_gate: bool, add=None) -> bool:
     """select_tile.tile_dq's kernel for inputs the plan gives the Gluon tile kernels (do with a unit last stride): writes
     dq (contiguous [B,T,HQ,dk]) = the tile's selection dq * scale (+ dq_in when given, + add's terms: a
     qsum.QAdd); lse / delta contiguous fp32, gate_arg / sgt as select._bwd_args'. False as gtile_fwd's."""
     return _launch("the Gluon tile dq", q, lambda: _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m,
-                                                         scale, stages, has_gate, guard, add, prefetch))
+                                                         scale, stages, has_gate, add))
 
 
-def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, guard, add,
-        prefetch) -> None:
+def _dq(q, k, v, do, lse, delta, gate_arg, un, dq, dq_in, sgt, m, scale, stages, has_gate, add) -> None:
     B, T, HQ, D = q.shape
     H, DV = k.shape[2], v.shape[3]
     kd, vd = _descriptors(k, v)
-    flag, mode = guard if guard is not None else (lse, 0)
     nt = un.size.shape[2]
     add_args, add_kw = q_add_args(add, dq)
     _kernel()[1][(nt, B * H)](q, kd, vd, do, lse, delta, gate_arg, un.blocks, un.bits, un.size, un.perm_arg(), dq,
-                              dq if dq_in is None else dq_in, flag, *add_args, q.stride(0), q.stride(1), q.stride(2),
+                              dq if dq_in is None else dq_in, *add_args, q.stride(0), q.stride(1), q.stride(2),
                               do.stride(0), do.stride(1), do.stride(2), sgt, T, H, nt, scale * 1.4426950408889634,
                               scale, G=HQ // H, M=m, LS=LSEL, D=D, DV=DV, UW=un.blocks.shape[3], NSTAGE=stages,
-                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, GUARD=mode, HAS_PERM=un.perm is not None,
-                              PF=prefetch, **add_kw, num_warps=m * (HQ // H) // 16)
+                              HAS_GATE=has_gate, ACC_DQ=dq_in is not None, HAS_PERM=un.perm is not None,
+                              **add_kw, num_warps=m * (HQ // H) // 16)

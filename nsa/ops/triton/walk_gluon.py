@@ -5,7 +5,7 @@ dK / dV / partials are bitwise the Triton walk's: tests/test_triton_tile_gluon.p
 One program per work item (segment = (b, h, block j), chunk of its token list). The block's K / V tiles come
 by TMA once; each step's q / dO rows (QB tokens x G heads = 64 rows, one [G, d] box per token) arrive by TMA
 into a ring of mbarrier-guarded slots filled a step ahead. Without dq partials the rows' token ids are read two
-steps ahead and their lse / delta / gate one (row_prefetch: SelectTuning.gluon_walk_row_prefetch), so no step
+steps ahead and their lse / delta / gate one, so no step
 waits on a dependent gather; with them (where the prefetch would spill 12 B more) the ids are read one step ahead
 and the row values at the step's start.
 
@@ -21,7 +21,6 @@ import functools
 
 import torch
 
-from .guard import Guard, skip_program   # a @triton.jit helper: Gluon kernels call it too (Triton 3.6 and 3.9)
 from .tile_gluon import LSEL, _descriptors, _launch
 
 ROWS = 64          # wgmma rows of one warpgroup: a walk step's rows must be exactly this
@@ -74,18 +73,15 @@ def _walk_kernel():
 
     @gluon.jit
     def _gwalk_dkdv(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
-                    DKO, DVO, XDK, XDV, DQP, FLAG, sgt, T, H, NSB, NSEG, scale_log2, scale,
+                    DKO, DVO, XDK, XDV, DQP, sgt, T, H, NSB, NSEG, scale_log2, scale,
                     G: gl.constexpr, QB: gl.constexpr, LS: gl.constexpr, D: gl.constexpr, DV: gl.constexpr,
                     CH: gl.constexpr, NSTAGE: gl.constexpr, HAS_GATE: gl.constexpr, DQ_PAIRS: gl.constexpr,
-                    DQC: gl.constexpr, GUARD: gl.constexpr, ROW_PF: gl.constexpr, num_warps: gl.constexpr):
+                    DQC: gl.constexpr, ROW_PF: gl.constexpr, num_warps: gl.constexpr):
         """select._slc_bwd_dkdv_kernel with rows on the MMA's M side, operation for operation: one program
         per work item (segment = (b, h, block j), chunk of its token list); the block's K / V by TMA once;
         each step's q / dO rows (QB tokens x G heads) by TMA into a ring. DQ_PAIRS: also each (token, block)
         pair's dq partial dS K * scale [G, d] at the pair's list position (select._store_dq_pairs)."""
         R: gl.constexpr = G * QB
-        if GUARD != 0:
-            if skip_program(FLAG, GUARD):
-                return
         w = gl.program_id(0)
         seg = gl.load(WSEG + w).to(gl.int32)     # as select.work_item, in int32 (TMA coordinates)
         chunk = gl.load(WCHUNK + w).to(gl.int32)
@@ -211,18 +207,17 @@ def _walk_kernel():
 
 
 def gwalk_dkdv(q, k, v, do, lse, delta, gate_arg, sgt: int, inv: dict, dk32, dv32, xdk, xdv, *, chunk: int,
-               scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None,
-               guard: Guard | None = None, row_prefetch: bool = True) -> bool:
+               scale: float, stages: int, has_gate: bool, dq_pairs: torch.Tensor | None = None) -> bool:
     """select.slc_dkdv's walk for inputs the plan gives the Gluon walk: fills dk32 / dv32 / xdk / xdv as
     _slc_bwd_dkdv_kernel does (reduce_dkdv sums them), and with dq_pairs [P*G, d] each pair's dq partial
-    there; row_prefetch (without dq_pairs): the rows' values a step ahead. False as gtile_fwd's."""
+    there (without them the rows' values come a step ahead). False as gtile_fwd's."""
     return _launch("the Gluon dK/dV walk", q, lambda: _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32,
-                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate, guard,
-                                                            row_prefetch and dq_pairs is None))
+                                                            xdk, xdv, dq_pairs, chunk, scale, stages, has_gate,
+                                                            dq_pairs is None))
 
 
 def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_pairs, chunk, scale, stages,
-          has_gate, guard, row_pf) -> None:
+          has_gate, row_pf) -> None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, T, HQ, D = q.shape
@@ -233,10 +228,9 @@ def _walk(q, k, v, do, lse, delta, gate_arg, sgt, inv, dk32, dv32, xdk, xdv, dq_
     lay = gl.NVMMASharedLayout.get_default_for([G, D], dt)
     qd = TensorDescriptor(q, [B * T * HQ, D], [D, 1], [G, D], lay)
     dod = TensorDescriptor(do, [B * T * HQ, DV], [DV, 1], [G, DV], lay)
-    flag, mode = guard if guard is not None else (lse, 0)
     _walk_kernel()[(inv["w_max"],)](qd, dod, kd, vd, lse, delta, gate_arg, inv["toks"], inv["segoff"], inv["wseg"],
                                   inv["wchunk"], inv["xoff"], dk32, dv32, xdk, xdv,
-                                  dk32 if dq_pairs is None else dq_pairs, flag, sgt, T, H, inv["nsb"], inv["nseg"],
+                                  dk32 if dq_pairs is None else dq_pairs, sgt, T, H, inv["nsb"], inv["nseg"],
                                   scale * 1.4426950408889634, scale, G=G, QB=ROWS // G, LS=LSEL, D=D, DV=DV, CH=chunk,
                                   NSTAGE=stages, HAS_GATE=has_gate, DQ_PAIRS=dq_pairs is not None, DQC=_DQC,
-                                  GUARD=mode, ROW_PF=row_pf, num_warps=4)
+                                  ROW_PF=row_pf, num_warps=4)
