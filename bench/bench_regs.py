@@ -159,6 +159,7 @@ def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
 
 def main() -> int:
     a = parse_args()
+    from nsa.ops.plan import pair_plan
     from nsa.ops.tuning import HOPPER
     from nsa.ops.triton import select as tsel
     from nsa.ops.triton import select_block as sb
@@ -180,7 +181,7 @@ def main() -> int:
     o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk, tuning=tn)
     lse = torch.zeros(B, T, HQ)
     delta = torch.zeros(B, T, HQ)
-    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, pair_plan(tn, HQ // H), dq=True)
     tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, chunk=tn.chunk,
                   tuning=tn, inv=inv, dq_pairs=dqp)
     # the same walk without dq (the query-tile path's, which the captured inputs take): listed second
@@ -191,7 +192,7 @@ def main() -> int:
     tsel.slc_dq(q, k, v, bi, do, lse, delta, gates[..., 1], l_sel=l_sel, scale=dk ** -0.5, tuning=tn)
     k_cmp = torch.randn(B, (T - hp["l"]) // hp["d"] + 1, H, dk, **bf)
     select_blocks(q, k_cmp, lse, l=hp["l"], d=hp["d"], l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
-                  tuning=tuning.scores)
+                  tuning=tuning.scores, relayout=tuning.scores.relayout)
     # the query-tile forward and dq (the paper shape's path where m consecutive tokens share blocks)
     from nsa.ops.triton import select_tile as stile
     m = tuning.tile.m

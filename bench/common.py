@@ -497,7 +497,7 @@ def decode_large_rows(base) -> int:
 def select_blocks_op(q, kc, lse, scale: float, tuning=None):
     """The fused scores + top-n kernel alone, with tuning.scores (or the default tile)."""
     from nsa.ops.triton import scores
-    kw = {} if tuning is None else {"tuning": tuning.scores}
+    kw = {} if tuning is None else {"tuning": tuning.scores, "relayout": tuning.scores.relayout}
     return scores.select_blocks(q, kc, lse, l=HP["l"], d=HP["d"], l_sel=HP["l_sel"], n_sel=HP["n_sel"],
                                 scale=scale, **kw)
 

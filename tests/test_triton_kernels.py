@@ -158,7 +158,7 @@ def test_q_fork_sums_every_branch_gradient(parts):
     """_QFork: q's gradient = the dense compressed rows' gradient gathered back + the window branch's +
     the Function's, in one fp32 sum; a branch whose output goes unused (a fallback) adds nothing."""
     from nsa.ops.triton import cmp_dense
-    from nsa.ops.triton.function import _fork
+    from nsa.ops.triton.qsum import fork_q as _fork
     B, T, HQ, dk, l, d = 2, 45, 4, 16, 8, 4
     N = common.num_cmp_tokens(T, l, d)
     q = torch.randn(B, T, HQ, dk, device=DEV, requires_grad=True)

@@ -64,7 +64,7 @@ def _walks(case: str, change: tuple) -> tuple:
     tn = by_block(pair_rows=16, **{"block_dkdv_rows": 16, "pack_heads": True, **dict(change)})
     o, lse = sb.slc_fwd_pairs(q, k, v, bi, inv, **kw, tuning=tn)
     delta = (do * o).sum(-1)
-    dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, route.pair_plan(tn, 1), dq=True)
     dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, inv=inv, dq_pairs=dqp, tuning=tn, **kw)
     dq = sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(q), dq_in=None)
     return o, lse, dq, dk_, dv_
@@ -102,7 +102,7 @@ def test_fp16_partials_scaled_by_max_v(case, v_scale):
     assert rel_err(o16, o32) <= 1e-3 and rel_err(lse16, lse32) <= 1e-6
     ro = oracle(q, k, v, bi, gate, do, l_sel, scale)[0]
     assert rel_err(o16, ro) <= max(tol(dtype), 1e-3)
-    assert sb.pair_buffer(q, n_sel, H, dk, by_block(pair_dtype="fp16"), dq=True).dtype == q.dtype
+    assert sb.pair_buffer(q, n_sel, H, dk, route.pair_plan(by_block(pair_dtype="fp16"), 1), dq=True).dtype == q.dtype
 
 
 @pytest.mark.parametrize("pair_chunk", [3, 8])
@@ -145,7 +145,7 @@ def test_dq_from_pairs_matches_per_token_dq(case):
     dk_ref, dv_ref = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, chunk=chunk, **kw)
     inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
     tn = by_block()
-    dqp = sb.pair_buffer(q, n_sel, H, dk, tn)
+    dqp = sb.pair_buffer(q, n_sel, H, dk, route.pair_plan(tn, 1))
     dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, chunk=chunk, inv=inv, dq_pairs=dqp, **kw)
     dq = sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(dq_in), dq_in=dq_in)
     assert torch.equal(dk_, dk_ref) and torch.equal(dv_, dv_ref)
@@ -179,7 +179,7 @@ def test_walk_loop_stages_change_nothing(case, dq):
     for stages in (0, 3):
         tn = by_block(block_dkdv_rows=16, **{("dq_" if dq else "") + "walk_loop_stages": stages})
         inv = tsel.invert_selection(bi, l_sel, chunk, ranks=True)
-        dqp = sb.pair_buffer(q, n_sel, H, dk, tn, dq=True) if dq else None
+        dqp = sb.pair_buffer(q, n_sel, H, dk, route.pair_plan(tn, 1), dq=True) if dq else None
         dk_, dv_ = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
                                  tuning=tn, inv=inv, dq_pairs=dqp)
         dq_ = sb.pair_dq(q, dqp, inv, n_sel, H, dq=torch.empty_like(q), dq_in=None) if dq else None
@@ -305,9 +305,9 @@ def test_auto_picks_block_order_by_group_size():
         SelectTuning(dq_pair_dtype="bf16")
     q = torch.zeros(1, 4, 6, 8, dtype=torch.bfloat16)
     mixed = SelectTuning(pair_dtype="fp32", dq_pair_dtype="input")
-    assert sb.pair_buffer(q, 2, 2, 8, mixed).dtype == torch.float32
-    assert sb.pair_buffer(q, 2, 2, 8, mixed, dq=True).dtype == torch.bfloat16
-    assert sb.pair_buffer(q, 2, 2, 8, SelectTuning(pair_dtype="input"), dq=True).dtype == torch.bfloat16
+    assert sb.pair_buffer(q, 2, 2, 8, route.pair_plan(mixed, 1)).dtype == torch.float32
+    assert sb.pair_buffer(q, 2, 2, 8, route.pair_plan(mixed, 1), dq=True).dtype == torch.bfloat16
+    assert sb.pair_buffer(q, 2, 2, 8, route.pair_plan(SelectTuning(pair_dtype="input"), 1), dq=True).dtype == torch.bfloat16
 
 
 def _by_block_vs_per_token(xs, do, hp: dict, **changes):

@@ -59,9 +59,9 @@ def reference_idx(q, kc, l, d, l_sel, n_sel, scale):
     return torch.tensor(out, dtype=torch.int64), lse
 
 
-def score_tuning(tile, relayout=False) -> ScoreTuning:
+def score_tuning(tile) -> ScoreTuning:
     """One tile (a ScoreTile's fields as a tuple) for every head dim."""
-    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile), relayout=relayout)
+    return ScoreTuning(tile=ScoreTile(*tile), big=ScoreTile(*tile))
 
 
 def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, relayout=False, **kw):
@@ -76,9 +76,9 @@ def run_case(B, T, HQ, H, dk, l, d, l_sel, n_sel, seed, tile=None, zero=None, re
     scale = dk ** -0.5
     want, lse = reference_idx(q, kc, l, d, l_sel, n_sel, scale)
     got = tsc.select_blocks(q.to(DEV), kc.to(DEV), lse.float().to(DEV), l=l, d=d, l_sel=l_sel,
-                            n_sel=n_sel, scale=scale,
+                            n_sel=n_sel, scale=scale, relayout=relayout,
                             **({} if tile is None and not relayout
-                               else dict(tuning=score_tuning(tile or F16, relayout))), **kw).cpu()
+                               else dict(tuning=score_tuning(tile or F16))), **kw).cpu()
     assert got.shape == (B, T, H, n_sel) and got.dtype == torch.int64
     bad = (got != want).any(-1).nonzero()
     assert bad.numel() == 0, f"{len(bad)} rows differ, first {bad[0].tolist()}: " \
@@ -185,9 +185,8 @@ def test_forward_uses_fused_selection(monkeypatch):
 
 
 def _device_tile_pair(T, HQ, H, dk, field):
-    """block_idx of the device's score tile without and with the ScoreTuning bool `field`, on random bf16
+    """block_idx of the device's score tile without and with the select_blocks switch `field`, on random bf16
     inputs at paper hyperparameters (lse from the Triton compressed attention)."""
-    import dataclasses
 
     from nsa.ops.triton import attn
     from nsa.ops.tuning import tuning_for
@@ -199,7 +198,7 @@ def _device_tile_pair(T, HQ, H, dk, field):
     _, lse = attn.attn_fwd(q, kc, torch.randn_like(kc), stride=d, offset=l - 1, window=0, scale=dk ** -0.5)
     base = tuning_for("cuda").scores
     return [tsc.select_blocks(q, kc, lse, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=dk ** -0.5,
-                              tuning=dataclasses.replace(base, **{field: v})) for v in (False, True)]
+                              tuning=base, **{field: v}) for v in (False, True)]
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa.ops import plan as route
 from nsa.ops.triton import select_tile as tt
 from nsa.ops.triton import tile_gluon as tg
 from nsa.ops.triton import walk_gluon as wg
@@ -149,7 +150,7 @@ un = _tile_unions_torch(br.selection(T, H, T // 64, 16, 64).to(torch.int32), 4)
 o, lse = torch.empty_like(q), torch.empty(1, T, HQ)
 gtile_fwd(q, k, v, un, o, lse, m=4, scale=D ** -0.5, stages=2)
 from nsa.ops.triton.cmp_dense import _maps
-from nsa.ops.triton.function import Combine
+from nsa.ops.triton.gates import Combine
 gates = torch.rand(1, T, HQ, 3).bfloat16()
 maps = _maps(T, (T - 32) // 16 + 1, HQ, H, 32, 16, "cpu", True)
 for oc, rows in ((torch.randn_like(q), None), (torch.randn(1, maps.slot_src.numel(), D).bfloat16(), maps)):
@@ -264,7 +265,7 @@ def test_gpu_gluon_tile_kernels_are_bitwise_the_triton_ones(B, T, dtype, m, grou
         # the op's output written by the forward's epilogue (TileTuning.gluon_combine), o_cmp in q's rows and
         # in the dense compressed problem's: bitwise the combine kernel's
         from nsa.ops.triton.cmp_dense import _maps
-        from nsa.ops.triton.function import Combine, combine
+        from nsa.ops.triton.gates import Combine, combine
         gates = torch.rand(B, T, HQ, 3, generator=gen, device="cuda").to(dtype)
         o_win = torch.randn(B, T, HQ, d, generator=gen, device="cuda").to(dtype)
         maps = _maps(T, (T - 32) // 16 + 1, HQ, H, 32, 16, "cuda", True)
@@ -340,7 +341,7 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
     runs = []
     for s in (2, 0):
         tn = dataclasses.replace(base, gluon_dq_walk_stages=s)
-        dqp = pair_buffer(q, 16, H, d, tn, dq=True).zero_()
+        dqp = pair_buffer(q, 16, H, d, route.pair_plan(tn, 1), dq=True).zero_()
         dk, dv = tsel.slc_dkdv(q, k, v, bi, do, lse, delta, gate, l_sel=64, scale=d ** -0.5, chunk=1024,
                                tuning=tn, inv=inv, dq_pairs=dqp, walk=walk_plan(tn, HQ // H, False, True, lambda r: True))
         runs.append((dk, dv, dqp[:inv["n_pairs"] * (HQ // H)]))

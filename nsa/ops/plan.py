@@ -92,6 +92,16 @@ class WalkPlan:
 
 
 @dataclass(frozen=True)
+class PairPlan:
+    """The block-order partials: the forward's (token, block) o partials and the walk's dq partials."""
+
+    dtype: str                  # fp32 | input (q's dtype) | fp16 (o / max|v|, scaled back by the merge)
+    dq_dtype: str               # fp32 | input (dq is not bounded: never the scaled fp16 form)
+    ids_in_regs: bool           # the forward's token ids from registers (pieces of <= 256 entries)
+    group: int                  # rows per token in the walks: G packed, or next_pow2(G)
+
+
+@dataclass(frozen=True)
 class OpPlan:
     """Every choice of one call, each with a reason (why[name])."""
 
@@ -112,6 +122,9 @@ class OpPlan:
     dq_fold: bool               # selection dq kernels run in q's gradient node with the flash branches' dq
     row_sums: bool              # flash branches take D from the gate gradients
     fa4_accum: bool             # flash branches' dq left in FA4's fp32 accumulator
+    pairs: PairPlan = None      # block-order partials (pair_plan)
+    relayout: bool = False      # scores: rank each chunk from a scratch copy
+    tile_group: int = 0         # query tiles regrouped within windows of this many tokens (0: consecutive)
     tuning: KernelTuning = field(repr=False, compare=False, default=None)
     why: tuple = ()             # ((choice, reason), ...)
     needs: str | None = None    # a probe outcome to fill in before this plan holds ("dense" / "sdpa")
@@ -267,11 +280,17 @@ def chunk_for(s, pairs: int) -> int:
     return chunk
 
 
+def pair_plan(s, G: int) -> PairPlan:
+    """The block-order partials under SelectTuning s for G query heads per KV head."""
+    dq = s.dq_pair_dtype or s.pair_dtype
+    return PairPlan(s.pair_dtype, "input" if dq == "fp16" else dq, s.ids_in_regs, G if s.pack_heads else _pow2(G))
+
+
 def walk_plan(s, G: int, big: bool, dq_pairs: bool, gluon_ok=lambda rows: False) -> WalkPlan:
     """The dK/dV walk under SelectTuning s for G query heads per KV head (big: head dims > 128);
     gluon_ok(rows): whether the Gluon walk takes steps of `rows` rows here (default: never, the Triton walk)."""
     rows = max(dkdv_rows_for(s, G, big), _pow2(G))
-    group = G if s.pack_heads else _pow2(G)
+    group = pair_plan(s, G).group
     stages = s.gluon_dq_walk_stages if dq_pairs else s.gluon_walk_stages
     gluon = stages if stages and group == G and gluon_ok(rows) else 0
     return WalkPlan(dq_pairs, rows, group, gluon, prefetch_for(s, G, dq_pairs), loop_stages_for(s, dq_pairs, G))
@@ -341,7 +360,8 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
     dq_fold = f.dq_fold and inp.grad and forked and cmp not in ("triton", UNKNOWN) and win != "triton"
     return OpPlan(inp.arch, cmp, win, entry, f.win_gate_lse, scores, m, fwd,
                   t.gluon_fwd_stages if fwd == "tile_gluon" else 0, m > 1 and t.gluon_combine, bwd, dq_gluon, walk,
-                  _chunk(inp, tn), dq_fold, row_sums, fa4_accum, tn, tuple(why), needs)
+                  _chunk(inp, tn), dq_fold, row_sums, fa4_accum, pair_plan(s, G), tn.scores.relayout,
+                  t.group if m > 1 else 0, tuning=tn, why=tuple(why), needs=needs)
 
 
 def t_ok(min_t: int | None, T: int) -> bool:
@@ -405,6 +425,28 @@ def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_se
                      frozenset(k for k, v in layout.items() if v), _refused(dev, q.dtype, dk, dv), sdpa=sdpa,
                      chunk=chunk)
     return _probed_plan(inp, tuning, q.device, q.dtype)
+
+
+def refuse_branch(branch: str, q: torch.Tensor, v: torch.Tensor, be: str, exc: Exception) -> None:
+    """A flash / dense backend failed on this call: refused for this device / dtype / head sizes (the planner
+    plans it away from now on), counted and warned once; inside a CUDA-graph capture the error stands."""
+    import warnings
+
+    import torch
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise exc
+    why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
+    dev, dk, dv = str(q.device), q.shape[-1], v.shape[-1]
+    if branch == "win":
+        path, key, name, then = "win_flash", (dev, q.dtype, dk), f"win_flash:{be}->triton", "the Triton kernel"
+    elif be in ("fa4", "fa2"):   # flash-attn refused: the SDPA choice (cmp_dense.mode) from now on
+        path, key, name, then = f"cmp_flash:{be}", (dev, q.dtype, dk, dv), f"cmp_dense:{be}->sdpa", "SDPA / Triton"
+    else:
+        path, key, name, then = "cmp_sdpa", (dev, q.dtype, dk, dv), f"cmp_dense:{be}->triton", "the Triton kernel"
+    fallbacks.count_fallback(name)
+    fallbacks.refuse(path, key, why)
+    label = "window branch" if branch == "win" else "compressed branch"
+    warnings.warn(f"{label}: {why}; using {then} from now on", RuntimeWarning, stacklevel=3)
 
 
 def _probed_plan(inp: PlanInputs, tuning: KernelTuning | None, device, dtype) -> OpPlan:

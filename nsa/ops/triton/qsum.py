@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..branch_sums import RowSums
 from ..fa4_accum import Accum, acc_cols, acc_rows
 from . import cmp_dense
 from ._utils import next_pow2
@@ -169,3 +170,19 @@ class QFork(torch.autograd.Function):
             _qgrad_kernel[(triton.cdiv(n, br), B)](*add_args, gs_arg, dq, n, D=dk, BD=bd, BR=br,
                                                    HAS_S=gs is not None, **add_kw)
         return dq, *none
+
+
+def fork_q(q: torch.Tensor, maps: cmp_dense.CmpMaps | None, win: bool, deferred: DeferredDq | None = None,
+          sums: RowSums | None = None):
+    """(q rows for the dense compressed branch or None, q for the flash window branch, q for the
+    Function). With q's gradient wanted, one QFork node hands them out, so q's gradient is one
+    fused sum of the branches' (plain tensors, and no node, otherwise); deferred: where the NSA
+    backward may leave its dq kernels for that node (qsum.py); sums: the call's RowSums (its dq slots)."""
+    B, T, HQ, dk = q.shape
+    if not (torch.is_grad_enabled() and q.requires_grad) or (maps is None and not win):
+        rows = cmp_dense.gather_rows(q.reshape(B, T * HQ, dk), maps.slot_src) if maps is not None else None
+        return rows, q, q
+    out = list(QFork.apply(q, maps.slot_src if maps is not None else None,
+                           maps.row_slot if maps is not None else None, 1 + int(win), deferred, sums))
+    rows = out.pop(0) if maps is not None else None
+    return rows, (out[0] if win else q), out[-1]

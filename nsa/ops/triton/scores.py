@@ -278,13 +278,14 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
                   l_sel: int, n_sel: int, scale: float, tuning: ScoreTuning = EXACT_SCORES,
-                  wide_keys: bool | None = None, gluon: bool = False) -> torch.Tensor:
+                  wide_keys: bool | None = None, gluon: bool = False, relayout: bool = False) -> torch.Tensor:
     """q [B,T,HQ,dk], k_cmp [B,N,H,dk] (N may be 0), lse_cmp fp32 [B,T,HQ] (natural log, -inf where no
     compressed token is visible) -> block_idx int64 [B,T,H,n_sel], ascending, -1 padded.
 
     tuning: the tiles (default: the exact fp32 maps); wide_keys forces int64 (True) or int32 (False, only if the
     block count fits) ranking keys (tests and benchmarks). gluon (the plan's choice, nsa/ops/plan.py): the
-    score pass in Gluon (scores_gluon.py: the same blocks), the Triton kernel if it fails to launch."""
+    score pass in Gluon (scores_gluon.py: the same blocks), the Triton kernel if it fails to launch. relayout
+    (the plan's): rank each chunk's scores from a scratch copy, not the replicated head-sum layout."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
     if gluon and wide_keys is None:
@@ -318,7 +319,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     bi = torch.empty(B, T, H, n_sel, device=q.device, dtype=torch.int64)
     n_tiles = triton.cdiv(T, bt)
     # RELAY: one [bt, nbj_pad] fp32 scratch per program (T * H * 64 B at the default tiles)
-    scratch = torch.empty(n_tiles * B * H * bt * nbj_pad if tuning.relayout else 1, device=q.device,
+    scratch = torch.empty(n_tiles * B * H * bt * nbj_pad if relayout else 1, device=q.device,
                           dtype=torch.float32)
     _select_kernel[(n_tiles, B * H)](
         q, k_cmp, lse_cmp.contiguous(), bi, scratch, q.stride(0), q.stride(1), q.stride(2),
@@ -327,7 +328,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),
-        RELAY=tuning.relayout, num_warps=warps, num_stages=stages,
+        RELAY=relayout, num_warps=warps, num_stages=stages,
         **reg_cap(tile.max_regs, q.is_cuda))
     return bi
 

@@ -381,12 +381,6 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     return o, lse
 
 
-def walk_group(G: int, tn: SelectTuning) -> int:
-    """Rows per token in the walks over a block's token list: G (heads packed densely) or G padded to
-    a power of two (tuning.pack_heads)."""
-    return G if tn.pack_heads else next_pow2(G)
-
-
 def _bwd_args(q, k, v, do, lse, delta, gate):
     """(gate argument, lse, delta contiguous, stride tuple) shared by the selection backward kernels."""
     has_gate = gate is not None

@@ -23,11 +23,12 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
+from ..plan import PairPlan, pair_plan
 from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, reg_cap
 from .inversion import work_items
 from .qsum import QAdd, add_q_terms, q_add_args
-from .select import block_kv, walk_group, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
+from .select import block_kv, walk_ids, walk_limit, walk_rows, walk_rows_in, work_item
 
 
 @triton.jit
@@ -164,13 +165,11 @@ def _pair_dq_kernel(RANK, DQP, DQ, DQ_IN, GC, SLOT, GW, sgc, gc_n, gc_h, gc_s, g
     tl.store(DQ + off, acc.to(DQ.dtype.element_ty), mask=row_ok[:, None] & dk_ok)
 
 
-def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, tuning: SelectTuning, dq: bool = False) -> torch.Tensor:
-    """[B*H*T*n_sel*G, dim] rows of pair partials (one per (pair, head)), fp32 or q's dtype per tuning
-    (dq: the dK/dV walk's dq partials, tuning.dq_pair_dtype)."""
+def pair_buffer(q: torch.Tensor, n_sel: int, H: int, dim: int, pairs: PairPlan, dq: bool = False) -> torch.Tensor:
+    """[B*H*T*n_sel*G, dim] rows of pair partials (one per (pair, head)) in the plan's dtype (dq: the dK/dV
+    walk's dq partials)."""
     B, T, HQ = q.shape[:3]
-    kind = (tuning.dq_pair_dtype or tuning.pair_dtype) if dq else tuning.pair_dtype
-    if dq and kind == "fp16":   # the scaled fp16 form is the forward's (o is bounded by max|v|); dq is not
-        kind = "input"
+    kind = pairs.dq_dtype if dq else pairs.dtype
     pdt = {"fp32": torch.float32, "fp16": torch.float16}.get(kind, q.dtype)
     return torch.empty(max(1, B * T * n_sel * HQ), dim, device=q.device, dtype=pdt)
 
@@ -192,25 +191,27 @@ def pair_dq(q: torch.Tensor, dq_pairs: torch.Tensor, inv: dict, n_sel: int, H: i
 
 def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, inv: dict, *,
                   l_sel: int, scale: float, chunk: int, tuning: SelectTuning | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  pairs: PairPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """slc_fwd's (o [B,T,HQ,dv], lse fp32 [B,T,HQ]) block by block. inv: invert_selection(block_idx,
     l_sel, chunk, ranks=True) (the dK/dV kernel reuses it); out as in slc_fwd. Programs walk
     tuning.pair_chunk entries of a block's list (0: the inversion's chunk): pairs are independent here,
-    so short lists cost nothing but balance the long ones (block 0, each token's own block)."""
+    so short lists cost nothing but balance the long ones (block 0, each token's own block). pairs: the
+    plan's partials (None: pair_plan under tuning)."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
     G = HQ // H
     o, lse = out if out is not None else (torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype),
                                           torch.empty(B, T, HQ, device=q.device, dtype=torch.float32))
-    op = pair_buffer(q, n_sel, H, dv, tn)      # positions past the valid pairs are never written
+    pairs = pairs or pair_plan(tn, G)
+    op = pair_buffer(q, n_sel, H, dv, pairs)      # positions past the valid pairs are never written
     lp = torch.empty(op.shape[0], device=q.device, dtype=torch.float32)
-    scaled = tn.pair_dtype == "fp16"
+    scaled = pairs.dtype == "fp16"
     # fp16 partials of o / max|v| (a device scalar from one reduction: no sync; clamped so an all-zero v,
     # whose o is 0, divides by no zero)
     vs = torch.linalg.vector_norm(v.detach(), float("inf")).float().clamp_min(1e-30).reshape(1) if scaled else lp
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
-    wg = walk_group(G, tn)
     prec = dot_precision(q.dtype, q.is_cuda)
     items = (inv if tn.pair_chunk in (0, inv["chunk"])
              else work_items(inv["segoff"], inv["n_pairs"], tn.pair_chunk))
@@ -218,9 +219,9 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
         q, k, v, inv["toks"], inv["segoff"], items["wseg"], items["wchunk"], op, lp, vs,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), T, H, inv["nsb"], inv["nseg"], scale * LOG2E,
-        G=G, GP=wg, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
+        G=G, GP=pairs.group, ROWS=max(tn.pair_rows, gp, 16), LSEL=l_sel, CH=items["chunk"], DK=dk, DV=dv, BDK=bdk,
         BDV=bdv, BS=max(16, next_pow2(l_sel)), DOT_PREC=prec,
-        IDS_IN_REGS=tn.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
+        IDS_IN_REGS=pairs.ids_in_regs and items["chunk"] <= 256, WIN=next_pow2(min(items["chunk"], 256)), SCALED=scaled,
         num_warps=tn.pair_warps, num_stages=tn.pair_stages,
         **reg_cap(tn.pair_max_regs, q.is_cuda))
     rank = inv["rank"]
