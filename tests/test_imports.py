@@ -113,7 +113,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_graph_sees_known_edges():
     g = import_graph()
-    assert "nsa.ops.tuning" in g["nsa.ops.dispatch"] and "nsa.ops.fallbacks" in g["nsa.ops.triton.function"]
+    assert "nsa.ops.tuning" in g["nsa.ops.dispatch"] and "nsa.ops.plan" in g["nsa.ops.triton.function"]
     assert "nsa.ops.triton.attn" in g["nsa.ops.triton.function"]
 
 
