@@ -8,7 +8,7 @@
 
 1. Model: trained here by bench_train.run_bare (the bare one-device loop: nsa.train's step, in the
    pipeline's step mode, over nsa.data's packed parquet iterator) for --steps steps of --seq tokens on the
-   profile plus `section.key=value` overrides. Defaults put before yours: data.path=data/fineweb_local,
+   profile plus `section.key=value` overrides. Defaults put before yours: data.path=data/offline_python,
    train.seq_len=--seq, train.steps=--steps, train.warmup_steps=--steps/10 (the schedule fits the short
    run). Saved to <out>/model/ (model.pt: weights and config; recipe.json: how it was made).
 2. Text: the data set's val split (held-out documents) packed as training packs them (same tokenizer, EOS
@@ -43,7 +43,7 @@ TINY = ["model.n_layers=2", "train.batch_size=1", "logging.mlflow=false", "loggi
 def build_config(profile: str, overrides: list[str], seq: int, steps: int):
     """(RunConfig, the full override list): this script's defaults first, then the caller's."""
     from nsa.config import resolve_config
-    defaults = ["data.path=data/fineweb_local", f"train.seq_len={seq}", f"train.steps={steps}",
+    defaults = ["data.path=data/offline_python", f"train.seq_len={seq}", f"train.steps={steps}",
                 f"train.warmup_steps={max(1, steps // 10)}", "train.eval_every=0", "train.save_every=0"]
     full = defaults + list(overrides)
     cfg, _ = resolve_config(profile, full)

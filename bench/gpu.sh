@@ -110,16 +110,16 @@ bundle_fa4() {  # runs on the CPU machine with network (pip download), writes .f
 
 run_vs_dense() {
   local seqs=${*:-2048 8192 32768 65536}
-  python3 pipelines/prepare_data.py --out data/fineweb_local --overwrite >/dev/null || exit 1
+  python3 pipelines/prepare_data.py --out data/offline_python --overwrite >/dev/null || exit 1
   timeout "$T_BENCH" python3 bench/bench_train.py --skip-ray --steps "${STEPS:-10}" --warmup "${WARMUP:-4}" \
-    --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/fineweb_local logging.mlflow=false 2>&1 \
+    --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/offline_python logging.mlflow=false 2>&1 \
     | tee "$OUT/vs_dense.log" | grep -vE "Warning|warn" | tail -16
 }
 
 CAPTURE_T="8192 16384 32768 65536"
 
 local_data() {  # the offline text both capture commands train on, made once per machine
-  [ -f data/fineweb_local/manifest.json ] || python3 pipelines/prepare_data.py --out data/fineweb_local >/dev/null || exit 1
+  [ -f data/offline_python/manifest.json ] || python3 pipelines/prepare_data.py --out data/offline_python >/dev/null || exit 1
 }
 
 run_capture_model() {  # trained model + captures in bench/captured (git-ignored, kept while the machine is warm)
@@ -130,7 +130,7 @@ run_capture_model() {  # trained model + captures in bench/captured (git-ignored
   fi
   local_data
   timeout "$T_BENCH" python3 bench/capture_inputs.py "${src[@]}" --T $T --out bench/captured \
-    data.path=data/fineweb_local logging.mlflow=false 2>&1 | tee "$OUT/capture.log" | grep -vE "Warning|warn" | tail -24
+    data.path=data/offline_python logging.mlflow=false 2>&1 | tee "$OUT/capture.log" | grep -vE "Warning|warn" | tail -24
 }
 
 PAPER_MODEL="model.n_layers=4 model.n_heads=64 model.n_kv_groups=4 model.d_k=128 model.d_v=128"
@@ -139,7 +139,7 @@ run_capture_paper() {  # bench/captured_paper is git-ignored (bench/captured*), 
   local T=${*:-65536}
   local_data
   timeout "$T_BENCH" python3 bench/capture_inputs.py --seq 65536 --steps "${STEPS:-150}" --T $T --layers 0 3 \
-    --out bench/captured_paper data.path=data/fineweb_local logging.mlflow=false $PAPER_MODEL 2>&1 \
+    --out bench/captured_paper data.path=data/offline_python logging.mlflow=false $PAPER_MODEL 2>&1 \
     | tee "$OUT/capture_paper.log" | grep -vE "Warning|warn" | tail -8
   timeout "$T_BENCH" python3 bench/bench_attention.py --inputs captured:bench/captured_paper --T $T \
     --tile-m ${TILE_M:-0 1} --dense sdpa-cudnn fa4 --iters 5 --timer graph 2>&1 | tee "$OUT/attention_paper_captured.log" \
@@ -222,8 +222,8 @@ run_decode() {
 run_train() {
   local seqs=${*:-2048 8192} common
   ray_bundle
-  python3 pipelines/prepare_data.py --out data/fineweb_local --overwrite >/dev/null || exit 1
-  common="data.path=data/fineweb_local logging.mlflow=false logging.log_every=10"
+  python3 pipelines/prepare_data.py --out data/offline_python --overwrite >/dev/null || exit 1
+  common="data.path=data/offline_python logging.mlflow=false logging.log_every=10"
   for seq in $seqs; do
     python3 bench/bench_train.py --steps "${STEPS:-30}" --warmup 8 --out "$OUT" --copy-to "$OUT/t$seq" $common \
       runtime.num_workers=1 train.seq_len="$seq" 2>&1 | tee "$OUT/train_t$seq.log" \
