@@ -27,7 +27,7 @@ class UserError(ValueError):
 
 def config_keys_help() -> str:
     """All keys, one line each: ``section.key  type  default``."""
-    lines = ["config keys (override with section.key=value; NSA_* env vars map to some, see nsa/config.py):"]
+    lines = ["config keys (override with section.key=value; NSA_* env vars map to some, see nsa/config/):"]
     for s, cls in SECTIONS.items():
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):

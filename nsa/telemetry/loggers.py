@@ -394,7 +394,8 @@ def start_system_metrics(run_id: str, tracking_uri: str, *, resume: bool = False
     with nvidia-ml-py, ``system/gpu_*``) for a run made with ``MlflowClient.create_run``: the fluent
     ``start_run(log_system_metrics=True)`` only covers runs it starts itself. None when disabled by
     ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING=false`` or unavailable (psutil missing): never fatal."""
-    if os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower() in ("0", "false", "no", "off"):
+    from nsa.config import mlflow_system_metrics_on
+    if not mlflow_system_metrics_on():
         return None
     try:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

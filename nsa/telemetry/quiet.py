@@ -83,16 +83,12 @@ def cluster_runtime_env(address: str, verbose: bool) -> dict[str, Any]:
     of this job (Ray Train's helper actors then query this cluster, whatever else runs on the machine), and,
     unless verbose, the thread filter in each of them. Keys the job's own runtime env sets already
     (``ray job submit --runtime-env-json``) are left to it: Ray refuses to merge a key given twice."""
-    import json
-    import os
+    from nsa.config import ray_job_runtime_env
     try:
         from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR as job_var
     except ImportError:
         job_var = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-    try:
-        job_env = (json.loads(os.environ.get(job_var) or "{}").get("runtime_env") or {})
-    except (ValueError, AttributeError):
-        job_env = {}
+    job_env = ray_job_runtime_env(job_var)
     env: dict[str, Any] = {}
     if _is_gcs_address(address) and "RAY_ADDRESS" not in (job_env.get("env_vars") or {}):
         env["env_vars"] = {"RAY_ADDRESS": address}

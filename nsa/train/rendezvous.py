@@ -10,7 +10,6 @@ local run starts is reachable from another machine. On a cluster (a routable nod
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,10 +42,11 @@ def bind_loopback() -> int:
 def init_loopback_group(backend: str, world_rank: int, world_size: int, port: int, timeout_s: float = 1800) -> None:
     """init_process_group over a TCPStore on 127.0.0.1:port (rank 0 serves it on its bound socket)."""
     import torch.distributed as dist
+    from nsa.config import apply_process_env
     ifname = loopback_ifname()
-    if ifname:
-        os.environ["GLOO_SOCKET_IFNAME"] = ifname      # gloo's pair listeners on loopback too
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port))
+    # gloo's pair listeners on loopback too (gloo reads only the environment); MASTER_* for whatever reads them
+    apply_process_env({"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port),
+                       **({"GLOO_SOCKET_IFNAME": ifname} if ifname else {})}, override=True)
     timeout = datetime.timedelta(seconds=timeout_s)
     fd = None
     if world_rank == 0:

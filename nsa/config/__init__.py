@@ -28,6 +28,10 @@ from typing import Any, Callable, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
 
+from nsa.config.env import (DETERMINISTIC_ENV, RAY_DRIVER_ENV, RAY_LOCAL_QUIET_ENV,  # noqa: F401
+                             apply_process_env, env_storage_root, extra_output_dir,
+                             mlflow_system_metrics_on, ray_job_runtime_env, triton_interpreter)
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
@@ -534,41 +538,6 @@ def resolve_config(yaml_path: str | None = None, overrides: list[str] | None = N
             sources[dotted] = origin
     cfg = RunConfig(**{s: SECTIONS[s](**merged[s]) for s in SECTIONS})
     return cfg, sources
-
-
-def extra_output_dir(env: Mapping[str, str] | None = None) -> str | None:
-    """``$OUT``: a folder that device-run harnesses collect (bench scripts copy their JSON there)."""
-    env = os.environ if env is None else env
-    return env.get("OUT") or None
-
-
-def env_storage_root(env: Mapping[str, str] | None = None) -> str | None:
-    """``$NSA_STORAGE_ROOT`` (empty = unset): the default of ``prepare_data.py --storage-root``, which has no
-    RunConfig of its own."""
-    env = os.environ if env is None else env
-    return env.get("NSA_STORAGE_ROOT") or None
-
-
-def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:
-    """Triton's own ``TRITON_INTERPRET=1``: kernels run on CPU tensors through its interpreter (the tests
-    set it before triton is imported). The one place nsa reads it."""
-    env = os.environ if env is None else env
-    return env.get("TRITON_INTERPRET") == "1"
-
-
-# Process environment that other libraries read (Ray, cuBLAS), each set only where the user has not set it.
-# Ray's driver-side switches: no print patching of workers' stdout, no token auth on a local instance.
-RAY_DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AUTH_MODE": "disabled"}
-# A local instance has no preemption to watch; the watcher's actor start logs an error line (telemetry/quiet.py).
-RAY_LOCAL_QUIET_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
-# torch.use_deterministic_algorithms(True) needs a fixed cuBLAS workspace, read at cuBLAS's first use.
-DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-
-
-def apply_process_env(values: Mapping[str, str]) -> None:
-    """Set these variables in this process where unset (a user's own setting wins)."""
-    for name, value in values.items():
-        os.environ.setdefault(name, value)
 
 
 def config_from_dict(d: Mapping[str, Any]) -> RunConfig:
