@@ -21,9 +21,9 @@ triton = pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
-import sys
-sys.path.insert(0, sys.argv[1])
-import conftest  # noqa: F401  (sets TRITON_INTERPRET and installs the interpreter patches)
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("conftest", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))   # TRITON_INTERPRET and the interpreter patches
 import torch, triton, triton.language as tl
 from triton.runtime import interpreter as ti
 assert getattr(ti.InterpreterBuilder.create_dot, "row_invariant", False), "row-invariant dot not installed"
@@ -59,6 +59,6 @@ def test_interpreter_dot_does_not_depend_on_the_row_position(coretype, tmp_path)
         env["OPENBLAS_CORETYPE"] = coretype
     script = tmp_path / "dot_rows.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(REPO / "tests")], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, str(script), str(REPO / "tests" / "conftest.py")], env=env, capture_output=True,
                        text=True, timeout=300, cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

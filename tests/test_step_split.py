@@ -3,14 +3,10 @@ tiny CPU model every category gets time, backward work reaches its forward modul
 sequence number, and little is left unlabelled."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from nsa.telemetry.step_split import CATS
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 TINY = ("model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_groups=2 model.d_k=16 model.d_v=16 nsa.l=16 "
         "nsa.d=8 nsa.l_sel=16 nsa.n_sel=4 nsa.w=32 train.batch_size=1 runtime.precision=fp32 train.seq_len=128 "
         "model.grad_checkpointing=false nsa.backend=torch").split()
@@ -18,12 +14,8 @@ TINY = ("model.dim=64 model.n_layers=2 model.n_heads=4 model.n_kv_groups=2 model
 
 @pytest.fixture(scope="module")
 def bench_profile():
-    import sys
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_profile_split", BENCH / "bench_profile.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from test_pipeline_bench import load_bench   # bench/ modules as the scripts see them, no sys.path edit
+    return load_bench("bench_profile")
 
 
 @pytest.mark.parametrize("attention", ["nsa", "dense"])
