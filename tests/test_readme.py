@@ -33,11 +33,9 @@ def test_readme_commands_install_the_pinned_set():
     assert len(cmds) == 2, first
     for cmd in cmds:
         assert "-c constraints.txt" in cmd, cmd
-    # .ci/run reads command 2 from the README (the line under its comment) and runs it in a fresh venv
-    ci = (REPO / ".ci" / "run").read_text()
-    assert "'^# 2\\. install and run the tests'" in ci and "-m venv" in ci
-    lines = first.splitlines()
-    assert lines[lines.index("# 2. install and run the tests (what .ci/run does)") + 1] == cmds[1]
+    # .ci/run runs command 2 verbatim (its CMD, checked against the README, and the line it executes)
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert f"CMD='{cmds[1]}'" in ci and cmds[1] in ci and any("-m venv" in ln for ln in ci)
 
 
 def test_constraints_pin_the_stack_exactly():
