@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -86,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    for w in retired_env_warnings(os.environ):      # as train.py does (resolve_config): say it has no effect
+    for w in retired_env_warnings():      # as train.py does (resolve_config): say it has no effect
         print(f"warning: {w}", file=sys.stderr, flush=True)
     dec = decoding(args)
     f = resolve_checkpoint_file(args.checkpoint)

@@ -17,7 +17,6 @@ Exit codes: 0 registered (and promoted when asked), 3 promotion refused (the rea
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from nsa.launch.cli import UserError, main_entry
@@ -39,8 +38,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")   # no progress bars in a CLI's log
-    from nsa.config import config_from_dict
+    from nsa.config import CLI_MLFLOW_ENV, apply_process_env, config_from_dict
+    apply_process_env(CLI_MLFLOW_ENV)
     from nsa.evaluation import report
     from nsa.train.checkpoint import load_checkpoint, resolve_checkpoint_file
 

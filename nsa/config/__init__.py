@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional, Union, get_args, get_origin
 
 import yaml
 
-from nsa.config.env import (DETERMINISTIC_ENV, RAY_DRIVER_ENV, RAY_LOCAL_QUIET_ENV,  # noqa: F401
+from nsa.config.env import (CLI_MLFLOW_ENV, DETERMINISTIC_ENV, RAY_DRIVER_ENV, RAY_LOCAL_QUIET_ENV,  # noqa: F401
                              apply_process_env, env_storage_root, extra_output_dir,
                              mlflow_system_metrics_on, ray_job_runtime_env, triton_interpreter)
 
@@ -483,9 +483,10 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def retired_env_warnings(env: Mapping[str, str]) -> list[str]:
+def retired_env_warnings(env: Mapping[str, str] | None = None) -> list[str]:
     """One line per retired NSA_* variable that is set (every entry point warns, config or not)."""
-    return [f"{n} is retired and ignored (see nsa/config.py ENV_MAP)" for n in RETIRED_ENV if n in env]
+    env = os.environ if env is None else env
+    return [f"{n} is retired and ignored (see nsa/config/ ENV_MAP)" for n in RETIRED_ENV if n in env]
 
 
 def read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:

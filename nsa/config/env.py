@@ -32,6 +32,8 @@ def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:
 RAY_DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AUTH_MODE": "disabled"}
 # A local instance has no preemption to watch; the watcher's actor start logs an error line (telemetry/quiet.py).
 RAY_LOCAL_QUIET_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# A command-line tool's log has no room for MLflow's artifact upload progress bars.
+CLI_MLFLOW_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 # torch.use_deterministic_algorithms(True) needs a fixed cuBLAS workspace, read at cuBLAS's first use.
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
