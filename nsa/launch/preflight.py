@@ -41,13 +41,15 @@ def check_storage_root(cfg: Any) -> None:
 
 
 def planned_workers(cfg: Any) -> int:
-    """Train workers the launch will start, without asking Ray (at least 1)."""
-    r = cfg.runtime
-    if r.num_workers > 0:
-        return r.num_workers
-    if r.num_workers == -1 and r.gpus:
-        return max(1, int(r.gpus // max(r.gpus_per_worker, 1e-9)))
-    return 1
+    """Train workers the launch will start, without asking Ray (at least 1): builder.resolve_num_workers where
+    the config alone decides, 1 where only the cluster can tell (num_workers=-1 without runtime.gpus)."""
+    from nsa.launch.builder import resolve_num_workers   # builder imports this module
+    if cfg.runtime.num_workers == -1 and cfg.runtime.gpus is None:
+        return 1
+    try:
+        return max(1, resolve_num_workers(cfg))
+    except UserError:   # runtime.gpus below gpus_per_worker: the launch refuses it with its own message
+        return 1
 
 
 def check_data_tokens(cfg: Any) -> None:
