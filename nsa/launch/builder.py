@@ -242,16 +242,11 @@ def _alive_nodes() -> list[dict[str, float]]:
 def resolve_num_workers(cfg: RunConfig) -> int:
     """runtime.num_workers, with -1 = runtime.gpus / gpus_per_worker (the GPUs the profile asks for, which
     check_resources then waits for); with runtime.gpus unset, -1 = the GPUs alive in the cluster now."""
-    n = cfg.runtime.num_workers
-    if n != -1:
+    from nsa.launch.preflight import configured_workers   # the rule the pre-Ray checks count with too
+    n = configured_workers(cfg)
+    if n is not None:
         return n
     per = max(cfg.runtime.gpus_per_worker, 1e-9)
-    if cfg.runtime.gpus is not None:
-        n = int(cfg.runtime.gpus // per)
-        if n < 1:
-            raise UserError(f"runtime.gpus={cfg.runtime.gpus} is less than runtime.gpus_per_worker="
-                            f"{cfg.runtime.gpus_per_worker:g}: raise runtime.gpus")
-        return n
     import ray
     gpus = int(ray.cluster_resources().get("GPU", 0) // per)
     if gpus < 1:

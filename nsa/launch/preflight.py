@@ -40,15 +40,26 @@ def check_storage_root(cfg: Any) -> None:
                         "writable directory") from None
 
 
+def configured_workers(cfg: Any) -> Optional[int]:
+    """Train workers the config alone decides: runtime.num_workers, or with -1 runtime.gpus // gpus_per_worker
+    (UserError below one); None where only the cluster can tell (-1 without runtime.gpus)."""
+    r = cfg.runtime
+    if r.num_workers != -1:
+        return r.num_workers
+    if r.gpus is None:
+        return None
+    n = int(r.gpus // max(r.gpus_per_worker, 1e-9))
+    if n < 1:
+        raise UserError(f"runtime.gpus={r.gpus} is less than runtime.gpus_per_worker={r.gpus_per_worker:g}: "
+                        "raise runtime.gpus")
+    return n
+
+
 def planned_workers(cfg: Any) -> int:
-    """Train workers the launch will start, without asking Ray (at least 1): builder.resolve_num_workers where
-    the config alone decides, 1 where only the cluster can tell (num_workers=-1 without runtime.gpus)."""
-    from nsa.launch.builder import resolve_num_workers   # builder imports this module
-    if cfg.runtime.num_workers == -1 and cfg.runtime.gpus is None:
-        return 1
+    """Train workers the launch will start, without asking Ray (at least 1)."""
     try:
-        return max(1, resolve_num_workers(cfg))
-    except UserError:   # runtime.gpus below gpus_per_worker: the launch refuses it with its own message
+        return max(1, configured_workers(cfg) or 1)
+    except UserError:   # the launch refuses it with its own message
         return 1
 
 
