@@ -256,7 +256,7 @@ def test_damaged_shard_fails_once_naming_it_and_everything_listens_on_loopback(r
     assert out.exit_code == 1 and printed
     assert re.match(r"error: training failed: \S+/train-\d+-of-\d+\.parquet: row group \d+ cannot be decoded",
                     printed[0]), printed[0]
-    starts = [json.loads(ln) for ln in (out.run_dir / "heartbeat_rank0.jsonl").read_text().splitlines()]
-    assert sum(r["kind"] == "start" for r in starts) == 1          # runtime.max_failures=2, yet no retry
+    recs = [json.loads(ln) for ln in (out.run_dir / "heartbeat_rank0.jsonl").read_text().splitlines()]
+    assert sum(r["kind"] == "attempt" for r in recs) == 1          # runtime.max_failures=2, yet no retry
     outside = sorted(s for s in seen if not _loopback(s[0]))
     assert seen and not outside, outside

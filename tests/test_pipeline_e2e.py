@@ -69,8 +69,10 @@ def test_resume_by_name_then_killed_worker_restarts_and_completes(lifecycle):
     # metrics.json of the restarted session: from checkpoint 20 (Ray's, or the newer one on disk when the
     # controller had not registered it before the kill: nsa/train/loop.py _resume_state)
     assert s["start_step"] == SAVE and s["resumed_from"] is not None
-    starts = [r for r in read_heartbeat(out.run_dir / "heartbeat_rank1.jsonl") if r["kind"] == "start"]
+    recs = read_heartbeat(out.run_dir / "heartbeat_rank1.jsonl")
+    starts = [r for r in recs if r["kind"] == "start"]
     assert [r["step"] for r in starts] == [0, HALT_AT, SAVE]         # fresh, resumed by name, restarted
+    assert [r["pid"] for r in recs if r["kind"] == "attempt"] == [r["pid"] for r in starts]   # one per attempt
     # both resumes continued at rank 1's recorded data position (shard, row group, offset, carry)
     assert [r.get("data_seek", {}).get("batches_in_epoch") for r in starts] == [None, HALT_AT, SAVE]
     assert len({r["pid"] for r in starts}) == 3

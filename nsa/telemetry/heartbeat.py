@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 # The kinds the trainer writes (the heartbeat accepts any non-empty string; these are the agreed ones).
+KIND_ATTEMPT = "attempt"   # a worker entered its loop (before it reads data or builds the model)
 KIND_START = "start"
 KIND_STEP_START = "step_start"
 KIND_PROGRESS = "progress"
@@ -32,7 +33,7 @@ KIND_ANOMALY = "anomaly"
 KIND_CHECKPOINT = "checkpoint"
 KIND_EVAL = "eval"
 KIND_END = "end"
-KINDS = frozenset({KIND_START, KIND_STEP_START, KIND_PROGRESS, KIND_STEP_END, KIND_STALL, KIND_HALT,
+KINDS = frozenset({KIND_ATTEMPT, KIND_START, KIND_STEP_START, KIND_PROGRESS, KIND_STEP_END, KIND_STALL, KIND_HALT,
                    KIND_ANOMALY, KIND_CHECKPOINT, KIND_EVAL, KIND_END})
 
 RESERVED_KEYS = frozenset({"ts", "iso", "kind", "step", "rank", "pid"})

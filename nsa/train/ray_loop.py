@@ -160,7 +160,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.set_num_threads(int(config.get("torch_threads", 1)))
     _worker_logging()
     cfg = config_from_dict(config["cfg"])
+    from nsa.telemetry import Heartbeat
+    from nsa.telemetry.heartbeat import KIND_ATTEMPT
     from nsa.train.failures import not_retried
+    # one record per attempt, written before anything can fail (data, model, resume): counts Ray's retries
+    with Heartbeat(config["run_dir"], ray.train.get_context().get_world_rank()) as hb:
+        hb.write(KIND_ATTEMPT, 0)
     with not_retried():     # a user error (storage, data) leaves as NotRetried: Ray Train does not retry it
         env = RayEnv(cfg, Path(config["run_dir"]))
         run_training(cfg, Path(config["run_dir"]), env, mlflow_uri=config.get("mlflow_uri"),
