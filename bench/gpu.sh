@@ -11,6 +11,7 @@
 #   bash bench/gpu.sh decode [S ...]             decode tests while the sweep variants compile, then the
 #                                                decode table (sweep at the largest S, breakdown)
 #   bash bench/gpu.sh train [SEQ ...]            bare vs Ray Train throughput (needs .gpu_bundle), 2 GPUs too
+#   bash bench/gpu.sh host [T ...]               eager op call vs its graph replay and the hottest host functions
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
 #   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
 #                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss
@@ -255,6 +256,7 @@ case "$cmd" in
   flash) gpu_info; run_flash "$@" ;;
   prod) gpu_info; run_prod "$@" ;;
   train) nvidia-smi -L; run_train "$@" ;;
+  host) gpu_info; timeout "$T_BENCH" python3 bench/bench_host.py ${*:+--T $*} 2>&1 | tee "$OUT/host.log" | tail -40 ;;
   profile) gpu_info; m=${1:?profile mode: kernels, step, ncu-attention or ncu-decode}; shift
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \
              | grep -vE "USDT|_warn_once|Profiler clears" | tee "$OUT/profile_$m.log" | tail -60 ;;
