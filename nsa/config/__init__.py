@@ -158,6 +158,10 @@ class RuntimeConfig:
     # where it cannot apply (CPU, DDP, fp16) the loop stays eager and says why in its log and metrics.json
     cuda_graph: bool = False
     cuda_graph_warmup: int = 3
+    # ddp: every rank holds the whole model | fsdp: parameters, grads and AdamW state sharded per block
+    # (FSDP2 fully_shard, nsa/train/fsdp.py) with sharded DCP checkpoints, for models past one GPU's memory
+    sharding: str = "ddp"
+    context_parallel: int = 1            # ranks one sequence is split across (1: none)
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU of "
@@ -174,6 +178,13 @@ class RuntimeConfig:
         _one_of("runtime.placement_strategy", self.placement_strategy, ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
         _require(self.cuda_graph_warmup >= 1, f"runtime.cuda_graph_warmup={self.cuda_graph_warmup} must be >= 1 "
                  "(eager steps that compile kernels and allocate optimizer state before capture)")
+        _one_of("runtime.sharding", self.sharding, ("ddp", "fsdp"))
+        _require(self.sharding != "fsdp" or self.precision != "fp16", "runtime.sharding=fsdp does not take "
+                 "runtime.precision=fp16 (GradScaler over sharded grads is untested): use runtime.precision=bf16")
+        _require(self.context_parallel >= 1, f"runtime.context_parallel={self.context_parallel} must be >= 1 "
+                 "(1: each rank holds whole sequences)")
+        _require(self.context_parallel == 1, f"runtime.context_parallel={self.context_parallel}: context "
+                 "parallelism is not wired into the trainer yet; set runtime.context_parallel=1")
         _require(0 < self.scaler_backoff_factor < 1, "runtime.scaler_backoff_factor must be in (0, 1)")
         _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
         if self.fault:

@@ -165,10 +165,12 @@ def build_state(*, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     }
 
 
-def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> Path:
+def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any], extra_files: tuple[str, ...] | list[str] = ()
+                    ) -> Path:
     """Write ``state`` to ``directory/checkpoint.pt`` (+ meta.json, last). Refuses to overwrite. Each file
     goes to a temp name, is fsynced and renamed; meta.json records checkpoint.pt's size, so a copy of
-    the directory made elsewhere (Ray's persist) can be checked for completeness."""
+    the directory made elsewhere (Ray's persist) can be checked for completeness. ``extra_files``: files
+    already in ``directory`` (a sharded checkpoint's DCP shards, nsa/train/fsdp.py) listed with theirs."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     target = d / CKPT_FILE
@@ -184,8 +186,9 @@ def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any]) -> Path
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    sizes = {n: (d / n).stat().st_size for n in extra_files}
     meta = {"format": state["format"], "step": state["step"], "created": time.time(),
-            "files": {CKPT_FILE: target.stat().st_size}}
+            "files": {**sizes, CKPT_FILE: target.stat().st_size}}
     if isinstance(state.get("data"), Mapping):
         meta["data"] = data_summary(state["data"])
     atomic_write_text(d / META_FILE, json.dumps(meta))
@@ -262,13 +265,22 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 def persist_checkpoint(src: str | os.PathLike, target: str | os.PathLike) -> Path:
     """Copy checkpoint dir ``src`` to ``target`` atomically: a hidden temp dir beside ``target`` is
     filled, fsynced and renamed. A failure (ENOSPC, EROFS) removes the temp dir and leaves no
-    ``target``. An existing complete ``target`` is never replaced; an incomplete one is set aside."""
+    ``target``. An existing complete ``target`` is never replaced; an incomplete one is set aside. A
+    ``src`` beside ``target`` (a sharded checkpoint staged in the run dir) is renamed, not copied."""
     import shutil
     target = Path(target)
     if target.exists():
         if checkpoint_problem(target) is None:
             raise FileExistsError(f"refusing to overwrite existing checkpoint {target}")
         set_aside(target)
+    if Path(src).resolve().parent == target.resolve().parent:
+        for f in Path(src).iterdir():            # rank 0 fsynced only its own files
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(src)
+        os.replace(src, target)
+        fsync_dir(target.parent)
+        return target
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
@@ -360,6 +372,8 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         raise CheckpointError(f"checkpoint file {f} lacks keys {missing}: not written by nsa.train")
     if state["format"] != FORMAT:
         raise CheckpointError(f"checkpoint file {f} has format {state['format']}, this code reads {FORMAT}")
+    if state.get("sharded"):       # model + optimizer are DCP shards beside it (nsa/train/fsdp.py)
+        state["sharded"]["dir"] = str(f.parent)
     return state
 
 
@@ -375,14 +389,26 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any]) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     check_attention_kind(model, state)
+    if state.get("sharded"):
+        from nsa.train.fsdp import load_sharded
+        load_sharded(state, model, None)
+        return
     model.load_state_dict(state["model"], strict=True)
 
 
 def restore_training_state(state: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            scheduler: Any, scaler: torch.amp.GradScaler, rng: bool = True) -> int:
     """Restore everything but the data position; returns the step the checkpoint was taken after."""
-    load_model_weights(model, state)
-    optimizer.load_state_dict(state["optimizer"])
+    from nsa.train.fsdp import is_sharded, load_sharded
+    if state.get("sharded"):
+        check_attention_kind(model, state)
+        load_sharded(state, model, optimizer)
+    elif is_sharded(model):
+        raise CheckpointError("the checkpoint was written with runtime.sharding=ddp (one whole checkpoint.pt): "
+                              "resume it with runtime.sharding=ddp")
+    else:
+        load_model_weights(model, state)
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if state["scaler"]:
         scaler.load_state_dict(state["scaler"])

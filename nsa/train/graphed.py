@@ -58,10 +58,13 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
 
 
 def graph_unsupported(model: nn.Module, optimizer: torch.optim.Optimizer, prec: Precision,
-                      device: torch.device) -> Optional[str]:
+                      device: torch.device, sharding: str = "ddp") -> Optional[str]:
     """None if the step can be captured, else the reason (one line)."""
     if device.type != "cuda":
         return f"device is {device.type}: CUDA graphs need a CUDA device"
+    if sharding == "fsdp":
+        return ("runtime.sharding=fsdp: FSDP's per-block all-gathers and reduce-scatters run from hooks that "
+                "are not captured")
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return ("model is wrapped in DDP: its reducer hooks are not captured; pass the bare model and "
                 "grad_sync=allreduce_mean_grads (the loop does this)")

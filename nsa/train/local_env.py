@@ -1,7 +1,9 @@
 """A single-process LoopEnv without Ray: the same loop, reading the parquet row groups in process (the
 same per-rank stream and seek as under Ray, nsa/data/position.py).
 
-Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline. Resume-by-name
+Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline; with ``rank`` and
+``world_size`` (a torch.distributed group the caller set up) it is one rank of a multi-process run
+without Ray (DDP, or FSDP through the loop, tests/test_fsdp.py). Resume-by-name
 needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
 checkpoint into ``run_dir/<dir_name>`` atomically (a hidden temp dir renamed into place), never over an
 existing complete one; an incomplete one left by a crash is set aside first.
@@ -18,11 +20,10 @@ from nsa.config import RunConfig
 from nsa.train.checkpoint import persist_checkpoint
 
 class LocalEnv:
-    rank = 0
-    world_size = 1
-
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, device: str | torch.device = "cpu") -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, device: str | torch.device = "cpu", rank: int = 0,
+                 world_size: int = 1) -> None:
         from nsa.data.shards import check_data_path, resolve_val_files
+        self.rank, self.world_size = rank, world_size
         self.cfg, self.run_dir, self.device = cfg, Path(run_dir), torch.device(device)
         self._files = check_data_path(cfg.data.path)
         self._val_files = resolve_val_files(cfg.data.path)
@@ -30,7 +31,11 @@ class LocalEnv:
         self._rg_rows: Optional[list[list[int]]] = None
 
     def prepare_model(self, model: nn.Module, ddp: bool = True) -> nn.Module:
-        return model
+        model = model.to(self.device)
+        if self.world_size <= 1 or not ddp:
+            return model
+        return nn.parallel.DistributedDataParallel(model, device_ids=[self.device] if self.device.type == "cuda"
+                                                   else None)
 
     def _iter(self, files: list[str]) -> Iterator[torch.Tensor]:
         from nsa.data.ray_data import iter_packed_batches
@@ -44,15 +49,18 @@ class LocalEnv:
 
     seekable = True    # train_stream continues from a recorded DataPosition (nsa/data/position.py)
 
-    def train_stream(self, epoch: int, start: Any = None) -> Any:
-        """This epoch's batches read in process by row group, from ``start`` (None: the epoch's start)."""
+    def train_stream(self, epoch: int, start: Any = None, rank: Optional[int] = None,
+                     world: Optional[int] = None) -> Any:
+        """This epoch's batches read in process by row group, from ``start`` (None: the epoch's start), as
+        data rank ``rank`` of ``world`` (default: this rank; nsa/train/data_ranks.py reads others too)."""
         from nsa.data.position import DeviceEpoch, iter_local_units, rank_epoch, row_group_rows
         from nsa.data.ray_data import _resolve_tokenizer
         d, t = self.cfg.data, self.cfg.train
         if self._rg_rows is None:
             self._rg_rows = row_group_rows(self._files)
         tok = _resolve_tokenizer(d.tokenizer, d.tiktoken_path)
-        ep = rank_epoch(self._files, self._rg_rows, epoch=epoch, rank=0, world=1, seq_len=t.seq_len,
+        rank, world = self.rank if rank is None else rank, self.world_size if world is None else world
+        ep = rank_epoch(self._files, self._rg_rows, epoch=epoch, rank=rank, world=world, seq_len=t.seq_len,
                         batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
                         source=lambda units: iter_local_units(self._files, units, tok))
         return DeviceEpoch(ep, self.device)

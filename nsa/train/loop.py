@@ -44,9 +44,11 @@ from nsa.config import DETERMINISTIC_ENV, RunConfig, apply_process_env
 from nsa.telemetry import Watchdog, layer_stats, make_stall_handler, to_host
 from nsa.telemetry.health import gate_violations, thresholds_from_logging
 from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_name, list_checkpoints,
-                                  load_checkpoint, rank_positions, restore_training_state, save_checkpoint,
+                                  load_checkpoint, restore_training_state, save_checkpoint,
                                   scan_checkpoints)
 from nsa.train.batches import BatchStream
+from nsa.train.data_ranks import MultiStream, rank_streams
+from nsa.train.fsdp import save_sharded, shard_model, staging_dir
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.debug_steps import DebugSteps
 from nsa.train.precision import Precision, precision_from_config
@@ -212,26 +214,29 @@ class Trainer:
         from nsa.ops.dispatch import probe_model
         model = TinyLM.from_config(cfg.model, cfg.nsa).to(self.device)
         self.policies = probe_model(model, self.device, self.prec.dtype or torch.float32)  # kernels tried once (nsa/ops/probe.py)
+        self.fsdp = r.sharding == "fsdp"
+        if self.fsdp:   # sharded before AdamW is built, so its state lives on the shards (nsa/train/fsdp.py)
+            model = shard_model(env.prepare_model(model, ddp=False), self.device, self.prec.dtype)
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
         state, self.resumed_from, self.skipped_checkpoints = _resume_state(env, self.run_dir, resume_from)
         for why in self.skipped_checkpoints:
             log.warning("resume: skipped %s", why)
         self.step, pos = 0, {"epoch": 0, "batches_in_epoch": 0, "samples_seen": 0}
-        self.seek, self.seek_note = None, None     # this rank's recorded DataPosition / why there is none
+        self.seek, self.seek_note = None, None     # this rank's recorded DataPositions / why there are none
         if state is not None:
             self.step = restore_training_state(state, model=model, optimizer=self.opt, scheduler=self.sched,
                                                scaler=self.prec.scaler)
             pos = state["data"]
             if getattr(env, "seekable", False):
-                ranks, self.seek_note = rank_positions(pos, self.world)
-                self.seek = ranks[self.rank] if ranks is not None else None
+                groups, self.seek_note = rank_streams(pos, self.world)   # one stream per rank, or k on fewer ranks
+                self.seek = groups[self.rank] if groups is not None else None
             del state
         self.start_step = self.step
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
         self.graphed: Optional[GraphedStep] = None
         self.step_mode = "eager"
-        why = graph_unsupported(model, self.opt, self.prec, self.device) if r.cuda_graph else "off"
+        why = graph_unsupported(model, self.opt, self.prec, self.device, sharding=r.sharding) if r.cuda_graph else "off"
         if why is None:
             # data parallel without DDP (its hooks cannot be captured): same start, grads averaged in-graph
             self.model = env.prepare_model(model, ddp=False)
@@ -243,13 +248,15 @@ class Trainer:
                                        device=self.device, warmup=r.cuda_graph_warmup, grad_sync=sync)
             self.step_mode = f"cuda_graph (after {r.cuda_graph_warmup} eager steps)"
         else:
-            self.model = env.prepare_model(model)
+            self.model = model if self.fsdp else env.prepare_model(model)
             if r.cuda_graph:
                 self.step_mode = f"eager (runtime.cuda_graph: {why})"
                 log.warning("runtime.cuda_graph=true but the step stays eager: %s", why)
         self.core = _unwrap(self.model)
-        if self.seek is not None:       # continue at this rank's own position: nothing is read twice
-            self.data = BatchStream(env, self.seek.epoch, 0, seek=self.seek)
+        if self.seek is not None and len(self.seek) > 1:     # this rank continues k ranks' streams
+            self.data: BatchStream | MultiStream = MultiStream(env, self.rank, self.seek, self.world * len(self.seek))
+        elif self.seek is not None:     # continue at this rank's own position: nothing is read twice
+            self.data = BatchStream(env, self.seek[0].epoch, 0, seek=self.seek[0])
         else:
             self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
         self.data.samples = pos["samples_seen"] // max(1, self.world)
@@ -301,11 +308,18 @@ class Trainer:
         name = checkpoint_dir_name(step)
         t0 = time.perf_counter()
         ranks = self._gather_positions()     # every rank: a collective at checkpoint steps (sync-ok)
+        state = None
         if self.rank == 0:
             data = {**self.data.position(self.world), **({"ranks": ranks} if ranks else {})}
             state = build_state(model=self.core, optimizer=self.opt, scheduler=self.sched,
                                 scaler=self.prec.scaler, step=step, data=data,
                                 config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
+        if self.fsdp:       # every rank writes its shard into the run dir; the report renames it into place
+            stage = staging_dir(self.run_dir, name)
+            save_sharded(stage, self.core, self.opt, self.rank, state, self._barrier)
+            del state
+            self.env.report(metrics, stage if self.rank == 0 else None, name)
+        elif self.rank == 0:
             with tempfile.TemporaryDirectory(prefix="nsa_ckpt_") as d:
                 save_checkpoint(d, state)
                 del state
@@ -317,19 +331,25 @@ class Trainer:
         self.rep.heartbeat("checkpoint", step, reason=reason, dir=name,
                            seconds=round(time.perf_counter() - t0, 3))
 
+    def _barrier(self) -> None:
+        if self.world > 1:
+            torch.distributed.barrier(group=self.ctl.cpu_group)
+
     def _gather_positions(self) -> Optional[list[Any]]:
         """Every rank's DataPosition (host objects, all-gathered over the CPU group), or None when the
         data cannot seek. Called by every rank at the same checkpoint steps."""
         if not getattr(self.env, "seekable", False):
             return None
         mine = self.data.rank_position()
-        if self.world == 1:
-            return [mine] if mine is not None else None
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        out: list[Any] = [mine]
+        if self.world > 1:
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                return None
+            out = [None] * self.world
+            torch.distributed.all_gather_object(out, mine, group=self.ctl.cpu_group)
+        if any(p is None for p in out):
             return None
-        out: list[Any] = [None] * self.world
-        torch.distributed.all_gather_object(out, mine, group=self.ctl.cpu_group)
-        return out if all(p is not None for p in out) else None
+        return [q for p in out for q in (p if isinstance(p, list) else [p])]   # k streams per rank: in order
 
     def _log(self, step: int, res_tokens: int, extra: dict[str, float]) -> dict[str, float]:
         host = self.meter.flush()
@@ -397,13 +417,15 @@ class Trainer:
                            resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
                            precision=self.prec.name,
                            data_position=self.data.position(self.world),
-                           **({"data_seek": self.seek.describe()} if self.seek is not None else {}))
+                           **({"data_seek": self.seek[0].describe(), "data_streams": len(self.seek)}
+                              if self.seek is not None else {}))
         if self.rank == 0:
             if self.seek_note:
                 print(self.seek_note, flush=True)
             for why in self.skipped_checkpoints:
                 print(f"resume: skipped {why}", flush=True)
-            print(self.prec.describe() + f"; world_size={self.world}; step: {self.step_mode}; start step {self.step}"
+            print(self.prec.describe() + f"; world_size={self.world}; sharding={cfg.runtime.sharding}; "
+                  f"step: {self.step_mode}; start step {self.step}"
                   + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
         # on_stall=restart/halt end a stuck worker after the record (see make_stall_handler)
@@ -549,7 +571,7 @@ class Trainer:
             **self.first_ms, "stalls": wd.stall_count, "checkpoints": self.checkpoints, "world_size": self.world,
             "data_position": self.data.position(self.world), "mlflow_run_id": self.rep.mlflow_run_id,
             "fallbacks": _fallbacks(), "precision": self.prec.name, "device": str(self.device),
-            "step_mode": self.step_mode,
+            "step_mode": self.step_mode, "sharding": self.cfg.runtime.sharding,
             "graph_replays": self.graphed.replays if self.graphed is not None else 0,
         }
 

@@ -77,9 +77,11 @@ class RayEnv:
             return iter(self.train_stream(epoch, None))
         return self._iter(self._train)
 
-    def train_stream(self, epoch: int, start: Any = None) -> Any:
+    def train_stream(self, epoch: int, start: Any = None, rank: Optional[int] = None,
+                     world: Optional[int] = None) -> Any:
         """This rank's batches of ``epoch`` from ``start`` (a DataPosition; None: the epoch's start), read
-        by Ray Data tasks over this rank's row groups (nsa/data/position.py); None for synthetic data."""
+        by Ray Data tasks over this rank's row groups (nsa/data/position.py); None for synthetic data.
+        ``rank``/``world``: another data rank's stream (a resume on fewer ranks, nsa/train/data_ranks.py)."""
         if not self.seekable:
             return None
         from nsa.data.position import DeviceEpoch, rank_epoch, row_group_rows
@@ -91,7 +93,8 @@ class RayEnv:
             self._rg_rows = row_group_rows(self._files)
         tok = _resolve_tokenizer(d.tokenizer, d.tiktoken_path)
         files = self._files
-        ep = rank_epoch(files, self._rg_rows, epoch=epoch, rank=self.rank, world=self.world_size,
+        rank, world = self.rank if rank is None else rank, self.world_size if world is None else world
+        ep = rank_epoch(files, self._rg_rows, epoch=epoch, rank=rank, world=world,
                         seq_len=t.seq_len, batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
                         source=lambda units: self._diagnosed(iter_ray_units(files, units, tok,
                                                                             prefetch_batches=self._prefetch)))

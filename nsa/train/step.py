@@ -110,7 +110,10 @@ def train_step(model: nn.Module, micro_batches: Sequence[torch.Tensor], optimize
     prec.scaler.unscale_(optimizer)                          # no-op unless fp16
     max_norm = grad_clip if grad_clip > 0 else float("inf")
     # after DDP's all-reduce every rank holds the averaged grads, so this norm is the global one
-    grad_norm = torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm).float()
+    grad_norm = torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm)
+    if hasattr(grad_norm, "full_tensor"):    # FSDP2 (sharded grads): a replicated DTensor, no communication
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = grad_norm.float()
     finite = torch.isfinite(mean_loss) & torch.isfinite(grad_norm)
     _optimizer_step(optimizer, finite)
     prec.scaler.update()                                     # fp16: back off on overflow (sync-free)
