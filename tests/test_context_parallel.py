@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nsa.config import apply_process_env
-from nsa.dist import (check_cp_length, chunk_len, cp_nsa_attention, cp_nsa_layer, gather_outputs,
-                      local_positions, shard_sequence, unshard_sequence)
+from nsa.dist import (check_cp_length, chunk_len, context_parallel, cp_nsa_attention, cp_nsa_layer,
+                      gather_outputs, local_positions, shard_sequence, unshard_sequence)
 from nsa.layers.attention import NSAAttention
+from nsa.model.tinylm import TinyLM
 from nsa.ops import nsa_attention
 from nsa.ops.testing import INPUT_NAMES, clone_inputs, grads, make_inputs, rel_rms
 
@@ -69,6 +70,13 @@ def test_too_short_sequence_is_refused_naming_the_fields():
     shard_sequence(torch.zeros(1, 4), 3, 4)   # T = N: one real position on the last rank is enough
 
 
+def test_dense_model_is_refused_by_context_parallel():
+    model = TinyLM(vocab=8, dim=16, n_layers=1, n_heads=2, n_kv_groups=1, d_k=8, d_v=8, attention="dense")
+    with pytest.raises(ValueError, match="dense attention layers .* use model.attention=nsa"):
+        with context_parallel(model, seq_len=16):
+            pass
+
+
 # ----------------------------------------------------------------------------- process plumbing
 def _entry(rank: int, world: int, store: str, fn) -> None:
     if os.path.exists("/sys/class/net/lo"):
@@ -99,6 +107,20 @@ def _summed(g: torch.Tensor, group) -> torch.Tensor:
     g = g.clone()
     dist.all_reduce(g, group=group)
     return g
+
+
+def _close_param_grads(ref: torch.nn.Module, cp: torch.nn.Module, group, tol: float, tag: str) -> None:
+    """Every parameter of `cp` got a gradient on this rank (DDP needs that), and their sum over the
+    group equals `ref`'s gradient. A gradient that is zero up to rounding (phi_k's output bias shifts
+    every compressed key, which softmax ignores) is compared at the scale of the whole gradient."""
+    total = torch.cat([p.grad.flatten() for p in ref.parameters()]).double().norm()
+    for (name, p), cp_p in zip(ref.named_parameters(), cp.parameters()):
+        assert cp_p.grad is not None, (tag, name)
+        g_cp = _summed(cp_p.grad, group)
+        if p.grad.double().norm() > tol * total:
+            _close(g_cp, p.grad, tol, f"{tag} d{name}")
+        else:
+            assert (g_cp - p.grad).double().norm() <= tol * total, f"{tag} d{name}"
 
 
 # --------------------------------------------------------------------------------------- the op
@@ -165,15 +187,38 @@ def _layer_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
         tag = f"layer {name} CP={cp_world} rank={cp_rank}"
         _close(y_l, shard(y), TOL[dtype], f"{tag} y")
         _close(x_l.grad, shard(x.grad), TOL[dtype], f"{tag} dx")
-        total = torch.cat([p.grad.flatten() for p in layer.parameters()]).double().norm()
-        for (pn, p), cp_p in zip(layer.named_parameters(), cp_layer.parameters()):
-            assert cp_p.grad is not None, (tag, pn)
-            g_cp = _summed(cp_p.grad, group)
-            if p.grad.double().norm() > TOL[dtype] * total:
-                _close(g_cp, p.grad, TOL[dtype], f"{tag} d{pn}")
-            else:   # zero up to rounding (phi_k's output bias shifts every compressed key; softmax ignores it)
-                assert (g_cp - p.grad).double().norm() <= TOL[dtype] * total, f"{tag} d{pn}"
+        _close_param_grads(layer, cp_layer, group, TOL[dtype], tag)
 
 
-def test_cp_layer_output_and_parameter_gradients_equal_single_process():
-    _spawn(_layer_cases)
+def _model_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
+    """TinyLM under context_parallel: local logits and the summed gradients of a token-summed
+    cross-entropy equal the single-process model's, with and without block checkpointing."""
+    T, V = 35, 32
+    gen = torch.Generator().manual_seed(5)
+    ids, labels = torch.randint(0, V, (2, T), generator=gen), torch.randint(0, V, (2, T), generator=gen)
+    for ckpt in (False, True):
+        torch.manual_seed(1)
+        model = TinyLM(vocab=V, dim=16, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=6, l=8, d=4,
+                       l_sel=8, n_sel=3, w=12, backend="torch", grad_checkpointing=ckpt)
+        cp_model = copy.deepcopy(model)
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        with context_parallel(cp_model, seq_len=T, group=group):
+            logits_l = cp_model(shard_sequence(ids, cp_rank, cp_world))
+            lab_l = shard_sequence(labels, cp_rank, cp_world, pad_value=-100)
+            torch.nn.functional.cross_entropy(logits_l.flatten(0, 1), lab_l.flatten(), reduction="sum",
+                                              ignore_index=-100).backward()
+        assert all(type(m).forward is m.forward.__func__ for m in cp_model.nsa_layers())   # restored
+        tag = f"model ckpt={ckpt} CP={cp_world} rank={cp_rank}"
+        real = local_positions(T, cp_rank, cp_world) < T
+        _close(logits_l[:, real], shard_sequence(logits.detach(), cp_rank, cp_world)[:, real], 1e-5, f"{tag} logits")
+        _close_param_grads(model, cp_model, group, 1e-5, tag)
+
+
+def _layer_and_model_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
+    _layer_cases(rank, group, cp_rank, cp_world)
+    _model_cases(rank, group, cp_rank, cp_world)
+
+
+def test_cp_layer_and_model_outputs_and_parameter_gradients_equal_single_process():
+    _spawn(_layer_and_model_cases)

@@ -17,9 +17,16 @@ contributions in rank order 0..N-1, so the result does not depend on the backend
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from nsa.layers.attention import NSAAttention
+from nsa.layers.dense import DenseAttention
 from nsa.ops.batched import nsa_torch
 from nsa.ops.common import NSAParams, num_cmp_tokens, safe_scale, validate_inputs
 from nsa.ops.dispatch import KernelPolicy, _check_requested, cached_policy
@@ -28,7 +35,8 @@ from nsa.ops.reference import nsa_reference
 from nsa.ops.tuning import TorchTuning
 
 __all__ = ["chunk_len", "check_cp_length", "chunk_starts", "local_positions", "shard_sequence",
-           "unshard_sequence", "gather_outputs", "gather_sequence", "cp_nsa_attention", "cp_nsa_layer"]
+           "unshard_sequence", "gather_outputs", "gather_sequence", "cp_nsa_attention", "cp_nsa_layer",
+           "context_parallel"]
 
 
 # ------------------------------------------------------------------------------------ sharding rule
@@ -286,3 +294,34 @@ def cp_nsa_layer(layer, x_local: torch.Tensor, *, seq_len: int, group=None,
     if layer.record_stats:
         layer.last_gates, layer.last_block_idx = gates.detach(), block_idx.detach()
     return layer.o_proj(o.reshape(B, 2 * c, layer.n_heads * layer.d_v))
+
+
+def _cp_forward(layer: NSAAttention, x: torch.Tensor, return_branches: bool = False, *, seq_len: int,
+                group) -> torch.Tensor:
+    if return_branches:
+        raise ValueError("return_branches is not available under context parallelism; run the layer "
+                         "on one process for branch diagnostics")
+    return cp_nsa_layer(layer, x, seq_len=seq_len, group=group)
+
+
+@contextlib.contextmanager
+def context_parallel(model: nn.Module, *, seq_len: int, group=None) -> Iterator[nn.Module]:
+    """Inside the block every NSAAttention of `model` runs cp_nsa_layer on its rank's shard, so
+    model(shard_sequence(ids, rank, world)) gives this rank's rows of the logits [B, 2c, vocab]
+    (everything else in a block is per token). Module names, parameters and state_dict are unchanged
+    (the layers' forward is overridden per instance and restored on exit). Refuses a model with
+    dense attention layers (no context-parallel path yet)."""
+    if any(isinstance(m, DenseAttention) for m in model.modules()):
+        raise ValueError("context_parallel: the model has dense attention layers (model.attention=dense), "
+                         "which have no context-parallel path; use model.attention=nsa or "
+                         "runtime.context_parallel=1")
+    _, world = _group_info(group)
+    check_cp_length(seq_len, world)
+    layers = [m for m in model.modules() if isinstance(m, NSAAttention)]
+    for m in layers:
+        m.forward = partial(_cp_forward, m, seq_len=seq_len, group=group)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            del m.forward
