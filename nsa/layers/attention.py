@@ -29,21 +29,10 @@ from nsa.ops.tuning import FlashBranchTuning
 BRANCHES = ("cmp", "slc", "win")
 
 
-def _attend_eager(*args, **kwargs):
+def _attend(*args, **kwargs):
+    """The layer's op call (a seam for profilers, nsa/telemetry/step_split.py). Under torch.compile
+    nsa_attention traces as the custom op nsa::attention (nsa/ops/custom_op.py): no graph break."""
     return nsa_ops.nsa_attention(*args, **kwargs)
-
-
-_attend = _attend_eager
-
-
-def mark_op_eager_island() -> None:
-    """Make the NSA op an eager island for torch.compile (the graph breaks there, so the Triton
-    autograd.Function runs as written). Done on first use by TinyLM.compile_blocks rather than at
-    import: torch.compiler imports dynamo and triton, which must not happen before a CPU test run has
-    chosen TRITON_INTERPRET."""
-    global _attend
-    if _attend is _attend_eager:
-        _attend = torch.compiler.disable(_attend_eager)
 
 
 def validate_nsa_args(dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,

@@ -23,9 +23,10 @@ class TinyLM(nn.Module):
     `grad_checkpointing` recomputes each block in backward (torch.utils.checkpoint with
     use_reentrant=False, which works under DDP and with unused-parameter detection).
     `compile_blocks` torch.compiles every block's __call__ (nn.Module.compile: state_dict keys are
-    unchanged) with the NSA op left as an eager graph break, so the elementwise work around it
-    (RMSNorm, RoPE, SwiGLU, gates, casts) fuses into a few kernels; True = inductor, or a backend
-    name (e.g. "aot_eager" for tests). Compilation happens on the first forward.
+    unchanged), the NSA op traced as the opaque custom op nsa::attention (nsa/ops/custom_op.py), so
+    the elementwise work around it (RMSNorm, RoPE, SwiGLU, gates, casts) fuses into a few kernels;
+    True = inductor, or a backend name (e.g. "aot_eager" for tests). Compilation happens on the first
+    forward. torch.compile(model, fullgraph=True) on the whole model works as well.
     """
 
     def __init__(self, vocab: int = 256, dim: int = 512, n_layers: int = 4, n_heads: int = 8,
@@ -67,8 +68,6 @@ class TinyLM(nn.Module):
         """torch.compile each block in place (see class doc). One compiled graph serves every block:
         the blocks share code and shapes, and parameters are graph inputs."""
         import torch._dynamo
-        from nsa.layers.attention import mark_op_eager_island
-        mark_op_eager_island()
         # every block is a separate module instance; leave room for them plus train/eval variants
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
                                                     4 * len(self.blocks))

@@ -5,33 +5,20 @@
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .batched import nsa_torch
-from .common import NSAParams, num_cmp_tokens, safe_scale, validate_hparams, validate_inputs
+from .common import NSAParams, num_cmp_tokens, validate_hparams
+from .custom_op import traced_attention
 from .decode import nsa_decode
-from .dispatch import KernelPolicy, _check_requested, cached_policy, resolve_backend, triton_module
+from .dispatch import KernelPolicy, resolve_backend, triton_module  # noqa: F401 - public names
+from .eager import eager_attention
 from .fallbacks import count_fallback, fallback_counts, reset_fallback_counts
-from .probe import ProbeShape
 from .reference import causal_attention, nsa_reference
-from .tuning import FlashBranchTuning, KernelTuning, tuning_for
+from .tuning import KernelTuning, tuning_for
 
 __all__ = ["nsa_attention", "nsa_decode", "nsa_reference", "causal_attention", "KernelPolicy",
            "resolve_backend", "fallback_counts", "count_fallback", "reset_fallback_counts",
            "validate_hparams", "num_cmp_tokens", "NSAParams", "KernelTuning", "tuning_for"]
-
-
-@functools.lru_cache(maxsize=64)
-def _flash_override(tuning: KernelTuning, flash_branches: str, allow_flash: bool) -> KernelTuning:
-    """tuning with its flash part replaced by nsa.flash_branches / off under allow_flash=False; cached,
-    since every eager layer call asks again with the same few frozen tunings."""
-    if flash_branches != "preset":
-        tuning = tuning.replace(flash=FlashBranchTuning.parse(flash_branches))
-    if not allow_flash and (tuning.flash.win != "off" or tuning.flash.cmp != "off"):
-        tuning = tuning.replace(flash=FlashBranchTuning())
-    return tuning
 
 
 def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
@@ -56,34 +43,14 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
     (nsa/ops/tuning.py; None: the policy's, i.e. the preset of this device). allow_flash=False
     (nsa.allow_flash_attn=false) keeps every branch off flash-attn whatever tuning.flash says;
     flash_branches (nsa.flash_branches) replaces tuning.flash: "preset" (keep), "off", "win", "cmp", "win+cmp".
+    Under torch.compile the call is traced as the custom op nsa::attention (nsa/ops/custom_op.py);
+    eagerly it runs nsa/ops/eager.py directly.
     """
-    p = NSAParams(l, d, l_sel, n_sel, w)
-    tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
-                   v_win=v_win, gates=gates)
-    if not isinstance(backend, KernelPolicy):
-        _check_requested(backend)
-    validate_inputs(tensors, p)
-    if isinstance(backend, KernelPolicy):
-        policy = backend
-    else:  # the shape key: a triton choice is probed once per (device, dtype, shape), nsa/ops/probe.py
-        policy = cached_policy(backend, q.device, q.dtype,
-                               ProbeShape.of(q, v_win, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w))
-    sc = safe_scale(scale, q.shape[-1])
-    if policy.fallback is not None:
-        count_fallback(policy.fallback)
-    used = policy.backend
-    tuning = _flash_override(tuning or policy.tuning, flash_branches, allow_flash)
-    kw = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
-    if used == "triton":
-        mod = triton_module()
-        try:
-            return mod.nsa_attention_triton(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw,
-                                            tuning=tuning)
-        except NotImplementedError:  # kernel does not cover this shape/dtype
-            count_fallback("triton_unsupported->torch")
-            used = "torch"
-    if used == "reference":
-        return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
-    return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc, tile=tile,
-                     checkpoint=recompute, tuning=tuning.torch)
-
+    if torch.compiler.is_compiling():   # a flag read: eager calls skip the custom-op dispatch
+        return traced_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
+                                n_sel=n_sel, w=w, scale=scale, backend=backend, tile=tile,
+                                recompute=recompute, tuning=tuning, allow_flash=allow_flash,
+                                flash_branches=flash_branches)
+    return eager_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
+                           n_sel=n_sel, w=w, scale=scale, backend=backend, tile=tile, recompute=recompute,
+                           tuning=tuning, allow_flash=allow_flash, flash_branches=flash_branches)
