@@ -58,6 +58,9 @@ def test_sharding_rule_round_trips_and_balances(world, T):
         assert torch.equal(parts[r, 0, :, 0], want)
         assert pos[0] == r * c and pos[c] == (2 * world - 1 - r) * c      # head chunk r, tail chunk 2N-1-r
         assert (pos < T).any()                                            # nobody holds padding only
+    y = torch.randn(2, 3, T)   # the sequence in another dim, counted from the end
+    parts = torch.stack([shard_sequence(y, r, world, dim=-1) for r in range(world)])
+    assert parts.shape == (world, 2, 3, 2 * c) and torch.equal(unshard_sequence(parts, T, dim=-1), y)
 
 
 def test_too_short_sequence_is_refused_naming_the_fields():

@@ -93,7 +93,7 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, *, dim: int = 1,
 def unshard_sequence(parts: torch.Tensor, seq_len: int, *, dim: int = 1) -> torch.Tensor:
     """Inverse of shard_sequence over all ranks: parts [world, .., 2c, ..] (rank-major, the local
     sequence at dim + 1 of parts) -> [.., seq_len, ..] in sequence order, padding dropped."""
-    world = parts.shape[0]
+    world, dim = parts.shape[0], dim % (parts.dim() - 1)
     c = chunk_len(seq_len, world)
     x = parts.movedim(dim + 1, 1)                               # [world, 2c, ...]
     x = x.reshape(world, 2, c, *x.shape[2:])
