@@ -18,7 +18,8 @@ import torch.multiprocessing as mp
 from conftest import PIPELINES, local_cfg
 from nsa.config import ConfigError, config_from_dict, resolve_config
 from nsa.telemetry import read_heartbeat
-from nsa.train.checkpoint import checkpoint_problem, list_checkpoints, load_checkpoint, load_model_weights
+from nsa.train.checkpoint import (checkpoint_problem, list_checkpoints, load_checkpoint, load_model_weights,
+                                  prune_checkpoints, verify_checkpoint)
 
 STEPS, SAVE = 6, 3
 
@@ -90,20 +91,42 @@ def test_sharded_checkpoint_is_complete_listed_and_checked(fsdp_run):
     meta = json.loads((d / "meta.json").read_text())
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "checkpoint.pt"} == set(meta["files"])
     assert not list(fsdp_run.glob(".tmp-*"))                 # the staging dirs were renamed into place
-    state = load_checkpoint(d)
-    assert state["model"] == {} and state["sharded"]["world_size"] == 2 and len(state["data"]["ranks"]) == 2
-    # a tool without a process group reads the whole model from the shards
+    assert verify_checkpoint(d) == (d / "checkpoint.pt", SAVE)
+    # a tool without a process group (evaluate, export, promote) gets the whole model in state["model"] ...
     from nsa.model import TinyLM
+    state = load_checkpoint(d)
+    assert state["sharded"]["world_size"] == 2 and len(state["data"]["ranks"]) == 2
     cfg = config_from_dict(state["config"])
+    whole = TinyLM.from_config(cfg.model, cfg.nsa)
+    whole.load_state_dict(state["model"], strict=True)
+    # ... and the trainer's read (no whole model in memory) loads the same weights from the shards
+    lean = load_checkpoint(d, full_model=False)
+    assert lean["model"] == {}
     model = TinyLM.from_config(cfg.model, cfg.nsa)
-    load_model_weights(model, state)
-    assert cfg.runtime.sharding == "fsdp" and model.embed.weight.abs().sum() > 0
-    # a shard cut short makes the whole checkpoint incomplete (and so invisible to resume and prune)
-    cut = fsdp_run.parent / "cut" / d.name
-    shutil.copytree(d, cut)
-    with open(cut / "__1_0.distcp", "r+b") as fh:
+    load_model_weights(model, lean)
+    for (k, a), b in zip(whole.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), k
+    fresh = TinyLM.from_config(cfg.model, cfg.nsa).state_dict()
+    assert not torch.equal(fresh["blocks.0.mlp.down.weight"], model.state_dict()["blocks.0.mlp.down.weight"])
+    # a shard cut short makes the whole checkpoint incomplete: invisible to resume, left alone by prune
+    runs = fsdp_run.parent / "copy"
+    shutil.copytree(fsdp_run, runs / "r", ignore=shutil.ignore_patterns("heartbeat*"))
+    with open(runs / "r" / f"checkpoint_{STEPS:08d}" / "__1_0.distcp", "r+b") as fh:
         fh.truncate(10)
-    assert "__1_0.distcp has 10 of" in checkpoint_problem(cut)
+    assert "__1_0.distcp has 10 of" in checkpoint_problem(runs / "r" / f"checkpoint_{STEPS:08d}")
+    assert [s for s, _ in list_checkpoints(runs / "r")] == [SAVE]
+    assert prune_checkpoints(runs / "r", keep=1) == [] and (runs / "r" / f"checkpoint_{STEPS:08d}").is_dir()
+    # a staging dir left by a save cut short is removed by the next launch on the run
+    from nsa.train.rundir import claim_run, commit_run, release_run
+    (runs / "r" / f".tmp-checkpoint_{STEPS + 1:08d}-dcp").mkdir()
+    claim = claim_run(runs, "r")
+    try:
+        assert claim.resume_step == SAVE
+        notes = commit_run(claim.run_dir, "x: 1\n", keep=3)
+    finally:
+        release_run(claim.run_dir)
+    assert any("sharded checkpoint save that was cut short" in n for n in notes), notes
+    assert not list((runs / "r").glob(".tmp-*"))
 
 
 def test_resume_on_one_process_continues_the_two_process_losses(tiny_data, tmp_path, fsdp_run):

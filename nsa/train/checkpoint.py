@@ -356,9 +356,12 @@ def resolve_checkpoint_file(path: str | os.PathLike) -> Path:
                           "pass a run directory or a checkpoint directory")
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bool = False,
+                    full_model: bool = True) -> dict[str, Any]:
     """Load with ``weights_only=True``; raise CheckpointError naming the file if it is unreadable or
-    lacks required keys. ``mmap=True`` is a cheap structural check (tensor bytes are not read)."""
+    lacks required keys. ``mmap=True`` is a cheap structural check (tensor bytes are not read). A sharded
+    checkpoint's "model" is read whole from its shards unless ``mmap`` or ``full_model=False`` (the
+    trainer, which loads its own shards: restore_training_state)."""
     f = resolve_checkpoint_file(path)
     try:
         state = torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
@@ -374,6 +377,13 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu", mmap: bo
         raise CheckpointError(f"checkpoint file {f} has format {state['format']}, this code reads {FORMAT}")
     if state.get("sharded"):       # model + optimizer are DCP shards beside it (nsa/train/fsdp.py)
         state["sharded"]["dir"] = str(f.parent)
+        if full_model and not mmap:
+            from nsa.train.fsdp import full_model_state
+            try:
+                state["model"] = full_model_state(f.parent)
+            except Exception as e:
+                raise CheckpointError(f"sharded checkpoint {f.parent} cannot be read ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
     return state
 
 
@@ -389,7 +399,7 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any]) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         model = model.module
     check_attention_kind(model, state)
-    if state.get("sharded"):
+    if state.get("sharded") and not state["model"]:     # read with full_model=False
         from nsa.train.fsdp import load_sharded
         load_sharded(state, model, None)
         return

@@ -75,8 +75,12 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+STAGING_GLOB = ".tmp-checkpoint_*-dcp"
+
+
 def staging_dir(run_dir: Path, name: str) -> Path:
-    """The hidden directory all ranks write a sharded checkpoint into (out of the checkpoint_* namespace)."""
+    """The hidden directory all ranks write a sharded checkpoint into (out of the checkpoint_* namespace;
+    a save cut short leaves it behind, and the next launch's commit_run removes it)."""
     return Path(run_dir) / f".tmp-{name}-dcp"
 
 
@@ -110,6 +114,19 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
                       "storage every worker writes (set runtime.storage_root to the shared mount)")
     state = {**state, "model": {}, "optimizer": {}, "sharded": {"world_size": world, "files": files}}
     save_checkpoint(directory, state, extra_files=files)
+
+
+def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from a sharded checkpoint, in one process without a template model
+    (evaluation, export, promotion read checkpoint.pt's "model" as they always have)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    out = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
+           for k, m in meta.state_dict_metadata.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with _dcp(True):
+        dcp.load({"model": out}, checkpoint_id=str(directory), no_dist=True)
+    return out
 
 
 def load_sharded(state: dict[str, Any], model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:

@@ -1,7 +1,9 @@
 """The training loop of one worker, independent of Ray (Ray specifics live in nsa/train/ray_loop.py).
 
 ``run_training(cfg, run_dir, env)`` drives everything; ``env`` (a ``LoopEnv``) supplies rank, device,
-data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier). Per step:
+data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier); under
+``runtime.sharding=fsdp`` the loop shards the model itself and writes sharded checkpoints (nsa/train/fsdp.py).
+Per step:
 
     step_start hb -> faults -> fetch `accumulate` micro-batches (timed) -> train_step (no host sync)
     -> progress hb -> [log step: ONE host transfer of loss/grad-norm/non-finite count]
@@ -19,8 +21,9 @@ carried on the device by IntervalMeter) and without a checkpoint.
 Data position: (epoch, batches consumed in that epoch by each rank, samples seen globally) and, where the
 data can seek (parquet shards, in process or through Ray Data), every rank's DataPosition (shard, row
 group, offset, packing carry; nsa/data/position.py), all-gathered to rank 0 at checkpoint steps. On
-resume each rank continues at its own position without reading the consumed documents again; a
-checkpoint without positions (older, or another world size) falls back to starting epoch ``epoch``
+resume each rank continues at its own position without reading the consumed documents again (on W ranks
+when the checkpoint has k*W positions: k streams per rank, nsa/train/data_ranks.py); a checkpoint
+without positions (older, or a world size that does not divide its own) falls back to starting epoch ``epoch``
 again and skipping that many batches, with a one-line note. Each rank reads its own row groups in an
 order fixed by (files, shuffle_seed, epoch, rank, world size), so both routes are exact.
 """
@@ -185,11 +188,11 @@ def _resume_state(env: LoopEnv, run_dir: Path, resume_from: Optional[str]
         if step <= floor:
             break
         try:
-            return load_checkpoint(d), f"run dir ({d.name})", skipped
+            return load_checkpoint(d, full_model=False), f"run dir ({d.name})", skipped
         except CheckpointError as e:
             skipped.append(f"{d.name}: {e}")
     if state is None and resume_from:
-        return load_checkpoint(resume_from), str(resume_from), skipped
+        return load_checkpoint(resume_from, full_model=False), str(resume_from), skipped
     return state, source, skipped
 
 

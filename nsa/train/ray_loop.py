@@ -5,7 +5,7 @@ ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
 "mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
 
 Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
-NCCL on GPU, set up by TorchTrainer); parquet train data from this rank's own Ray Data stream over its
+NCCL on GPU, set up by TorchTrainer), or FSDP2 by the loop over the same group (runtime.sharding=fsdp); parquet train data from this rank's own Ray Data stream over its
 row groups (``train_stream``, seekable on resume: nsa/data/position.py), synthetic train data from
 ``get_dataset_shard("train").iter_torch_batches`` (one call per epoch); the val set is not split (every
 rank evaluates the same first ``train.eval_batches`` batches, fetched once); resume from
@@ -125,7 +125,7 @@ class RayEnv:
         if ckpt is None:
             return None
         with ckpt.as_directory() as d:
-            return load_checkpoint(d)
+            return load_checkpoint(d, full_model=False)   # a sharded one: each rank reads its shards
 
     def _persist(self, checkpoint: "ray.train.Checkpoint", dir_name: str) -> "ray.train.Checkpoint":
         """Ray's checkpoint_upload_fn: the same directory Ray's own upload would write (storage_path/name

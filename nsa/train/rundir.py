@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -234,6 +235,10 @@ def commit_run(run_dir: str | os.PathLike, config_text: str, keep: Optional[int]
         if d.exists():
             done.append(f"note: set the incomplete {d.name} ({why}) aside as {set_aside(d).name}; delete it to "
                         "free its space")
+    from nsa.train.fsdp import STAGING_GLOB
+    for left in sorted(run_dir.glob(STAGING_GLOB)):      # a sharded save cut short: never a checkpoint
+        shutil.rmtree(left, ignore_errors=True)
+        done.append(f"note: removed {left.name}, the staging dir of a sharded checkpoint save that was cut short")
     done += settle_checkpoints(run_dir, keep, protect=(claim.resume_file.parent,) if claim.resume_file else ())
     halt = run_dir / ".HALT"
     if halt.exists():
