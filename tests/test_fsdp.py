@@ -129,19 +129,22 @@ def test_sharded_checkpoint_is_complete_listed_and_checked(fsdp_run):
     assert not list((runs / "r").glob(".tmp-*"))
 
 
-def test_resume_on_one_process_continues_the_two_process_losses(tiny_data, tmp_path, fsdp_run):
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_continues_the_uninterrupted_losses(tiny_data, tmp_path, fsdp_run, world):
+    """The 2-process run's checkpoint at step SAVE, resumed on 1 process (resharded to whole tensors, both
+    ranks' data streams on one rank) or on 2 (a restart): the following steps' losses are the run's."""
     ref = _losses(fsdp_run, 2)
-    cfg = _cfg(tiny_data, tmp_path, "fsdp1", runtime__sharding="fsdp")
-    one = _train(cfg, 1, resume_from=fsdp_run / f"checkpoint_{SAVE:08d}")
-    got = _losses(one, 1)
+    cfg = _cfg(tiny_data, tmp_path, f"fsdp{world}", runtime__sharding="fsdp")
+    run = _train(cfg, world, resume_from=fsdp_run / f"checkpoint_{SAVE:08d}")
+    got = _losses(run, world)
     assert sorted(got) == list(range(SAVE + 1, STEPS + 1))
     for s in got:
         assert got[s] == pytest.approx(ref[s], rel=1e-5), s
-    start = next(r for r in read_heartbeat(one / "heartbeat_rank0.jsonl") if r["kind"] == "start")
-    assert start["data_streams"] == 2                        # both ranks' streams, each from its own position
-    # its checkpoint keeps the 2-rank data split, so it could go back to 2 processes
-    final = load_checkpoint(one / f"checkpoint_{STEPS:08d}")
-    assert len(final["data"]["ranks"]) == 2 and final["sharded"]["world_size"] == 1
+    start = next(r for r in read_heartbeat(run / "heartbeat_rank0.jsonl") if r["kind"] == "start")
+    assert start["data_streams"] == 2 // world and start["resumed_from"].endswith(f"checkpoint_{SAVE:08d}")
+    # its checkpoint keeps the 2-rank data split, so a 1-process run could go back to 2 processes
+    final = load_checkpoint(run / f"checkpoint_{STEPS:08d}")
+    assert len(final["data"]["ranks"]) == 2 and final["sharded"]["world_size"] == world
 
 
 def test_config_errors():
