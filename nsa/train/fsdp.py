@@ -84,14 +84,14 @@ def staging_dir(run_dir: Path, name: str) -> Path:
     return Path(run_dir) / f".tmp-{name}-dcp"
 
 
-def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                 state: Optional[dict[str, Any]], barrier: Any) -> None:
-    """Every rank: write its shard of model + optimizer into ``directory``; rank 0 then writes ``state``
-    (build_state's dict, its model/optimizer left out) as checkpoint.pt and meta.json last.
-    ``barrier()`` syncs the ranks (the loop's CPU group)."""
+def write_shards(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                 barrier: Any) -> Optional[list[str]]:
+    """Every rank: write its shard of model + optimizer into ``directory`` (emptied first). Returns, on
+    rank 0 once every rank's shard is on disk, the files written (None elsewhere): rank 0 then adds
+    checkpoint.pt and meta.json (``sharded_state``, checkpoint.save_checkpoint). ``barrier()`` syncs the
+    ranks (the loop's CPU group)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from nsa.train.checkpoint import save_checkpoint
     directory = Path(directory)
     if rank == 0:                            # a crashed save's leftovers are never mixed into this one
         shutil.rmtree(directory, ignore_errors=True)
@@ -103,17 +103,18 @@ def save_sharded(directory: Path, model: nn.Module, optimizer: torch.optim.Optim
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(directory), no_dist=no_dist)
     barrier()                                # every shard is on disk before rank 0 lists them
     if rank != 0:
-        return
-    assert state is not None
+        return None
     files = sorted(f.name for f in directory.iterdir() if f.is_file())
-    world = _dist_world()
-    shards = {f"__{r}_0.distcp" for r in range(world)}
-    missing = sorted(shards - set(files))
+    missing = sorted({f"__{r}_0.distcp" for r in range(_dist_world())} - set(files))
     if missing:
         raise OSError(f"sharded checkpoint {directory} lacks {missing}: runtime.sharding=fsdp needs the run dir on "
                       "storage every worker writes (set runtime.storage_root to the shared mount)")
-    state = {**state, "model": {}, "optimizer": {}, "sharded": {"world_size": world, "files": files}}
-    save_checkpoint(directory, state, extra_files=files)
+    return files
+
+
+def sharded_state(state: dict[str, Any], files: list[str]) -> dict[str, Any]:
+    """build_state's dict as a sharded checkpoint's checkpoint.pt: model and optimizer live in ``files``."""
+    return {**state, "model": {}, "optimizer": {}, "sharded": {"world_size": _dist_world(), "files": files}}
 
 
 def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -123,7 +124,8 @@ def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     meta = dcp.FileSystemReader(str(directory)).read_metadata()
     out = {k[len("model."):]: torch.empty(m.size, dtype=m.properties.dtype)
-           for k, m in meta.state_dict_metadata.items() if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+           for k, m in meta.state_dict_metadata.items()
+           if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     with _dcp(True):
         dcp.load({"model": out}, checkpoint_id=str(directory), no_dist=True)
     return out
@@ -135,8 +137,7 @@ def load_sharded(state: dict[str, Any], model: nn.Module, optimizer: Optional[to
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
     where = state["sharded"].get("dir")
     if where is None:
-        from nsa.train.checkpoint import CheckpointError
-        raise CheckpointError("a sharded checkpoint's state was not read by load_checkpoint (no directory)")
+        raise ValueError("a sharded checkpoint's state was not read by load_checkpoint (it has no directory)")
     no_dist = _dist_world() <= 1
     if optimizer is None:
         sd = {"model": model.state_dict()}

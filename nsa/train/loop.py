@@ -51,7 +51,7 @@ from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_n
                                   scan_checkpoints)
 from nsa.train.batches import BatchStream
 from nsa.train.data_ranks import MultiStream, rank_streams
-from nsa.train.fsdp import save_sharded, shard_model, staging_dir
+from nsa.train.fsdp import shard_model, sharded_state, staging_dir, write_shards
 from nsa.train.control import Control, Decision, Faults
 from nsa.train.debug_steps import DebugSteps
 from nsa.train.precision import Precision, precision_from_config
@@ -239,7 +239,8 @@ class Trainer:
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
         self.graphed: Optional[GraphedStep] = None
         self.step_mode = "eager"
-        why = graph_unsupported(model, self.opt, self.prec, self.device, sharding=r.sharding) if r.cuda_graph else "off"
+        why = (graph_unsupported(model, self.opt, self.prec, self.device, sharding=r.sharding) if r.cuda_graph
+               else "off")
         if why is None:
             # data parallel without DDP (its hooks cannot be captured): same start, grads averaged in-graph
             self.model = env.prepare_model(model, ddp=False)
@@ -305,7 +306,8 @@ class Trainer:
         return self.lr_used
 
     def _save(self, step: int, reason: str) -> None:
-        """Rank 0 writes the checkpoint to a temp dir; every rank calls report (Ray's barrier)."""
+        """Rank 0 writes the checkpoint to a temp dir (fsdp: every rank its shard, in the run dir); every rank
+        calls report (Ray's barrier)."""
         metrics = {"step": step, "loss": self.last["loss"], "val_loss": self.last["val_loss"],
                    "checkpoint_reason": reason}
         name = checkpoint_dir_name(step)
@@ -319,7 +321,9 @@ class Trainer:
                                 config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
         if self.fsdp:       # every rank writes its shard into the run dir; the report renames it into place
             stage = staging_dir(self.run_dir, name)
-            save_sharded(stage, self.core, self.opt, self.rank, state, self._barrier)
+            files = write_shards(stage, self.core, self.opt, self.rank, self._barrier)
+            if state is not None and files is not None:
+                save_checkpoint(stage, sharded_state(state, files), extra_files=files)
             del state
             self.env.report(metrics, stage if self.rank == 0 else None, name)
         elif self.rank == 0:
