@@ -11,6 +11,7 @@ import torch
 import nsa.ops as nsa_ops
 from nsa import TinyLM
 from nsa.ops.custom_op import attention_op
+from nsa.ops.dispatch import cached_policy
 
 HP = dict(l=8, d=4, l_sel=8, n_sel=2, w=8)
 TINY = dict(vocab=64, dim=32, n_layers=2, n_heads=4, n_kv_groups=2, d_k=8, d_v=8, l=8, d=4, l_sel=8,
@@ -103,6 +104,26 @@ def test_tinylm_compiles_fullgraph_with_eager_loss_and_grads(grad_checkpointing)
     # checkpointing recomputes the op's forward in backward, as in the eager model
     assert seen_bwd.count(torch.ops.nsa.attention.default) == TINY["n_layers"] * grad_checkpointing
     assert seen_bwd.count(torch.ops.nsa.attention_backward.default) == TINY["n_layers"]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tinylm_compiles_fullgraph_on_triton_with_eager_loss_and_grads():
+    """On CUDA the op resolves to the Triton kernels (their autograd.Function runs inside the custom
+    op's kernels): the compiled whole model gives the eager model's loss and gradients."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    cfg = dict(TINY, dim=64, d_k=32, d_v=32, l=16, d=8, l_sel=32, n_sel=4, w=64, backend="triton")
+    m0 = TinyLM(**cfg).cuda()
+    m1 = copy.deepcopy(m0)
+    compiled = torch.compile(m1, fullgraph=True, backend="aot_eager")
+    ids = torch.randint(0, cfg["vocab"], (2, 301), generator=torch.Generator().manual_seed(1)).cuda()
+    loss0, g0 = _loss_and_grads(m0, ids)
+    loss1, g1 = _loss_and_grads(compiled, ids)
+    assert cached_policy("triton", ids.device, torch.float32).backend == "triton"
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -85,7 +85,7 @@ class ModelConfig:
     compression: str = "mlp"          # mlp (paper) | mean | linear
     grad_checkpointing: bool = False
     # torch.compile each block's dense parts (norms, projections, RoPE, compression MLP, gates, SwiGLU);
-    # the NSA op stays an eager graph break. Cuts kernel launches ~4x on a launch-bound GPU step.
+    # the NSA op is traced as the opaque custom op nsa::attention. Cuts kernel launches ~4x on a launch-bound GPU step.
     compile: bool = False
     # nsa: sparse attention blocks | dense: the same TinyLM with causal full attention (the A/B twin)
     attention: str = "nsa"

@@ -87,7 +87,7 @@ def _indexed(device: torch.device | str) -> torch.device:
 def can_probe(device: torch.device) -> bool:
     """False inside a CUDA-graph capture (a probe would allocate and sync) or a torch.compile trace."""
     # only ask dynamo when it is loaded: importing it here would import triton before a CPU test run
-    # has chosen TRITON_INTERPRET (nsa/layers/attention.py, mark_op_eager_island)
+    # has chosen TRITON_INTERPRET (tests/conftest.py)
     if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
         return False
     if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
