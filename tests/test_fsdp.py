@@ -68,14 +68,20 @@ def _cfg(data, root, name, **kw):
 
 
 @pytest.fixture(scope="module")
+def ddp_run(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    return _train(_cfg(tiny_data, root, "ddp2", train__save_every=SAVE), 2)
+
+
+@pytest.fixture(scope="module")
 def fsdp_run(tiny_data, tmp_path_factory):
     """One uninterrupted 2-process FSDP run, checkpointing at step SAVE and at the end."""
     root = tmp_path_factory.mktemp("fsdp")
     return _train(_cfg(tiny_data, root, "fsdp2", runtime__sharding="fsdp", train__save_every=SAVE), 2)
 
 
-def test_fsdp_losses_equal_ddp(tiny_data, tmp_path, fsdp_run):
-    ddp = _losses(_train(_cfg(tiny_data, tmp_path, "ddp2"), 2), 2)
+def test_fsdp_losses_equal_ddp(ddp_run, fsdp_run):
+    ddp = _losses(ddp_run, 2)
     fsdp = _losses(fsdp_run, 2)
     assert sorted(ddp) == sorted(fsdp) == list(range(1, STEPS + 1))
     assert ddp[1] == pytest.approx(fsdp[1], rel=1e-6)      # same init on every rank, same first batch
@@ -145,6 +151,19 @@ def test_resume_continues_the_uninterrupted_losses(tiny_data, tmp_path, fsdp_run
     # its checkpoint keeps the 2-rank data split, so a 1-process run could go back to 2 processes
     final = load_checkpoint(run / f"checkpoint_{STEPS:08d}")
     assert len(final["data"]["ranks"]) == 2 and final["sharded"]["world_size"] == world
+
+
+def test_ddp_checkpoint_continues_under_fsdp(tiny_data, tmp_path, ddp_run):
+    """A whole checkpoint.pt (runtime.sharding=ddp) resumed with runtime.sharding=fsdp: weights and AdamW
+    state split onto the shards, the following losses are the DDP run's."""
+    ref = _losses(ddp_run, 2)
+    run = _train(_cfg(tiny_data, tmp_path, "ddp-to-fsdp", runtime__sharding="fsdp"), 2,
+                 resume_from=ddp_run / f"checkpoint_{SAVE:08d}")
+    got = _losses(run, 2)
+    assert sorted(got) == list(range(SAVE + 1, STEPS + 1))
+    for s in got:
+        assert got[s] == pytest.approx(ref[s], rel=1e-5), s
+    assert load_checkpoint(run / f"checkpoint_{STEPS:08d}", full_model=False)["sharded"]["world_size"] == 2
 
 
 def test_config_errors():

@@ -409,13 +409,13 @@ def load_model_weights(model: torch.nn.Module, state: dict[str, Any]) -> None:
 def restore_training_state(state: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                            scheduler: Any, scaler: torch.amp.GradScaler, rng: bool = True) -> int:
     """Restore everything but the data position; returns the step the checkpoint was taken after."""
-    from nsa.train.fsdp import is_sharded, load_sharded
-    if state.get("sharded"):
+    from nsa.train.fsdp import is_sharded, load_sharded, load_whole
+    if state.get("sharded"):            # DCP shards, resharded to this model (sharded or whole)
         check_attention_kind(model, state)
         load_sharded(state, model, optimizer)
-    elif is_sharded(model):
-        raise CheckpointError("the checkpoint was written with runtime.sharding=ddp (one whole checkpoint.pt): "
-                              "resume it with runtime.sharding=ddp")
+    elif is_sharded(model):             # a runtime.sharding=ddp checkpoint continued under fsdp
+        check_attention_kind(model, state)
+        load_whole(state, model, optimizer)
     else:
         load_model_weights(model, state)
         optimizer.load_state_dict(state["optimizer"])

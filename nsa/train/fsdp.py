@@ -17,7 +17,9 @@ Checkpoint layout (the same ``checkpoint_<step>`` directory contract as nsa/trai
 
 Every rank writes into one hidden ``.tmp-checkpoint_<step>-dcp`` directory of the run dir (the run dir
 must be storage every worker writes, as Ray's checkpoints already need), which ``persist_checkpoint``
-then renames into place. DCP reshards on load, so a checkpoint saved by N ranks resumes on M.
+then renames into place. DCP reshards on load, so a checkpoint saved by N ranks resumes on M; a whole
+checkpoint of a runtime.sharding=ddp run continues under fsdp (``load_whole``), and tools read a sharded one
+whole (``full_model_state``, through checkpoint.load_checkpoint).
 """
 from __future__ import annotations
 
@@ -150,3 +152,17 @@ def load_sharded(state: dict[str, Any], model: nn.Module, optimizer: Optional[to
     with _dcp(no_dist):
         dcp.load(sd, checkpoint_id=where, no_dist=no_dist)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+
+
+def load_whole(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint of whole tensors (runtime.sharding=ddp) into a sharded model: every rank holds the
+    whole state and keeps its shards. AdamW's state is keyed by position in its param groups there; the
+    groups are built the same way here (schedule.build_optimizer), so position i names the same parameter."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    osd = state["optimizer"]
+    optim = {"state": {order[i]: v for i, v in osd["state"].items()},
+             "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim,
+                   options=StateDictOptions(full_state_dict=True))
