@@ -159,7 +159,7 @@ def selection(T: int, H: int, nsb: int, n_sel: int, l_sel: int) -> torch.Tensor:
 
 def main() -> int:
     a = parse_args()
-    from nsa.ops.plan import pair_plan
+    from nsa.ops.route import pair_plan
     from nsa.ops.tuning import HOPPER
     from nsa.ops.triton import select as tsel
     from nsa.ops.triton import select_block as sb

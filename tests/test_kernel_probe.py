@@ -11,7 +11,7 @@ import torch
 
 import nsa.ops as ops
 import nsa.ops.triton as nsa_triton
-from nsa.ops import plan as route
+from nsa.ops import route
 from nsa.ops import dispatch, probe
 from nsa.ops.dispatch import probe_model
 from nsa.ops.probe import PROBE_COUNTER, ProbeShape, can_probe

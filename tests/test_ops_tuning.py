@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa.ops import plan as route
+from nsa.ops import route
 from nsa.ops import KernelPolicy, nsa_attention, nsa_decode
 from nsa.ops.batched import nsa_torch
 from nsa.ops.common import NSAParams

@@ -106,7 +106,7 @@ def test_tile_m_variant_sets_only_the_tile_size():
     """bench_attention --tile-m M runs the op with KernelTuning.tile.m = M at every G (min_g 1, whatever
     the preset's), M=0 the preset itself; nothing else changes."""
     import dataclasses
-    from nsa.ops import plan as route
+    from nsa.ops import route
     from nsa.ops.tuning import HOPPER
     common = load_bench("common")
     base = common.base_tuning("cpu")

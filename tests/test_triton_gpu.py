@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from nsa.ops import plan as route  # noqa: E402
+from nsa.ops import route  # noqa: E402
 from nsa.ops import nsa_attention  # noqa: E402
 from nsa.ops.common import num_cmp_tokens  # noqa: E402
 from nsa.ops.plan import plan_call  # noqa: E402

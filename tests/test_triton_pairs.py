@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from test_triton_tile import CASES, DEV, captured_dir, captures_at, case_inputs, oracle, rel_err, tol  # noqa: E402
 
-from nsa.ops import plan as route  # noqa: E402
+from nsa.ops import route  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402
 from nsa.ops.triton.inversion import work_items  # noqa: E402
 from nsa.ops.triton import select_block as sb  # noqa: E402

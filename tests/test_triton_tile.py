@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from nsa.ops import plan as route  # noqa: E402
+from nsa.ops import route  # noqa: E402
 from nsa.ops.reference import nsa_reference  # noqa: E402
 from nsa.ops.triton import scores_unfused as tsu  # noqa: E402
 from nsa.ops.triton import select as tsel  # noqa: E402

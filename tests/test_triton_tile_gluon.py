@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa.ops import plan as route
+from nsa.ops import route
 from nsa.ops.triton import select_tile as tt
 from nsa.ops.triton import tile_gluon as tg
 from nsa.ops.triton import walk_gluon as wg
@@ -306,7 +306,8 @@ def test_gpu_gluon_walk_is_bitwise_the_triton_walk(T, chunk):
     gen = torch.Generator(device="cuda").manual_seed(T + chunk)
     B, HQ, H, d = 1, 64, 4, 128
     q, k, v, do, lse, delta, gate = walk_inputs(B, T, HQ, H, d, gen)
-    from nsa.ops.plan import sample_inputs, select_plan, walk_plan
+    from nsa.ops.plan import sample_inputs, select_plan
+    from nsa.ops.route import walk_plan
     base = tuning_for("cuda").select
     assert select_plan(sample_inputs("sm90", "paper", T), tuning_for("cuda")).walk.gluon   # the plan takes it here
     for mode in ("random", "local"):
@@ -328,7 +329,7 @@ def test_gpu_gluon_walk_with_dq_pairs_is_bitwise_the_triton_walk(T):
     import dataclasses
     from test_triton_tile import make_block_idx
     from nsa.ops.triton import select as tsel
-    from nsa.ops.plan import walk_plan
+    from nsa.ops.route import walk_plan
     from nsa.ops.triton.select_block import pair_buffer
     if not tg.gluon_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs Gluon on a Hopper GPU")
@@ -362,7 +363,7 @@ def test_walk_row_prefetch_reaches_the_walk_kernel(monkeypatch):
             return lambda *a, **kw: seen.append((kw["ROW_PF"], kw["DQ_PAIRS"]))
 
     monkeypatch.setattr(wg, "_walk_kernel", lambda: Walk())
-    from nsa.ops.plan import walk_plan
+    from nsa.ops.route import walk_plan
     T, HQ, H, D = 128, 64, 4, 128
     g = torch.Generator().manual_seed(3)
     q, do = (torch.randn(1, T, HQ, D, generator=g).bfloat16() for _ in range(2))

@@ -5,7 +5,8 @@ row per family, ARCHS), grad / deterministic / capture state, what is installed,
 and the paths refused on this device (nsa/ops/fallbacks.py), and names every choice with a reason. It
 never reads tensor contents, synchronises or allocates. `plan_call` gathers those inputs from the
 call's tensors (strides and alignment are layout facts, not values), runs a needed one-off probe outside
-a CUDA-graph capture, and plans again. The choices and the measurements behind them: docs/kernels.md.
+a CUDA-graph capture, and plans again. What one tuning value means for G heads per KV head: nsa/ops/route.py;
+the choices and the measurements behind them: docs/kernels.md.
 
     python -m nsa.ops.plan --device h200 --shape prod --T 16384      # prints the route
 """
@@ -18,7 +19,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from . import fallbacks
-from .tuning import FAMILY_PRESET, PRESETS, KernelTuning, family_of, tuning_for  # noqa: F401 - re-exported
+from .tuning import FAMILY_PRESET, PRESETS, KernelTuning, tuning_for  # noqa: F401 - re-exported
+from .route import (PairPlan, WalkPlan, by_block, chunk_for, dq_by_block, dq_stages_for, m_for, pair_plan, t_ok,
+                    walk_plan)
+from .tuning_checks import family_of
 
 UNKNOWN = "?"   # a probe outcome not known yet: the plan asks for it (OpPlan.needs)
 
@@ -80,28 +84,6 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
-class WalkPlan:
-    """The dK/dV walk over each selected block's token list (select.slc_dkdv)."""
-
-    dq_pairs: bool              # also writes each (token, block) pair's dq partial
-    rows: int                   # (token, head) rows per step
-    group: int                  # rows per token: G packed, or next_pow2(G)
-    gluon: int                  # Gluon ring slots, 0: the Triton kernel
-    prefetch: bool              # token ids two steps ahead (Triton kernel)
-    loop_stages: int            # tl.range stages of the step loop, 0: a plain loop
-
-
-@dataclass(frozen=True)
-class PairPlan:
-    """The block-order partials: the forward's (token, block) o partials and the walk's dq partials."""
-
-    dtype: str                  # fp32 | input (q's dtype) | fp16 (o / max|v|, scaled back by the merge)
-    dq_dtype: str               # fp32 | input (dq is not bounded: never the scaled fp16 form)
-    ids_in_regs: bool           # the forward's token ids from registers (pieces of <= 256 entries)
-    group: int                  # rows per token in the walks: G packed, or next_pow2(G)
-
-
-@dataclass(frozen=True)
 class OpPlan:
     """Every choice of one call, each with a reason (why[name])."""
 
@@ -140,10 +122,6 @@ class OpPlan:
                 f"slc fwd={self.fwd}{'/m' + str(self.m) if self.m > 1 else ''} bwd={self.bwd}"
                 f"{'/dq-gluon' if self.dq_gluon else ''} {walk} chunk={self.chunk} dq_fold={int(self.dq_fold)} "
                 f"row_sums={int(self.row_sums)} fa4_accum={int(self.fa4_accum)}")
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def _half(inp: PlanInputs) -> bool:
@@ -231,71 +209,6 @@ def _scores_gluon_ok(inp: PlanInputs, arch: Arch) -> bool:
             and 1 <= inp.n_sel <= sg.NBJ_PAD and sg.scratch_bytes(inp.B, inp.T, inp.H, inp.l_sel) <= sg.MAX_SCRATCH_BYTES)
 
 
-# ------------------------------------------------ what the tuning values mean for a call of G heads per KV head
-
-def m_for(t, G: int) -> int:
-    """Tokens per query tile under TileTuning t (1: no tiles): tiles only from t.min_g heads per KV head."""
-    return t.m if G >= t.min_g else 1
-
-
-def dq_stages_for(t, T: int) -> int:
-    """K/V ring slots of the Gluon tile dq under TileTuning t for T tokens (0: the Triton kernel)."""
-    return t.gluon_dq_short_stages if 0 < t.gluon_dq_stages and T < t.gluon_dq_short_t else t.gluon_dq_stages
-
-
-def by_block(s, G: int) -> bool:
-    """Whether the selection forward runs block by block under SelectTuning s."""
-    return s.loop == "block" or (s.loop == "auto" and G <= s.block_max_g)
-
-
-def dq_by_block(s, G: int) -> bool:
-    """Whether dq comes from the dK/dV walk's pair partials under SelectTuning s."""
-    return s.loop == "block" or (s.loop == "auto" and G <= s.dq_block_max_g)
-
-
-def dkdv_rows_for(s, G: int, big: bool = False) -> int:
-    """(query, head) rows per dK/dV step; big: padded head dims > 128 (block_dkdv_rows is measured at d = 64,
-    and 128 rows would not fit sm_80's shared memory there)."""
-    return s.block_dkdv_rows if dq_by_block(s, G) and not big else s.dkdv_rows
-
-
-def loop_stages_for(s, dq_pairs: bool, G: int) -> int:
-    """tl.range stages of the dK/dV walk's step loop (0: a plain loop), with or without dq partials."""
-    if dq_pairs:
-        return s.dq_walk_loop_stages if G >= s.dq_walk_loop_min_g else 0
-    return s.walk_loop_stages
-
-
-def prefetch_for(s, G: int, dq_pairs: bool = True) -> bool:
-    """Whether the walk prefetches its token ids: not where its loop is a pipelined tl.range, which loads them."""
-    return s.prefetch and dq_by_block(s, G) and not loop_stages_for(s, dq_pairs, G)
-
-
-def chunk_for(s, pairs: int) -> int:
-    """Tokens per dK/dV program for `pairs` (token, kv head, block) pairs: halved (down to 16) while the
-    pairs fill fewer than chunk_min_items full chunks (a ragged last wave)."""
-    chunk = s.chunk
-    while chunk >= 32 and pairs < s.chunk_min_items * chunk:
-        chunk //= 2
-    return chunk
-
-
-def pair_plan(s, G: int) -> PairPlan:
-    """The block-order partials under SelectTuning s for G query heads per KV head."""
-    dq = s.dq_pair_dtype or s.pair_dtype
-    return PairPlan(s.pair_dtype, "input" if dq == "fp16" else dq, s.ids_in_regs, G if s.pack_heads else _pow2(G))
-
-
-def walk_plan(s, G: int, big: bool, dq_pairs: bool, gluon_ok=lambda rows: False) -> WalkPlan:
-    """The dK/dV walk under SelectTuning s for G query heads per KV head (big: head dims > 128);
-    gluon_ok(rows): whether the Gluon walk takes steps of `rows` rows here (default: never, the Triton walk)."""
-    rows = max(dkdv_rows_for(s, G, big), _pow2(G))
-    group = pair_plan(s, G).group
-    stages = s.gluon_dq_walk_stages if dq_pairs else s.gluon_walk_stages
-    gluon = stages if stages and group == G and gluon_ok(rows) else 0
-    return WalkPlan(dq_pairs, rows, group, gluon, prefetch_for(s, G, dq_pairs), loop_stages_for(s, dq_pairs, G))
-
-
 def _walk(inp: PlanInputs, tn: KernelTuning, arch: Arch, dq_pairs: bool) -> WalkPlan:
     G = inp.HQ // inp.H
 
@@ -315,7 +228,6 @@ def _chunk(inp: PlanInputs, tn: KernelTuning) -> int:
 def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
     """The call's route (module doc). Pure: the same inputs give the same plan."""
     arch = ARCHS[inp.arch]
-    why = []
     cmp, r_cmp = _cmp(inp, tn, arch)
     win, r_win = ("triton", "flash-attn refused this shape here") if "win_flash" in inp.refused else \
         _flash("win", inp, tn, arch)
@@ -323,15 +235,14 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
         win, r_win = "triton", r_win + "; the own Triton kernel"
     unknown = [r for b, r in ((win, r_win), (cmp, r_cmp)) if b == UNKNOWN]
     needs = "dense" if "dense" in unknown else unknown[0] if unknown else None
-    why.append(("cmp", r_cmp))
-    why.append(("win", r_win))
+    why = [("cmp", r_cmp), ("win", r_win)]
     s, t, f = tn.select, tn.tile, tn.flash
     G = inp.HQ // inp.H
     forked = inp.q_grad and (cmp not in ("triton", UNKNOWN) or win not in ("triton", UNKNOWN))
     row_sums = f.row_sums and inp.grad
     fa4_accum = row_sums and f.fa4_accum and forked
-    split = (f.win_split_min_t is not None and inp.T >= f.win_split_min_t and inp.B == 1 and G > 1
-             and "q_contig" in inp.layout and "win_entry" not in inp.refused)
+    split = t_ok(f.win_split_min_t, inp.T) and inp.B == 1 and G > 1 and "q_contig" in inp.layout \
+        and "win_entry" not in inp.refused
     entry = "plain"
     if win in ("fa4", "reference") and (split or fa4_accum):
         entry = "split" if split else "entry"
@@ -351,9 +262,7 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
         fwd = "block" if blocks else "token"
         bwd = "pairs" if dq_block else "token"
         why.append(("fwd", f"block order at G={G} <= {s.block_max_g}" if blocks else "one program per token"))
-    dq_gluon = 0
-    if m > 1 and t.gluon_dq_stages and tile_gluon:
-        dq_gluon = dq_stages_for(t, inp.T)
+    dq_gluon = dq_stages_for(t, inp.T) if m > 1 and t.gluon_dq_stages and tile_gluon else 0
     why.append(("bwd", {"tile": "tile dq + token walk", "pairs": "dq from the walk's pair partials",
                         "token": "per-token dq + token walk"}[bwd]))
     walk = _walk(inp, tn, arch, bwd == "pairs")
@@ -362,10 +271,6 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
                   t.gluon_fwd_stages if fwd == "tile_gluon" else 0, m > 1 and t.gluon_combine, bwd, dq_gluon, walk,
                   _chunk(inp, tn), dq_fold, row_sums, fa4_accum, pair_plan(s, G), tn.scores.relayout,
                   t.group if m > 1 else 0, tuning=tn, why=tuple(why), needs=needs)
-
-
-def t_ok(min_t: int | None, T: int) -> bool:
-    return min_t is not None and T >= min_t
 
 
 # ---------------------------------------------------------------------------------------- at the call
@@ -427,14 +332,16 @@ def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_se
     return _probed_plan(inp, tuning, q.device, q.dtype)
 
 
-def refuse_branch(branch: str, q: torch.Tensor, v: torch.Tensor, be: str, exc: Exception) -> None:
-    """A flash / dense backend failed on this call: refused for this device / dtype / head sizes (the planner
-    plans it away from now on), counted and warned once; inside a CUDA-graph capture the error stands."""
+def refuse_branch(branch: str, q: torch.Tensor, v: torch.Tensor, plan: OpPlan, exc: Exception) -> OpPlan:
+    """The planned flash / dense backend of `branch` ("cmp" / "win") failed on this call: refused for this device /
+    dtype / head sizes (planned away from now on), counted and warned once; inside a CUDA-graph capture the error
+    stands. Returns the call's plan with that branch on the Triton kernel (no dq fold: it needs both outside)."""
     import warnings
 
     import torch
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise exc
+    be = getattr(plan, branch)
     why = f"{be} failed at T={q.shape[1]}: {type(exc).__name__}: {str(exc)[:120]}"
     dev, dk, dv = str(q.device), q.shape[-1], v.shape[-1]
     if branch == "win":
@@ -447,6 +354,8 @@ def refuse_branch(branch: str, q: torch.Tensor, v: torch.Tensor, be: str, exc: E
     fallbacks.refuse(path, key, why)
     label = "window branch" if branch == "win" else "compressed branch"
     warnings.warn(f"{label}: {why}; using {then} from now on", RuntimeWarning, stacklevel=3)
+    return dataclasses.replace(plan, **{branch: "triton"}, win_entry="plain" if branch == "win" else plan.win_entry,
+                               dq_fold=False, why=plan.why + ((branch, f"refused at run time: {why}"),))
 
 
 def _probed_plan(inp: PlanInputs, tuning: KernelTuning | None, device, dtype) -> OpPlan:

@@ -9,6 +9,10 @@ Backward: dgates[c] = rowsum(dO * o_c) (fp32), which is also delta_c / g_c, so e
 backward reads dO and scales it by its gate on the fly (no per-branch dO tensor is stored).
 dq is accumulated across the three branches in one fp32 buffer, in a fixed order.
 
+The route is data: the call's OpPlan (nsa/ops/plan.py) names each choice, and steps_for maps those names to
+this module's step callables through the tables below (_CMP_FWD ... _SLC_BWD); forward and backward run the
+steps in a fixed order and decide nothing themselves.
+
 Compressed branch on a dense kernel (tuning.cmp_dense, nsa/ops/tuning.py): on CUDA with fp16/bf16 the
 compressed attention can run as one grouped-query causal SDPA call (cuDNN or flash, cmp_dense.py) outside the Function;
 its output (left in the dense problem's rows, read through row_slot) and log-sum-exp come in as
@@ -18,6 +22,9 @@ QFork node, whose backward sums the three branches' gradients of q in one pass, 
 dq kernels there with the other two added in their epilogue (qsum.py).
 """
 from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Callable, NamedTuple
 
 import torch
 import triton
@@ -37,44 +44,50 @@ from .select_tile import TileUnion, slc_bwd_tile, slc_fwd_tile, tile_unions
 from .qsum import DeferredDq, fork_q
 
 
+class Steps(NamedTuple):
+    """One call's steps, picked from its plan by steps_for (each a callable of this module)."""
+
+    cmp_fwd: Callable     # (o_cmp, lse_cmp): the Triton kernel, or the output computed outside as it is
+    win_fwd: Callable     # (o_win, lse_win) likewise (lse_win empty when outside)
+    slc_fwd: Callable     # (o, o_slc, lse_slc, inv, union): the selection forward and the gated sum
+    cmp_bwd: Callable     # (dq, dk_cmp, dv_cmp): the Triton backward, or nothing (autograd runs the outside one)
+    slc_bwd: Callable     # (dq, dk_slc, dv_slc)
+    win_bwd: Callable     # (dq, dk_win, dv_win)
+    ext_cmp: bool         # the compressed branch ran outside the Function (plan.cmp != "triton")
+    ext_win: bool
+    fold: bool            # the selection's dq kernels wait for QFork's backward (plan.dq_fold, DeferredDq)
+
+
+def steps_for(plan: OpPlan) -> Steps:
+    """The plan's choices as callables (pure lookups: the choosing was select_plan's)."""
+    ext_cmp, ext_win = plan.cmp != "triton", plan.win != "triton"
+    return Steps(_CMP_FWD[ext_cmp], _WIN_FWD[ext_win], _SLC_FWD[plan.fwd, plan.combine], _ATTN_BWD[ext_cmp],
+                 _SLC_BWD[plan.bwd], _ATTN_BWD[ext_win], ext_cmp, ext_win, plan.dq_fold)
+
+
 class NSATritonFunction(torch.autograd.Function):
     """Inputs must have unit stride in their last dim; gates contiguous [B,T,HQ,3]."""
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
                 l, d, l_sel, n_sel, w, scale, plan: OpPlan, sums, deferred):
-        ctx.ext_cmp, ctx.ext_win = o_cmp_in is not None, o_win_in is not None
+        ctx.run = run = steps_for(plan)
         ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
         ctx.deferred = deferred   # QFork's DeferredDq (qsum.py): where the backward may leave the selection's dq
         ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
-        tn, chunk = plan.tuning, plan.chunk
-        if ctx.ext_cmp:   # computed outside (dense SDPA); k_cmp only feeds the block scores here
-            o_cmp, lse_cmp = o_cmp_in.contiguous(), lse_cmp_in.contiguous()
-        else:
-            o_cmp, lse_cmp = attn_fwd(q, k_cmp, v_cmp, stride=d, offset=l - 1, window=0, scale=scale, tuning=tn.attn)
-        if ctx.ext_win:   # computed outside (flash-attn): its own autograd node owns q/k_win/v_win's grads
-            o_win, lse_win = o_win_in.contiguous(), o_win_in.new_empty(0)
-        else:   # before the selection, whose forward may write the op's output (Combine)
-            o_win, lse_win = attn_fwd(q, k_win, v_win, stride=1, offset=0, window=w, scale=scale, tuning=tn.attn)
+        tn = plan.tuning
+        # outside: computed by dense SDPA / flash-attn, whose own autograd nodes own their inputs' grads (k_cmp
+        # then only feeds the block scores); the window runs before the selection, which may write the output
+        o_cmp, lse_cmp = run.cmp_fwd(q, k_cmp, v_cmp, o_cmp_in, lse_cmp_in, stride=d, offset=l - 1, window=0,
+                                     scale=scale, tuning=tn.attn)
+        o_win, lse_win = run.win_fwd(q, k_win, v_win, o_win_in, None, stride=1, offset=0, window=w, scale=scale,
+                                     tuning=tn.attn)
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tn.scores, gluon=plan.scores == "gluon",
                                   relayout=plan.relayout)
-        # block-order forward: the pair inversion it walks is the one the dK/dV kernel walks, kept for it;
-        # dq from pair partials after a per-token forward makes it in the backward (nothing held between)
-        ctx.inv = inv = invert_selection(block_idx, l_sel, chunk, ranks=True) if plan.fwd == "block" else None
-        union = ()
-        if plan.m > 1:   # query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward
-            fused = Combine.of(o_cmp, o_win, gates, cmp_rows) if plan.combine else None
-            union = tile_unions(block_idx, plan.m, group=plan.tile_group, n_blocks=triton.cdiv(k_slc.shape[1], l_sel))
-            o_slc, lse_slc = slc_fwd_tile(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, m=plan.m, union=union,
-                                          tuning=tn.tile, combine=fused, gluon_stages=plan.fwd_gluon)
-            o = fused.out if fused is not None else combine(o_cmp, o_slc, o_win, gates, cmp_rows)
-        else:
-            o_slc, lse_slc = slc_fwd_pairs(q, k_slc, v_slc, block_idx, inv, l_sel=l_sel, scale=scale, chunk=chunk,
-                                           tuning=tn.select, pairs=plan.pairs) if inv is not None else \
-                slc_fwd(q, k_slc, v_slc, block_idx, l_sel=l_sel, scale=scale, tuning=tn.select)
-            o = combine(o_cmp, o_slc, o_win, gates, cmp_rows)
+        o, o_slc, lse_slc, ctx.inv, union = run.slc_fwd(q, k_slc, v_slc, block_idx, o_cmp, o_win, gates, cmp_rows,
+                                                        l_sel=l_sel, scale=scale, plan=plan)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
         ctx.hp = (l, d, l_sel, w, scale, plan)
@@ -86,64 +99,167 @@ class NSATritonFunction(torch.autograd.Function):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
          lse_cmp, lse_slc, lse_win, block_idx, *union) = ctx.saved_tensors
         l, d, l_sel, w, scale, plan = ctx.hp
-        tn, chunk = plan.tuning, plan.chunk
+        run, tn = ctx.run, plan.tuning
         do = do.contiguous()
         if do.data_ptr() % 16:   # the TMA walks read dO by rows: an aligned copy (same values)
             do = do.clone()
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
-        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, ctx.ext_cmp, ctx.ext_win, ctx.cmp_rows,
+        dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, run.ext_cmp, run.ext_win, ctx.cmp_rows,
                                         ctx.sums)
-        dq = dkc = dvc = None
-        if not ctx.ext_cmp:
-            dq, dkc, dvc = attn_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
-                                    stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
-                                    tuning=tn.attn)
+        dq, dkc, dvc = run.cmp_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
+                                   stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
+                                   tuning=tn.attn)
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype. With both
         # flash branches outside, the selection's dq kernels may wait for their gradients of q (QFork's
-        # backward adds them in those kernels' epilogue): `later` collects them
-        later = [] if ctx.deferred is not None and ctx.ext_cmp and ctx.ext_win else None
-        args = (q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(), gates[..., 1])
-        kw = dict(l_sel=l_sel, scale=scale, chunk=chunk, dq_in=dq, dq_dtype=q.dtype if ctx.ext_win else torch.float32,
-                  walk=plan.walk)
-        if plan.bwd == "tile":
-            dq, dks, dvs = slc_bwd_tile(*args, m=plan.m, union=TileUnion(*union), tuning=tn.tile, select=tn.select,
-                                        later=later, dq_gluon=plan.dq_gluon, **kw)
-        elif plan.bwd == "pairs":   # pair_dq sums each token's partials by their ranks
-            inv = ctx.inv if ctx.inv is not None else invert_selection(block_idx, l_sel, chunk, ranks=True)
-            dq, dks, dvs = _slc_bwd_pairs(inv, *args, tuning=tn.select, pairs=plan.pairs, later=later, **kw)
-        else:   # the per-token dq kernel: nothing appended to later
-            dq, dks, dvs = slc_bwd(*args, tuning=tn.select, inv=ctx.inv, **kw)
-        dkw = dvw = None
-        if not ctx.ext_win:
-            dq, dkw, dvw = attn_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
-                                    stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
-                                    tuning=tn.attn)
-        if later:   # q's gradient comes from QFork's backward, which runs these
-            ctx.deferred.tasks, dq = later, None
+        # backward adds them in those kernels' epilogue): they go to the call's DeferredDq (dq is then None)
+        later = ctx.deferred.tasks if run.fold else None
+        dq, dks, dvs = run.slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(), gates[..., 1],
+                                   l_sel=l_sel, scale=scale, chunk=plan.chunk, dq_in=dq, walk=plan.walk,
+                                   dq_dtype=q.dtype if run.ext_win else torch.float32, plan=plan, later=later,
+                                   inv=ctx.inv, union=union)
+        dq, dkw, dvw = run.win_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
+                                   stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
+                                   tuning=tn.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
                 None, None, None, None, None, None, None, None, None, None)
 
 
-def _slc_bwd_pairs(inv: dict, q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int,
-                   dq_in, tuning, pairs, walk, dq_dtype=None, later: list | None = None):
+# ------------------------------------------------------------------------- the steps, and the plan's tables of them
+
+def _given(q, k, v, o_in, lse_in, **_):
+    """A branch computed outside: its output (and log-sum-exp) as the Function received them."""
+    return o_in.contiguous(), lse_in.contiguous()
+
+
+def _given_win(q, k, v, o_in, lse_in, **_):
+    """The window computed outside: its output; its log-sum-exp is flash-attn's own (not needed here)."""
+    return o_in.contiguous(), o_in.new_empty(0)
+
+
+def _attn_fwd(q, k, v, o_in, lse_in, **kw):
+    return attn_fwd(q, k, v, **kw)
+
+
+def _attn_bwd(*args, **kw):
+    return attn_bwd(*args, **kw)
+
+
+def _outside_bwd(q, *args, dq_in=None, **_):
+    """A branch computed outside: autograd runs its backward; dq passes through."""
+    return dq_in, None, None
+
+
+def _fwd_token(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+    o_slc, lse_slc = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=plan.tuning.select)
+    return combine(o_cmp, o_slc, o_win, gates, cmp_rows), o_slc, lse_slc, None, ()
+
+
+def _fwd_block(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+    """Block order: the pair inversion it walks is the one the dK/dV walk takes, kept for it."""
+    inv = invert_selection(block_idx, l_sel, plan.chunk, ranks=True)
+    o_slc, lse_slc = slc_fwd_pairs(q, k, v, block_idx, inv, l_sel=l_sel, scale=scale, chunk=plan.chunk,
+                                   tuning=plan.tuning.select, pairs=plan.pairs)
+    return combine(o_cmp, o_slc, o_win, gates, cmp_rows), o_slc, lse_slc, inv, ()
+
+
+def _tile_slc(q, k, v, block_idx, l_sel, scale, plan, fused):
+    """Query tiles: the union [B,H,T/m,m*n_sel] is built once here and reused by the backward; fused: the
+    gates.Combine the tile forward writes the op's output to, or None."""
+    union = tile_unions(block_idx, plan.m, group=plan.tile_group, n_blocks=triton.cdiv(k.shape[1], l_sel))
+    o_slc, lse_slc = slc_fwd_tile(q, k, v, block_idx, l_sel=l_sel, scale=scale, m=plan.m, union=union,
+                                  tuning=plan.tuning.tile, combine=fused, gluon_stages=plan.fwd_gluon)
+    return o_slc, lse_slc, union
+
+
+def _fwd_tile(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+    o_slc, lse_slc, union = _tile_slc(q, k, v, block_idx, l_sel, scale, plan, None)
+    return combine(o_cmp, o_slc, o_win, gates, cmp_rows), o_slc, lse_slc, None, union
+
+
+def _fwd_tile_fused(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+    """The tile forward also writes the op's gated sum (plan.combine): no combine pass."""
+    fused = Combine.of(o_cmp, o_win, gates, cmp_rows)
+    o_slc, lse_slc, union = _tile_slc(q, k, v, block_idx, l_sel, scale, plan, fused)
+    return fused.out, o_slc, lse_slc, None, union
+
+
+def _bwd_token(q, k, v, block_idx, do, lse, delta, gate, *, plan, later, inv, union, **kw):
+    """The per-token dq kernel + the dK/dV walk (inv: the block-order forward's, else None); nothing goes to later."""
+    return slc_bwd(q, k, v, block_idx, do, lse, delta, gate, tuning=plan.tuning.select, inv=inv, **kw)
+
+
+def _bwd_tile(q, k, v, block_idx, do, lse, delta, gate, *, plan, later, inv, union, **kw):
+    """The tile dq kernel (Gluon with plan.dq_gluon slots) on the forward's unions + the dK/dV walk without dq."""
+    return slc_bwd_tile(q, k, v, block_idx, do, lse, delta, gate, m=plan.m, union=TileUnion(*union),
+                        tuning=plan.tuning.tile, select=plan.tuning.select, later=later, dq_gluon=plan.dq_gluon, **kw)
+
+
+def _bwd_pairs(q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int, dq_in, dq_dtype,
+               walk, plan, later: list | None, inv, union):
     """(dq, dK, dV) of the selection block by block: one dK/dV walk that also writes each (token, block)
-    pair's dq partial, then their per-token sum (+ dq_in) into a dq_buffer; with `later` that sum is
-    appended there as a task (qsum.DeferredDq) and dq is None."""
+    pair's dq partial, then their per-token sum by ranks (+ dq_in) into a dq_buffer; with `later` that sum is
+    appended there as a task (qsum.DeferredDq) and dq is None. inv: the block-order forward's pair inversion,
+    else made here (a per-token forward holds none)."""
+    inv = inv if inv is not None else invert_selection(block_idx, l_sel, chunk, ranks=True)
     H, n_sel = k.shape[2], block_idx.shape[3]
-    dqp = pair_buffer(q, n_sel, H, q.shape[-1], pairs, dq=True)
+    dqp = pair_buffer(q, n_sel, H, q.shape[-1], plan.pairs, dq=True)
     dks, dvs = slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, l_sel=l_sel, scale=scale, chunk=chunk,
-                        tuning=tuning, inv=inv, dq_pairs=dqp, walk=walk)
+                        tuning=plan.tuning.select, inv=inv, dq_pairs=dqp, walk=walk)
     if later is not None:
         later.append(lambda out, add: pair_dq(q, dqp, inv, n_sel, H, dq=out, dq_in=dq_in, add=add))
         return None, dks, dvs
     return pair_dq(q, dqp, inv, n_sel, H, dq=dq_buffer(q, dq_in, dq_dtype), dq_in=dq_in), dks, dvs
 
 
+_CMP_FWD = MappingProxyType({False: _attn_fwd, True: _given})            # keyed by "computed outside"
+_WIN_FWD = MappingProxyType({False: _attn_fwd, True: _given_win})
+_ATTN_BWD = MappingProxyType({False: _attn_bwd, True: _outside_bwd})
+_SLC_FWD = MappingProxyType({("token", False): _fwd_token, ("block", False): _fwd_block,   # (plan.fwd, plan.combine)
+                             ("tile", False): _fwd_tile, ("tile_gluon", False): _fwd_tile,
+                             ("tile", True): _fwd_tile_fused, ("tile_gluon", True): _fwd_tile_fused})
+_SLC_BWD = MappingProxyType({"token": _bwd_token, "pairs": _bwd_pairs, "tile": _bwd_tile})
+
+
+# ------------------------------------------------------------------- the branches computed outside the Function
+
+def _no_cmp(*_a, **_k):
+    return None, None, None
+
+
+def _cmp_rows(plan, q, q_cmp, k_cmp, v_cmp, maps, bnhd, scale, sums):
+    """The compressed branch as one grouped-query causal problem on the planned dense backend (cmp_dense.py):
+    (o_cmp and lse_cmp in that problem's rows, their CmpMaps)."""
+    o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2], scale=scale,
+                                                  backend=plan.cmp, bnhd=bnhd, rows_out=True, sums=sums)
+    return o_cmp, lse_cmp.detach(), maps
+
+
+def _no_win(*_a, **_k):
+    return None
+
+
+def _win_dense(plan, q, k, v, w, scale, sums):
+    """flash-attn's public API (plan.win_entry "plain")."""
+    return dense_attention(q, k, v, causal=True, window=w, scale=scale, backend=plan.win)
+
+
+def _win_split(plan, q, k, v, w, scale, sums):
+    """FA4 through its backward entry (row sums, the kept dq accumulator), split per KV head for "split"."""
+    return window_split.window_attention_split(q, k, v, w, scale, plan.win, sums, plan.win_entry == "split",
+                                               plan.win_gate_lse)
+
+
+_CMP_OUT = MappingProxyType({False: _no_cmp, True: _cmp_rows})          # keyed by plan.cmp != "triton"
+_WIN_OUT = MappingProxyType({(False, "plain"): _no_win, (True, "plain"): _win_dense,   # (plan.win != "triton", entry)
+                             (True, "entry"): _win_split, (True, "split"): _win_split})
+
+
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
                      n_sel: int, w: int, scale: float, dkdv_chunk: int | None = None,
                      tuning: KernelTuning | None = None):
     """Make layouts kernel-friendly, plan the call (nsa/ops/plan.py), run the branches computed outside
-    and the autograd.Function (inputs already validated).
+    and the autograd.Function (inputs already validated). A branch the backend refuses at run time is
+    planned away (plan.refuse_branch: the Triton kernel for this call and, through the registry, the next).
 
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
@@ -157,31 +273,20 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     ext_cmp, ext_win = plan.cmp != "triton", plan.win != "triton"
     bnhd = ext_cmp and cmp_dense.bnhd_layout(plan.cmp)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if ext_cmp else None
+    # plan.dq_fold: both branches outside and q's gradient wanted, so q_slc below is QFork's (not q)
     deferred = DeferredDq() if plan.dq_fold else None
     # D of the flash branches from the gate gradients (branch_sums.py): their backward skips reading o
     sums = RowSums() if plan.row_sums else None
     q_cmp, q_win, q_slc = fork_q(q, maps, ext_win, deferred, sums)
     if sums is not None:   # QFork reads the branches' gradients of q: FA4's dq accumulators will do (fa4_accum.py)
         sums.keep_dq = plan.fa4_accum
-    o_cmp = lse_cmp = o_win = cmp_rows = None
-    if ext_cmp:
-        try:
-            o_cmp, lse_cmp = cmp_dense.cmp_attention_rows(q_cmp, k_cmp, v_cmp, maps, T=q.shape[1], HQ=q.shape[2],
-                                                          scale=scale, backend=plan.cmp, bnhd=bnhd, rows_out=True,
-                                                          sums=sums)
-            lse_cmp, cmp_rows = lse_cmp.detach(), maps
-        except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
-            refuse_branch("cmp", q, v_cmp, plan.cmp, exc)
-            o_cmp = lse_cmp = None
-    if ext_win:
-        try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
-            if plan.win_entry != "plain":
-                o_win = window_split.window_attention_split(q_win, k_win, v_win, w, scale, plan.win, sums,
-                                                            plan.win_entry == "split", plan.win_gate_lse)
-            else:
-                o_win = dense_attention(q_win, k_win, v_win, causal=True, window=w, scale=scale, backend=plan.win)
-        except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
-            refuse_branch("win", q, v_win, plan.win, exc)
+    try:
+        o_cmp, lse_cmp, cmp_rows = _CMP_OUT[ext_cmp](plan, q, q_cmp, k_cmp, v_cmp, maps, bnhd, scale, sums)
+    except RuntimeError as exc:   # e.g. a shape this cuDNN refuses though the small probe passed
+        plan, o_cmp, lse_cmp, cmp_rows = refuse_branch("cmp", q, v_cmp, plan, exc), None, None, None
+    try:   # differentiable: flash-attn's own backward gets g_win * dO from the Function
+        o_win = _WIN_OUT[ext_win, plan.win_entry](plan, q_win, k_win, v_win, w, scale, sums)
+    except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
+        plan, o_win = refuse_branch("win", q, v_win, plan, exc), None
     return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates.contiguous(), o_cmp,
-                                   lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale, plan, sums,
-                                   deferred if q_slc is not q else None)
+                                   lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale, plan, sums, deferred)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
-from ..plan import WalkPlan, walk_plan
+from ..route import WalkPlan, walk_plan
 from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, row_block
 from .attn import _load_rows_bwd, load_group, online_softmax_step

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..common import LOG2E
-from ..plan import PairPlan, pair_plan
+from ..route import PairPlan, pair_plan
 from ..tuning import SelectTuning
 from ._utils import dot_precision, next_pow2, reg_cap
 from .inversion import work_items
