@@ -38,6 +38,16 @@ CLI_MLFLOW_ENV = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
+# Set by a driver during its ray.init only: every process of its private instance inherits the driver's marker,
+# by which the reaper finds them and the train workers watch the driver (nsa/launch/reaper.py).
+RAY_OWNER_VAR = "_NSA_RAY_OWNER"
+
+
+def ray_owner(env: Mapping[str, str] | None = None) -> str | None:
+    """The marker ``<pid>:<start ticks>:<nonce>`` of the driver whose private Ray instance runs this process."""
+    return (os.environ if env is None else env).get(RAY_OWNER_VAR) or None
+
+
 def apply_process_env(values: Mapping[str, str], override: bool = False) -> None:
     """Set these variables in this process where unset (a user's own setting wins), or always with override."""
     for name, value in values.items():

@@ -220,8 +220,10 @@ def start_local_ray(num_cpus: Optional[int] = None, *, quiet: bool = True) -> No
     # (nsa/train/ray_loop.py), and this driver's logging is put back as it was right after init.
     root, ray_log = logging.getLogger(), logging.getLogger("ray")
     saved = (root.level, root.handlers[:], ray_log.level, ray_log.handlers[:], ray_log.propagate)
-    from nsa.train.ray_local import loopback_only
-    with loopback_only() as bind:     # this machine only: nothing listens on other interfaces
+    from nsa.train.ray_local import private_instance
+    # this machine only (nothing listens on other interfaces), and gone within a second when this driver
+    # dies, however it dies (nsa/launch/reaper.py)
+    with private_instance() as bind:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),
                  runtime_env={"py_modules": [str(Path(nsa.__file__).parent)],

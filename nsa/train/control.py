@@ -15,6 +15,10 @@ Requests come from three places and are turned into one set of flags all ranks a
   While the loop runs, SIGTERM no longer kills the worker at once (Ray's own handler is restored when
   the loop ends); a stuck worker needs SIGKILL.
 * the loop itself: non-finite loss under ``train.on_nonfinite=halt`` (known at log steps).
+* the driver's death, in a private instance (its marker in the environment, nsa/launch/reaper.py): every rank
+  polls a pidfd of the driver at each step boundary (one non-blocking syscall) and, once the driver is gone,
+  ends its process there, before any checkpoint: nobody is left to register one, and a relaunch resumes
+  from the last complete one. A worker of a cluster the driver joined has no marker; Ray ends those jobs.
 
 Agreement: a 4-int CPU tensor [halt, checkpoint, terminate, anomaly] is all-reduced (MAX) every step.
 On GPUs this runs on a separate gloo group over CPU tensors, so it never waits for the GPU; its cost is
@@ -26,6 +30,7 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +38,14 @@ from typing import Any, Callable
 
 import torch
 
+from nsa.config.env import ray_owner
+from nsa.launch.reaper import Liveness
 from nsa.telemetry import ControlFiles, ControlFlags
 from nsa.telemetry.signals import close_dump_file
 
 log = logging.getLogger(__name__)
 
+EXIT_ORPHANED = 3      # a worker's exit status once its driver is gone (nothing reads it; ps/dmesg may)
 _SIGNALS = (("SIGUSR1", "stackdump_sigusr1"), ("SIGUSR2", "signal_sigusr2"), ("SIGTERM", "signal_sigterm"))
 
 
@@ -114,6 +122,8 @@ class Control:
         self.flags = ControlFlags()
         self.signals = SignalFiles(run_dir, rank)
         self.anomaly = False
+        owner = ray_owner()
+        self.driver = Liveness(owner) if owner else None
         self._group = None
         if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             backend = torch.distributed.get_backend()
@@ -147,12 +157,20 @@ class Control:
         return torch.tensor([int(halt), int(ckpt), int(term), int(self.anomaly)], dtype=torch.int32)
 
     def decide(self, force_poll: bool = False) -> Decision:
-        """Call at every step boundary on every rank (a collective when world_size > 1)."""
+        """Call at every step boundary on every rank (a collective when world_size > 1). Does not return
+        once the driver of this worker's private Ray instance is gone (module doc)."""
+        if self.driver is not None and self.driver.gone():
+            self._orphaned()
         t = self._local(force_poll)
         if self._distributed:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self._group)
         v = t.tolist()  # sync-ok: CPU tensor, no device involved
         return Decision(halt=bool(v[0]), checkpoint=bool(v[1]), terminate=bool(v[2]), anomaly=bool(v[3]))
+
+    def _orphaned(self) -> None:
+        print(f"rank {self.rank}: the driver (pid {self.driver.pid}) is gone: this worker ends at the step "
+              "boundary without a checkpoint", file=sys.stderr, flush=True)
+        os._exit(EXIT_ORPHANED)
 
     @property
     def stop_reason(self) -> str:
@@ -160,6 +178,8 @@ class Control:
 
     def close(self) -> None:
         self.signals.close()
+        if self.driver is not None:
+            self.driver.close()
 
 
 class Faults:

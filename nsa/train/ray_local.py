@@ -10,10 +10,14 @@ loopback). With it false during ``ray.init``, every listener above binds to 127.
 The trade-off: such an instance serves this machine only (no other node can join it), which is what a
 locally started instance is for. A cluster (``ray start --head``, KubeRay) binds where its nodes can
 reach it; protect it at the network level as cluster/README.md describes.
+
+``private_instance`` adds the other half of "this driver's own instance": its processes carry the driver's
+marker and a reaper ends them all when the driver dies, however it dies (nsa/launch/reaper.py).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 LOOPBACK = "127.0.0.1"
@@ -29,3 +33,43 @@ def loopback_only() -> Iterator[dict[str, Any]]:
         yield {"_node_ip_address": LOOPBACK}
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+_REAPERS: list[Any] = []      # kept referenced: the reaper outlives the instance's start, by design
+
+
+@contextlib.contextmanager
+def private_instance() -> Iterator[dict[str, Any]]:
+    """``with private_instance() as kw: ray.init(..., **kw)``: a loopback-only instance whose processes carry
+    this driver's marker (set in the environment for the ``ray.init`` call only), reaped when the driver,
+    the GCS or the raylet ends (nsa/launch/reaper.py)."""
+    import ray
+    from nsa.config.env import RAY_OWNER_VAR, apply_process_env, ray_owner
+    from nsa.launch.reaper import new_marker
+    before, marker, node = ray_owner(), new_marker(), ray._private.worker._global_node
+    apply_process_env({RAY_OWNER_VAR: marker}, override=True)
+    try:
+        with loopback_only() as kw:
+            yield kw
+    finally:
+        if before is None:
+            os.environ.pop(RAY_OWNER_VAR, None)
+        else:
+            apply_process_env({RAY_OWNER_VAR: before}, override=True)
+    if ray._private.worker._global_node not in (None, node):      # an instance was started just now
+        _start_reaper(f"{RAY_OWNER_VAR}={marker}")
+
+
+def _start_reaper(needle: str) -> None:
+    import ray
+    from ray._private import ray_constants
+    from nsa.launch.reaper import start_ticks, start_reaper
+    node = ray._private.worker._global_node
+    watched = [f"{info.process.pid}:{start_ticks(info.process.pid)}"
+               for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
+               for info in node.all_processes.get(kind, [])]
+    _REAPERS[:] = [r for r in _REAPERS if r.poll() is None]      # collect the ended ones (no zombies)
+    reaper = start_reaper(needle, node.get_session_dir_path(), watched,
+                          os.path.join(node.get_logs_dir_path(), "nsa_reaper.log"))
+    if reaper is not None:
+        _REAPERS.append(reaper)
