@@ -142,11 +142,11 @@ def test_sigkilled_driver_takes_its_private_instance_along(procs, tiny_data, tmp
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     env.pop(RAY_OWNER_VAR, None)
-    out = open(tmp_path / "driver.log", "w")
-    driver = procs([sys.executable, str(PIPELINES / "train.py"), "--config", TINY_PROFILE,
-                    *tiny_overrides(tiny_data, tmp_path, logging__name="k", model__n_layers=1, model__dim=64,
-                                    train__steps=1000, train__save_every=1, train__eval_every=0)],
-                   env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(tmp_path / "driver.log", "w") as out:      # the driver keeps its own copy of the descriptor
+        driver = procs([sys.executable, str(PIPELINES / "train.py"), "--config", TINY_PROFILE,
+                        *tiny_overrides(tiny_data, tmp_path, logging__name="k", model__n_layers=1, model__dim=64,
+                                        train__steps=1000, train__save_every=1, train__eval_every=0)],
+                       env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     ok = _until(lambda: _step_ends(run_dir) >= 3 or driver.poll() is not None, 240, 0.2)
     assert ok and driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
     tree = {p.pid: (p.create_time(), p.name()) for p in psutil.Process(driver.pid).children(recursive=True)}

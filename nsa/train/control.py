@@ -45,7 +45,7 @@ from nsa.telemetry.signals import close_dump_file
 
 log = logging.getLogger(__name__)
 
-EXIT_ORPHANED = 3      # a worker's exit status once its driver is gone (nothing reads it; ps/dmesg may)
+EXIT_ORPHANED = 3      # a worker's exit status once its driver is gone (1 stays a crash's)
 _SIGNALS = (("SIGUSR1", "stackdump_sigusr1"), ("SIGUSR2", "signal_sigusr2"), ("SIGTERM", "signal_sigterm"))
 
 
