@@ -2,9 +2,10 @@
 gloo), in one place. Config fields come from ``NSA_*`` variables through ``resolve_config``; these are the others."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 
 def extra_output_dir(env: Mapping[str, str] | None = None) -> str | None:
@@ -55,6 +56,21 @@ def apply_process_env(values: Mapping[str, str], override: bool = False) -> None
             os.environ[name] = value
         else:
             os.environ.setdefault(name, value)
+
+
+@contextlib.contextmanager
+def scoped_process_env(values: Mapping[str, str]) -> Iterator[None]:
+    """Set these variables for the block only; afterwards each is as it was (or unset again)."""
+    saved = {name: os.environ.get(name) for name in values}
+    apply_process_env(values, override=True)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def mlflow_system_metrics_on(env: Mapping[str, str] | None = None) -> bool:

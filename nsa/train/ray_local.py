@@ -44,18 +44,11 @@ def private_instance() -> Iterator[dict[str, Any]]:
     this driver's marker (set in the environment for the ``ray.init`` call only), reaped when the driver,
     the GCS or the raylet ends (nsa/launch/reaper.py)."""
     import ray
-    from nsa.config.env import RAY_OWNER_VAR, apply_process_env, ray_owner
+    from nsa.config.env import RAY_OWNER_VAR, scoped_process_env
     from nsa.launch.reaper import new_marker
-    before, marker, node = ray_owner(), new_marker(), ray._private.worker._global_node
-    apply_process_env({RAY_OWNER_VAR: marker}, override=True)
-    try:
-        with loopback_only() as kw:
-            yield kw
-    finally:
-        if before is None:
-            os.environ.pop(RAY_OWNER_VAR, None)
-        else:
-            apply_process_env({RAY_OWNER_VAR: before}, override=True)
+    marker, node = new_marker(), ray._private.worker._global_node
+    with scoped_process_env({RAY_OWNER_VAR: marker}), loopback_only() as kw:
+        yield kw
     if ray._private.worker._global_node not in (None, node):      # an instance was started just now
         _start_reaper(f"{RAY_OWNER_VAR}={marker}")
 
