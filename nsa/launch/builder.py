@@ -222,7 +222,7 @@ def start_local_ray(num_cpus: Optional[int] = None, *, quiet: bool = True) -> No
     saved = (root.level, root.handlers[:], ray_log.level, ray_log.handlers[:], ray_log.propagate)
     from nsa.train.ray_local import private_instance
     # this machine only (nothing listens on other interfaces), and gone within a second when this driver
-    # dies, however it dies (nsa/launch/reaper.py)
+    # dies, SIGKILL included (nsa/launch/reaper.py)
     with private_instance() as bind:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="WARNING",
                  logging_config=ray.LoggingConfig(encoding="TEXT", log_level="ERROR"),

@@ -12,7 +12,7 @@ locally started instance is for. A cluster (``ray start --head``, KubeRay) binds
 reach it; protect it at the network level as cluster/README.md describes.
 
 ``private_instance`` adds the other half of "this driver's own instance": its processes carry the driver's
-marker and a reaper ends them all when the driver dies, however it dies (nsa/launch/reaper.py).
+marker and a reaper ends them all when the driver dies, SIGKILL included (nsa/launch/reaper.py).
 """
 from __future__ import annotations
 
