@@ -161,7 +161,8 @@ class RuntimeConfig:
     # ddp: every rank holds the whole model | fsdp: parameters, grads and AdamW state sharded per block
     # (FSDP2 fully_shard, nsa/train/fsdp.py) with sharded DCP checkpoints, for models past one GPU's memory
     sharding: str = "ddp"
-    context_parallel: int = 1            # ranks one sequence is split across (1: none)
+    # ranks one sequence is split across (1: none); CP groups of consecutive ranks, world = dp * context_parallel
+    context_parallel: int = 1
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= -1, f"runtime.num_workers={self.num_workers} must be >= -1 (-1: one per GPU of "
@@ -183,8 +184,14 @@ class RuntimeConfig:
                  "runtime.precision=fp16 (GradScaler over sharded grads is untested): use runtime.precision=bf16")
         _require(self.context_parallel >= 1, f"runtime.context_parallel={self.context_parallel} must be >= 1 "
                  "(1: each rank holds whole sequences)")
-        _require(self.context_parallel == 1, f"runtime.context_parallel={self.context_parallel}: context "
-                 "parallelism is not wired into the trainer yet; set runtime.context_parallel=1")
+        cp = self.context_parallel
+        if cp > 1:   # the world is dp * cp ranks (nsa/train/cp.py); with num_workers=-1 the trainer checks it
+            _require(self.num_workers != 0, f"runtime.context_parallel={cp} needs {cp} or a multiple of {cp} "
+                     "Ray workers: runtime.num_workers=0 trains in one process")
+            _require(self.num_workers < 1 or self.num_workers % cp == 0, f"runtime.num_workers={self.num_workers} "
+                     f"is not a multiple of runtime.context_parallel={cp}: use runtime.num_workers={cp} (or k*{cp})")
+            _require(self.sharding != "fsdp", f"runtime.context_parallel={cp} with runtime.sharding=fsdp is not "
+                     "supported yet: use runtime.sharding=ddp")
         _require(0 < self.scaler_backoff_factor < 1, "runtime.scaler_backoff_factor must be in (0, 1)")
         _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
         if self.fault:
@@ -305,6 +312,11 @@ class RunConfig:
         _require(self.train.seq_len >= self.nsa.l,
                  f"train.seq_len={self.train.seq_len} is shorter than nsa.l={self.nsa.l}: no compressed "
                  "token (and so no learned selection) would ever be visible; raise seq_len or lower nsa.l")
+        cp = self.runtime.context_parallel
+        _require(cp == 1 or self.model.attention == "nsa", f"runtime.context_parallel={cp} needs model.attention="
+                 "nsa: the dense twin has no context-parallel path (set runtime.context_parallel=1)")
+        _require(self.train.seq_len >= cp, f"train.seq_len={self.train.seq_len} is shorter than "
+                 f"runtime.context_parallel={cp}: every rank must hold a position; lower runtime.context_parallel")
         if self.runtime.precision == "fp16" and not self.runtime.use_gpu:
             raise ConfigError("runtime.precision=fp16 needs GPUs (runtime.use_gpu=true); use bf16 or fp32 on CPU")
         _require(not self.logging.memory_snapshot_steps or self.runtime.use_gpu, "logging.memory_snapshot_steps "

@@ -50,6 +50,7 @@ from nsa.train.checkpoint import (CheckpointError, build_state, checkpoint_dir_n
                                   load_checkpoint, restore_training_state, save_checkpoint,
                                   scan_checkpoints)
 from nsa.train.batches import BatchStream
+from nsa.train.cp import ContextParallel
 from nsa.train.data_ranks import MultiStream, rank_streams
 from nsa.train.fsdp import shard_model, sharded_state, staging_dir, write_shards
 from nsa.train.control import Control, Decision, Faults
@@ -220,6 +221,10 @@ class Trainer:
         self.fsdp = r.sharding == "fsdp"
         if self.fsdp:   # sharded before AdamW is built, so its state lives on the shards (nsa/train/fsdp.py)
             model = shard_model(env.prepare_model(model, ddp=False), self.device, self.prec.dtype)
+        # runtime.context_parallel: CP groups of consecutive ranks, the NSA layers on shards (nsa/train/cp.py)
+        self.cp = ContextParallel(r.context_parallel, self.rank, self.world, t.seq_len, self.device)
+        self.cp.enter(model)
+        self.dp = self.cp.dp      # data-parallel replicas: the streams and global-batch counts are theirs
         self.opt = build_optimizer(model, t)
         self.sched = build_scheduler(self.opt, t)
         state, self.resumed_from, self.skipped_checkpoints = _resume_state(env, self.run_dir, resume_from)
@@ -232,15 +237,15 @@ class Trainer:
                                                scaler=self.prec.scaler)
             pos = state["data"]
             if getattr(env, "seekable", False):
-                groups, self.seek_note = rank_streams(pos, self.world)   # one stream per rank, or k on fewer ranks
-                self.seek = groups[self.rank] if groups is not None else None
+                groups, self.seek_note = rank_streams(pos, self.dp)   # one stream per replica, or k on fewer
+                self.seek = groups[self.cp.dp_rank] if groups is not None else None
             del state
         self.start_step = self.step
         _seed_all(r.seed + 1000 * self.rank + self.step)    # per-rank streams after (re)start
         self.graphed: Optional[GraphedStep] = None
         self.step_mode = "eager"
-        why = (graph_unsupported(model, self.opt, self.prec, self.device, sharding=r.sharding) if r.cuda_graph
-               else "off")
+        why = ((self.cp.graph_reason() or graph_unsupported(model, self.opt, self.prec, self.device,
+                                                            sharding=r.sharding)) if r.cuda_graph else "off")
         if why is None:
             # data parallel without DDP (its hooks cannot be captured): same start, grads averaged in-graph
             self.model = env.prepare_model(model, ddp=False)
@@ -257,13 +262,15 @@ class Trainer:
                 self.step_mode = f"eager (runtime.cuda_graph: {why})"
                 log.warning("runtime.cuda_graph=true but the step stays eager: %s", why)
         self.core = _unwrap(self.model)
+        denv = self.cp.data_env(env)      # under CP: this replica's stream
         if self.seek is not None and len(self.seek) > 1:     # this rank continues k ranks' streams
-            self.data: BatchStream | MultiStream = MultiStream(env, self.rank, self.seek, self.world * len(self.seek))
+            self.data: Any = MultiStream(env, self.cp.dp_rank, self.seek, self.dp * len(self.seek))
         elif self.seek is not None:     # continue at this rank's own position: nothing is read twice
-            self.data = BatchStream(env, self.seek[0].epoch, 0, seek=self.seek[0])
+            self.data = BatchStream(denv, self.seek[0].epoch, 0, seek=self.seek[0])
         else:
-            self.data = BatchStream(env, pos["epoch"], pos["batches_in_epoch"])
-        self.data.samples = pos["samples_seen"] // max(1, self.world)
+            self.data = BatchStream(denv, pos["epoch"], pos["batches_in_epoch"])
+        self.data.samples = pos["samples_seen"] // max(1, self.dp)
+        self.data = self.cp.wrap_stream(self.data, env)
         self.saved = {s for s, _ in list_checkpoints(self.run_dir)}   # never overwrite any of these
         self.saved.add(self.step)
         self.rep = RunReporter(cfg, self.run_dir, self.rank, self.world, self.device, mlflow_uri=mlflow_uri,
@@ -315,7 +322,7 @@ class Trainer:
         ranks = self._gather_positions()     # every rank: a collective at checkpoint steps (sync-ok)
         state = None
         if self.rank == 0:
-            data = {**self.data.position(self.world), **({"ranks": ranks} if ranks else {})}
+            data = {**self.data.position(self.dp), **({"ranks": ranks} if ranks else {})}
             state = build_state(model=self.core, optimizer=self.opt, scheduler=self.sched,
                                 scaler=self.prec.scaler, step=step, data=data,
                                 config=self.cfg.to_dict(), metrics={k: v for k, v in self.last.items()})
@@ -354,6 +361,7 @@ class Trainer:
                 return None
             out = [None] * self.world
             torch.distributed.all_gather_object(out, mine, group=self.ctl.cpu_group)
+        out = self.cp.streams(out)       # one position per replica (its CP group's first rank)
         if any(p is None for p in out):
             return None
         return [q for p in out for q in (p if isinstance(p, list) else [p])]   # k streams per rank: in order
@@ -369,7 +377,7 @@ class Trainer:
         mem = self.rep.memory()
         tim = self.rep.timing_fields()
         metrics = {"loss": host["loss"], "lr": self._lr(), "grad_norm": host["grad_norm"],
-                   "toks_per_s": res_tokens * self.world / max(1e-9, self._typical_step_ms() / 1e3),
+                   "toks_per_s": res_tokens * self.dp / max(1e-9, self._typical_step_ms() / 1e3),
                    "step_ms": tim["step_ms_p50"], "step_ms_p95": tim["step_ms_p95"],
                    "fetch_ms_p50": tim["fetch_ms_p50"], "fetch_ms_p95": tim["fetch_ms_p95"],
                    "mem_mib": mem["mem_mib"], "nonfinite_steps": host["nonfinite_total"],
@@ -407,13 +415,13 @@ class Trainer:
         return p50 if math.isfinite(p50) else self.first_ms.get("first_step_ms", math.nan)
 
     def _stats(self) -> dict[str, float]:
-        stats = layer_stats(self.core, l_sel=self.cfg.nsa.l_sel)
+        stats = layer_stats(self.core, l_sel=self.cfg.nsa.l_sel, positions=self.cp.positions)   # CP: this rank's rows
         host = to_host(stats) if stats else {}  # sync-ok: every logging.stats_every steps
         self.core.set_record_stats(False)
         return host
 
     def _eval(self, val: list[torch.Tensor]) -> float:
-        v = eval_loss(self.model, val, self.prec)
+        v = eval_loss(self.model, val, self.prec, self.cp)
         return float(v)  # sync-ok: eval steps only
 
     # ------------------------------------------------------------------ run
@@ -423,7 +431,7 @@ class Trainer:
         self.rep.heartbeat("start", self.step, world_size=self.world, device=str(self.device),
                            resumed_from=self.resumed_from, skipped_checkpoints=self.skipped_checkpoints,
                            precision=self.prec.name,
-                           data_position=self.data.position(self.world),
+                           data_position=self.data.position(self.dp),
                            **({"data_seek": self.seek[0].describe(), "data_streams": len(self.seek)}
                               if self.seek is not None else {}))
         if self.rank == 0:
@@ -432,6 +440,7 @@ class Trainer:
             for why in self.skipped_checkpoints:
                 print(f"resume: skipped {why}", flush=True)
             print(self.prec.describe() + f"; world_size={self.world}; sharding={cfg.runtime.sharding}; "
+                  f"context_parallel={self.cp.size}; "
                   f"step: {self.step_mode}; start step {self.step}"
                   + (f" (from {self.resumed_from})" if self.resumed_from else ""), flush=True)
         val = self.env.val_batches(t.eval_batches) if t.eval_batches > 0 else []
@@ -452,6 +461,7 @@ class Trainer:
             close_step(self.graphed)
             self.data.close()
             self.debug.close()
+            self.cp.close()
         summary = self._summary(status, reason, wd)
         self.rep.heartbeat("end", self.step, status=status, reason=reason)
         self.rep.finish(summary, "FINISHED" if status in ("completed", "halted", "terminated") else "FAILED")
@@ -480,11 +490,11 @@ class Trainer:
                     res = self.graphed(micro, poison=poison, eager=stats_due or traced)
                 else:
                     res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=t.grad_clip,
-                                     poison=poison)
+                                     poison=poison, cp=self.cp)
                 self.debug.after(step, res)
             self.step = step
             tokens_step = res.tokens
-            self.tokens += res.tokens * self.world
+            self.tokens += res.tokens * self.dp
             self.meter.add(res.loss, res.grad_norm, res.finite, step)
             self.timer.mark(step)
             step_ms = (time.perf_counter() - t_start) * 1e3
@@ -501,7 +511,7 @@ class Trainer:
             if hb:
                 self.rep.heartbeat("progress", step, **self._logged(), lr=self._lr(), step_ms=round(step_ms, 3),
                                    fetch_ms=round(fetch_s * 1e3, 3),
-                                   toks_per_s=res.tokens * self.world / max(1e-9, dev_ms.get("gpu_step_ms", step_ms) / 1e3),
+                                   toks_per_s=res.tokens * self.dp / max(1e-9, dev_ms.get("gpu_step_ms", step_ms) / 1e3),
                                    **dev_ms,
                                    **self.rep.timing_fields(), **self.rep.memory())
             dec = self._end_of_step(step, val, tokens_step, stats_due)
@@ -576,9 +586,9 @@ class Trainer:
             "tokens_seen_this_session": self.tokens,
             "wall_s": wall, "toks_per_s": self.tokens / wall if wall > 0 else math.nan, **tim,
             **self.first_ms, "stalls": wd.stall_count, "checkpoints": self.checkpoints, "world_size": self.world,
-            "data_position": self.data.position(self.world), "mlflow_run_id": self.rep.mlflow_run_id,
+            "data_position": self.data.position(self.dp), "mlflow_run_id": self.rep.mlflow_run_id,
             "fallbacks": _fallbacks(), "precision": self.prec.name, "device": str(self.device),
-            "step_mode": self.step_mode, "sharding": self.cfg.runtime.sharding,
+            "step_mode": self.step_mode, "sharding": self.cfg.runtime.sharding, "context_parallel": self.cp.size,
             "graph_replays": self.graphed.replays if self.graphed is not None else 0,
         }
 

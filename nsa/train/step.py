@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nsa.train.precision import Precision
+
+if TYPE_CHECKING:
+    from nsa.train.cp import ContextParallel
 
 
 @dataclass
@@ -36,8 +39,12 @@ def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision) -> torch.Tensor:
-    """Token-mean next-token cross-entropy of one micro-batch, computed in fp32. Returns a 0-d tensor."""
+def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision,
+            cp: Optional["ContextParallel"] = None) -> torch.Tensor:
+    """Token-mean next-token cross-entropy of one micro-batch, computed in fp32. Returns a 0-d tensor.
+    Under context parallelism (``cp`` active): this rank's share of it (nsa/train/cp.py)."""
+    if cp is not None and cp.active:
+        return cp.lm_loss(model, batch, prec)
     x, y = split_batch(batch)
     with prec.autocast():
         logits = model(x)                                   # [B, T, V]
@@ -73,12 +80,15 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> N
 
 
 def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], prec: Precision, *,
-                     poison: bool = False) -> tuple[torch.Tensor, int]:
+                     poison: bool = False, cp: Optional["ContextParallel"] = None) -> tuple[torch.Tensor, int]:
     """Accumulate (scaled) grads of the mean loss over ``micro_batches`` into ``.grad``.
 
     DDP all-reduces only in the last micro-batch's backward (``no_sync`` for the others). Returns
-    (mean loss as a 0-d fp32 device tensor, tokens). ``poison`` multiplies the last loss by NaN."""
+    (mean loss as a 0-d fp32 device tensor, tokens). ``poison`` multiplies the last loss by NaN.
+    ``cp``: each rank back-propagates its share x N (DDP's mean over dp*N ranks then equals the mean over
+    replicas, nsa/train/cp.py); the returned loss and tokens are the replica's, as without CP."""
     n = len(micro_batches)
+    share = cp.size if cp is not None else 1
     if n == 0:
         raise ValueError("forward_backward needs at least one micro-batch")
     loss_sum = torch.zeros((), dtype=torch.float32, device=micro_batches[0].device)
@@ -86,25 +96,29 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], pr
     for i, mb in enumerate(micro_batches):
         last = i == n - 1
         with _no_sync(model, last):
-            loss = lm_loss(model, mb, prec)
+            loss = lm_loss(model, mb, prec, cp)
             if poison and last:
                 loss = loss * float("nan")
             # each micro-batch has the same token count, so mean-of-means == mean over all tokens
-            prec.scaler.scale(loss / n).backward()
+            prec.scaler.scale(loss * (share / n)).backward()
         loss_sum += loss.detach()
         tokens += mb.shape[0] * (mb.shape[1] - 1)
+    if cp is not None:
+        cp.sum_shares(loss_sum)
     return loss_sum / n, tokens
 
 
 def train_step(model: nn.Module, micro_batches: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, prec: Precision, *, grad_clip: float,
                poison: bool = False,
-               grad_sync: Optional[Callable[[list[torch.Tensor]], None]] = None) -> StepResult:
+               grad_sync: Optional[Callable[[list[torch.Tensor]], None]] = None,
+               cp: Optional["ContextParallel"] = None) -> StepResult:
     """Forward/backward over ``micro_batches`` (each [b, T+1] int64 on the model's device), then one
     optimizer + scheduler step. ``grad_clip`` 0 disables clipping (the norm is still measured).
     ``poison`` multiplies the loss by NaN (test-only fault injection ``runtime.fault=nan@N``).
-    ``grad_sync`` (params) averages the gradients across ranks when the model is not wrapped in DDP."""
-    mean_loss, tokens = forward_backward(model, micro_batches, prec, poison=poison)
+    ``grad_sync`` (params) averages the gradients across ranks when the model is not wrapped in DDP.
+    ``cp``: context parallelism (nsa/train/cp.py), None or size 1 without."""
+    mean_loss, tokens = forward_backward(model, micro_batches, prec, poison=poison, cp=cp)
     if grad_sync is not None:        # data parallel without DDP (the CUDA-graph step): average the grads
         grad_sync(_params(optimizer))
     prec.scaler.unscale_(optimizer)                          # no-op unless fp16
@@ -123,18 +137,22 @@ def train_step(model: nn.Module, micro_batches: Sequence[torch.Tensor], optimize
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, batches: Iterable[torch.Tensor], prec: Precision) -> torch.Tensor:
-    """Mean token CE over ``batches`` (device tensor; NaN if there were none). Model left in train mode."""
+def eval_loss(model: nn.Module, batches: Iterable[torch.Tensor], prec: Precision,
+              cp: Optional["ContextParallel"] = None) -> torch.Tensor:
+    """Mean token CE over ``batches`` (device tensor; NaN if there were none). Model left in train mode.
+    ``cp``: every rank of the CP group evaluates the same batches, each its share (summed at the end)."""
     was_training = model.training
     model.eval()
     total, count = None, 0
     try:
         for b in batches:
-            loss = lm_loss(_unwrap_ddp(model), b, prec)      # no DDP forward: no grad sync needed
+            loss = lm_loss(_unwrap_ddp(model), b, prec, cp)      # no DDP forward: no grad sync needed
             total = loss if total is None else total + loss
             count += 1
     finally:
         model.train(was_training)
     if total is None:
         return torch.tensor(float("nan"))
+    if cp is not None:
+        cp.sum_shares(total)
     return total / count
