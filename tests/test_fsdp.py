@@ -171,8 +171,6 @@ def test_config_errors():
         resolve_config(None, ["runtime.sharding=zero"], env={})
     with pytest.raises(ConfigError, match="runtime.sharding=fsdp does not take runtime.precision=fp16.*bf16"):
         resolve_config(None, ["runtime.sharding=fsdp", "runtime.precision=fp16", "runtime.use_gpu=true"], env={})
-    with pytest.raises(ConfigError, match="runtime.context_parallel=2 with runtime.sharding=fsdp is not supported"):
-        resolve_config(None, ["runtime.context_parallel=2", "runtime.sharding=fsdp"], env={})
     with pytest.raises(ConfigError, match="runtime.context_parallel=0 must be >= 1"):
         resolve_config(None, ["runtime.context_parallel=0"], env={})
     assert resolve_config(None, [], env={})[0].runtime.sharding == "ddp"

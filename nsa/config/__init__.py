@@ -190,8 +190,6 @@ class RuntimeConfig:
                      "Ray workers: runtime.num_workers=0 trains in one process")
             _require(self.num_workers < 1 or self.num_workers % cp == 0, f"runtime.num_workers={self.num_workers} "
                      f"is not a multiple of runtime.context_parallel={cp}: use runtime.num_workers={cp} (or k*{cp})")
-            _require(self.sharding != "fsdp", f"runtime.context_parallel={cp} with runtime.sharding=fsdp is not "
-                     "supported yet: use runtime.sharding=ddp")
         _require(0 < self.scaler_backoff_factor < 1, "runtime.scaler_backoff_factor must be in (0, 1)")
         _require(self.scaler_growth_factor > 1, "runtime.scaler_growth_factor must be > 1")
         if self.fault:

@@ -30,14 +30,16 @@ from torch import nn
 
 from nsa.dist import check_cp_length, context_parallel, local_positions, shard_sequence
 from nsa.train.data_ranks import _StreamEnv
+from nsa.train.failures import NotRetried
 
 IGNORE = -100    # cross_entropy's ignore_index: the labels of padding rows past seq_len
 
 
 def cp_groups(world: int, size: int) -> list[list[int]]:
-    """The CP groups of a world: [[0..N-1], [N..2N-1], ...] (consecutive ranks, one per DP replica)."""
+    """The CP groups of a world: [[0..N-1], [N..2N-1], ...] (consecutive ranks, one per DP replica). A world
+    that N does not divide (num_workers=-1 on an odd GPU count) is a user error Ray must not retry."""
     if size < 1 or world % size:
-        raise ValueError(f"runtime.context_parallel={size} must divide the world size {world} (runtime.num_workers, "
+        raise NotRetried(f"runtime.context_parallel={size} must divide the world size {world} (runtime.num_workers, "
                          f"or the GPUs with num_workers=-1): use a multiple of {size} workers")
     return [list(range(d * size, (d + 1) * size)) for d in range(world // size)]
 

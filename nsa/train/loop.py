@@ -2,7 +2,8 @@
 
 ``run_training(cfg, run_dir, env)`` drives everything; ``env`` (a ``LoopEnv``) supplies rank, device,
 data, DDP wrapping, the checkpoint to resume from and ``report`` (Ray's barrier); under
-``runtime.sharding=fsdp`` the loop shards the model itself and writes sharded checkpoints (nsa/train/fsdp.py).
+``runtime.sharding=fsdp`` the loop shards the model itself and writes sharded checkpoints (nsa/train/fsdp.py);
+under ``runtime.context_parallel=N`` each sequence is split across a CP group of N ranks (nsa/train/cp.py).
 Per step:
 
     step_start hb -> faults -> fetch `accumulate` micro-batches (timed) -> train_step (no host sync)
@@ -221,7 +222,6 @@ class Trainer:
         self.fsdp = r.sharding == "fsdp"
         if self.fsdp:   # sharded before AdamW is built, so its state lives on the shards (nsa/train/fsdp.py)
             model = shard_model(env.prepare_model(model, ddp=False), self.device, self.prec.dtype)
-        # runtime.context_parallel: CP groups of consecutive ranks, the NSA layers on shards (nsa/train/cp.py)
         self.cp = ContextParallel(r.context_parallel, self.rank, self.world, t.seq_len, self.device)
         self.cp.enter(model)
         self.dp = self.cp.dp      # data-parallel replicas: the streams and global-batch counts are theirs

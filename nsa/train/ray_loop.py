@@ -5,8 +5,10 @@ ray at import time; the loop itself (nsa/train/loop.py) knows nothing about Ray.
 "mlflow_uri": str | None, "resume_from": abs path | None, "torch_threads": int}.
 
 Per worker: rank/world/device from ``ray.train``; DDP via ``ray.train.torch.prepare_model`` (gloo on CPU,
-NCCL on GPU, set up by TorchTrainer), or FSDP2 by the loop over the same group (runtime.sharding=fsdp); parquet train data from this rank's own Ray Data stream over its
-row groups (``train_stream``, seekable on resume: nsa/data/position.py), synthetic train data from
+NCCL on GPU, set up by TorchTrainer), or FSDP2 by the loop over the same group (runtime.sharding=fsdp), with
+context parallelism's CP groups made by the loop from that group (runtime.context_parallel, nsa/train/cp.py);
+parquet train data from this rank's own Ray Data stream over its row groups (``train_stream``, seekable on
+resume: nsa/data/position.py; under CP the stream of its data-parallel replica), synthetic train data from
 ``get_dataset_shard("train").iter_torch_batches`` (one call per epoch); the val set is not split (every
 rank evaluates the same first ``train.eval_batches`` batches, fetched once); resume from
 ``ray.train.get_checkpoint()``; checkpoints and eval metrics through ``ray.train.report`` (a barrier:
