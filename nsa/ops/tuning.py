@@ -37,8 +37,8 @@ class AttnTuning:
     dq: Tile = Tile(128, 32, 8, 3)        # best dq tile at 32k and 64k
     dkdv: Tile = Tile(32, 64, 4, 3)       # rows = query rows per step, keys = keys per program; best with gates
     big_fwd: Tile = Tile(64, 32, 8, 2)    # the doubled head dim leaves shared memory for fewer rows and stages
-    big_dq: Tile = Tile(32, 32, 8, 1)
-    big_dkdv: Tile = Tile(16, 32, 8, 1)
+    big_dq: Tile = Tile(32, 32, 8, 1)     # likewise
+    big_dkdv: Tile = Tile(16, 32, 8, 1)   # likewise
 
     def tiles(self, big: bool) -> tuple[Tile, Tile, Tile]:
         """(fwd, dq, dkdv) for padded head dims <= 128 (big=False) or in (128, 256] (big=True)."""
@@ -50,36 +50,36 @@ class SelectTuning:
     """Selected-block attention (nsa/ops/triton/select.py): forward, dq and dK/dV kernels."""
 
     fwd_warps: int = 2          # 2 warps edge out 4 at 64k with gates (1 is slower)
-    dq_warps: int = 2
+    dq_warps: int = 2           # the per-token dq kernel's
     dkdv_warps: int = 4         # 2 warps spill badly
     fwd_stages: int = 2         # 2 stages beat 1 and 3 over the whole selection backward
-    dq_stages: int = 2
-    dkdv_stages: int = 2
+    dq_stages: int = 2          # as fwd_stages (measured over the selection backward)
+    dkdv_stages: int = 2        # likewise
     fwd_keys: int = 64          # key rows per pipeline stage (capped by l_sel); smaller tiles were slower
-    dq_keys: int = 64
+    dq_keys: int = 64           # as fwd_keys, for the dq kernel
     dkdv_rows: int = 32         # (query, head) rows per step of dK/dV; best with gates at 64k
-    block_dkdv_rows: int = 32
+    block_dkdv_rows: int = 32   # dkdv_rows where dq comes from the walk's pair partials (route.dkdv_rows_for)
     chunk: int = 1024           # tokens of one block's list per dK/dV program
-    chunk_min_items: int = 0
+    chunk_min_items: int = 0    # halve chunk while a call fills fewer full chunks (0: off; route.chunk_for)
     pair_chunk: int = 0         # the same per block-order forward program (0: chunk)
-    pack_heads: bool = False
-    loop: Literal["token", "block", "auto"] = "token"
-    block_max_g: int = 8
-    dq_block_max_g: int = 8
+    pack_heads: bool = False    # the walks' rows per token: G packed, else next_pow2(G)
+    loop: Literal["token", "block", "auto"] = "token"   # selection forward per token / by block / by G (auto)
+    block_max_g: int = 8        # auto: the block-order forward up to this G
+    dq_block_max_g: int = 8     # auto: dq from the walk's pair partials up to this G
     pair_rows: int = 64         # (token, head) rows per step of the block-order forward
-    pair_warps: int = 4
-    pair_stages: int = 2
-    pair_dtype: Literal["fp32", "input", "fp16"] = "fp32"
-    dq_pair_dtype: Literal["fp32", "input", None] = None
-    prefetch: bool = False
-    ids_in_regs: bool = False
-    merge_warps: int = 2
-    pair_max_regs: int | None = None
-    walk_loop_stages: int = 0
-    dq_walk_loop_stages: int = 0
-    dq_walk_loop_min_g: int = 1
-    gluon_walk_stages: int = 0
-    gluon_dq_walk_stages: int = 0
+    pair_warps: int = 4         # the block-order forward's
+    pair_stages: int = 2        # likewise
+    pair_dtype: Literal["fp32", "input", "fp16"] = "fp32"   # the forward's pair partials (fp16: o / max|v|)
+    dq_pair_dtype: Literal["fp32", "input", None] = None   # the walk's dq partials (None: pair_dtype)
+    prefetch: bool = False      # the Triton walk loads token ids two steps ahead
+    ids_in_regs: bool = False   # the block-order forward's token ids from registers
+    merge_warps: int = 2        # the per-token merge of the pair partials
+    pair_max_regs: int | None = None   # register cap of the block-order forward (GPU only)
+    walk_loop_stages: int = 0   # tl.range stages of the walk's step loop (0: a plain loop)
+    dq_walk_loop_stages: int = 0   # the same with dq partials, from G >= dq_walk_loop_min_g
+    dq_walk_loop_min_g: int = 1   # see dq_walk_loop_stages
+    gluon_walk_stages: int = 0  # the Gluon walk's q / dO ring slots where eligible (0: Triton)
+    gluon_dq_walk_stages: int = 0   # the same for the walk with dq partials
 
     def __post_init__(self) -> None:
         checks.check_select(self)
@@ -105,13 +105,13 @@ class TileTuning:
     m: int = 1                      # tokens per tile from G >= min_g (1: SelectTuning's per-token / block kernels)
     # (rows <= 64, rows > 64): Hopper's wgmma wants >= 64 rows; 3 stages of bf16 d=128 K/V fit sm_80's shared memory
     fwd: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 3), TileLaunch(32, 8, 3))
-    dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))
+    dq: tuple[TileLaunch, TileLaunch] = (TileLaunch(64, 4, 2), TileLaunch(32, 8, 2))   # the tile dq's
     big_keys: int = 32              # cap on keys per stage for padded head dims > 128
     min_g: int = 1                  # tiles only from this many query heads per KV head (G)
     gluon_fwd_stages: int = 0       # Gluon tile forward's K/V ring slots where eligible (0: Triton)
     gluon_dq_stages: int = 0        # the same for the tile dq kernel
     gluon_dq_short_t: int = 0       # below this T the Gluon dq takes gluon_dq_short_stages slots (0: never)
-    gluon_dq_short_stages: int = 3
+    gluon_dq_short_stages: int = 3  # see gluon_dq_short_t
     gluon_combine: bool = False     # the tile forward also writes the op's gated sum (no combine pass)
     group: int = 0                  # regroup each window of `group` tokens into alike tiles (0: consecutive)
 
@@ -179,7 +179,7 @@ class FlashBranchTuning:
 
     win: str = "off"                    # the sliding window
     cmp: str = "off"                    # the compressed branch's regrouped causal problem (before cuDNN / SDPA)
-    min_t: int = 0
+    min_t: int = 0              # flash branches from this T
     win_split_min_t: int | None = None  # from this T (B = 1) the window's backward per KV head: FA4's GQA one is slow
     row_sums: bool = True               # the branches' D from the gate gradients: their backward skips reading o
     dq_fold: bool = True                # the selection's dq kernels add the flash branches' dq in their epilogue
@@ -202,15 +202,15 @@ class DecodeKnobs:
 
     cmp_tile: int = 64          # compressed tokens loaded per sub-tile (own + halo)
     cmp_per_sm: float = 2       # programs per multiprocessor the split-K launch aims at
-    cmp_warps: int = 4
-    cmp_stages: int = 3
+    cmp_warps: int = 4          # the split-K launch's
+    cmp_stages: int = 3         # likewise
     score_slice: int = 128      # blocks per scoring program (raised to NB/16)
-    score_warps: Warps = 4
+    score_warps: Warps = 4      # the scoring launch's
     sw_per_sm: float = 2        # programs per multiprocessor the selection + window launch aims at
-    slc_warps: int = 8
-    slc_stages: int = 3
+    slc_warps: int = 8          # the selection + window launch's
+    slc_stages: int = 3         # likewise
     tile: int = 64              # key tokens per selection / window load (<= 64)
-    comb_warps: Warps = 4
+    comb_warps: Warps = 4       # the combine launch's
     pdl: bool = True            # programmatic dependent launch of launches 2-4: helps few rows (latency-bound)
 
 
@@ -220,7 +220,7 @@ class DecodeTuning:
 
     small: DecodeKnobs = DecodeKnobs()
     large: DecodeKnobs = DecodeKnobs(score_warps="auto", comb_warps="auto", slc_warps=4, sw_per_sm=3, pdl=False)
-    large_rows: int = 32
+    large_rows: int = 32        # (query row, kv head) pairs from which `large` applies
 
     def knobs(self, rows_h: int) -> DecodeKnobs:
         """The knobs for rows_h = B * Tq * H (query row, kv head) pairs."""
@@ -236,11 +236,11 @@ class DecodeTuning:
 class TorchTuning:
     """The vectorised torch path (nsa/ops/batched.py)."""
 
-    dense_factor: float = 8.0
+    dense_factor: float = 8.0           # masked dense selection up to factor * n_sel * l_sel keys, gathers beyond
     cpu_tile: int = 128                 # query tile off-GPU: best or tied on 2 cores (T = 2k..8k)
-    tile_budget: int = 2 ** 27
-    tile_min: int = 64
-    tile_max: int = 1024
+    tile_budget: int = 2 ** 27          # fp32 logits per query tile (B * HQ * tile * keys)
+    tile_min: int = 64                  # query tile bounds
+    tile_max: int = 1024                # likewise
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,8 @@ class NSATritonFunction(torch.autograd.Function):
         # dgates [B,T,HQ,3] fp32, and for branches computed outside their outputs' gradients g_c * dO
         dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, run.ext_cmp, run.ext_win, ctx.cmp_rows,
                                         ctx.sums)
-        dq, dkc, dvc = run.cmp_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg[..., 0].contiguous(), gates[..., 0],
-                                   stride=d, offset=l - 1, window=0, scale=scale, dq_dtype=torch.float32,
-                                   tuning=tn.attn)
+        dq, dkc, dvc = run.cmp_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg, gates, 0, stride=d, offset=l - 1, window=0,
+                                   scale=scale, dq_dtype=torch.float32, tuning=tn.attn)
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype. With both
         # flash branches outside, the selection's dq kernels may wait for their gradients of q (QFork's
         # backward adds them in those kernels' epilogue): they go to the call's DeferredDq (dq is then None)
@@ -117,9 +116,8 @@ class NSATritonFunction(torch.autograd.Function):
                                    l_sel=l_sel, scale=scale, chunk=plan.chunk, dq_in=dq, walk=plan.walk,
                                    dq_dtype=q.dtype if run.ext_win else torch.float32, plan=plan, later=later,
                                    inv=ctx.inv, union=union)
-        dq, dkw, dvw = run.win_bwd(q, k_win, v_win, do, lse_win, dg[..., 2].contiguous(), gates[..., 2],
-                                   stride=1, offset=0, window=w, scale=scale, dq_in=dq, dq_dtype=q.dtype,
-                                   tuning=tn.attn)
+        dq, dkw, dvw = run.win_bwd(q, k_win, v_win, do, lse_win, dg, gates, 2, stride=1, offset=0, window=w,
+                                   scale=scale, dq_in=dq, dq_dtype=q.dtype, tuning=tn.attn)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
                 None, None, None, None, None, None, None, None, None, None)
 
@@ -140,12 +138,13 @@ def _attn_fwd(q, k, v, o_in, lse_in, **kw):
     return attn_fwd(q, k, v, **kw)
 
 
-def _attn_bwd(*args, **kw):
-    return attn_bwd(*args, **kw)
+def _attn_bwd(q, k, v, do, lse, dg, gates, c: int, **kw):
+    """Branch c's Triton backward: delta = its gate gradient dg[..., c] (fp32), its gate gates[..., c]."""
+    return attn_bwd(q, k, v, do, lse, dg[..., c].contiguous(), gates[..., c], **kw)
 
 
 def _outside_bwd(q, *args, dq_in=None, **_):
-    """A branch computed outside: autograd runs its backward; dq passes through."""
+    """A branch computed outside: autograd runs its backward; dq passes through (nothing is launched here)."""
     return dq_in, None, None
 
 
