@@ -4,7 +4,7 @@ composed with data parallelism over world = dp * N ranks.
 Ranks: CP groups are N consecutive ranks (rank r is CP rank r % N of data-parallel replica r // N), so a CP
 group sits on one host when N divides the GPUs per host. Every rank of a CP group trains on the same
 sequences: with seekable data (parquet) each rank reads the stream of its DP rank (r // N of dp streams,
-nsa/train/data_ranks.py's _StreamEnv), and checkpoints record those dp positions (one per CP group, taken from
+nsa/train/data_ranks.py's StreamEnv), and checkpoints record those dp positions (one per CP group, taken from
 its first rank); data that cannot seek (synthetic, split by Ray across all ranks) is read by every rank and
 the CP group's first rank broadcasts its batch.
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nsa.dist import check_cp_length, context_parallel, local_positions, shard_sequence
-from nsa.train.data_ranks import _StreamEnv
+from nsa.train.data_ranks import StreamEnv
 from nsa.train.failures import NotRetried
 
 IGNORE = -100    # cross_entropy's ignore_index: the labels of padding rows past seq_len
@@ -109,7 +109,7 @@ class ContextParallel:
     def data_env(self, env: Any) -> Any:
         """What the loop reads batches from: env itself, or under CP with seekable data this rank's DP stream."""
         if self.active and getattr(env, "seekable", False):
-            return _StreamEnv(env, self.dp_rank, self.dp)
+            return StreamEnv(env, self.dp_rank, self.dp)
         return env
 
     def wrap_stream(self, stream: Any, env: Any) -> Any:

@@ -6,7 +6,9 @@ divides D gives rank r the k = D / W streams r*k .. r*k+k-1 and takes ``train.ac
 from each per step: k x accumulate micro-batches, the same global batch of the same sequences as the D
 ranks took (the step's gradient is their mean either way), so the following losses are the uninterrupted
 run's. Its checkpoints again record D positions, so it can go back to D ranks. Any other change of world
-size falls back to fast-forwarding (checkpoint.rank_positions' note).
+size falls back to fast-forwarding (checkpoint.rank_positions' note). Under runtime.context_parallel=N the
+streams are the data-parallel replicas' (D = world / N; every rank of a CP group reads its replica's stream
+through StreamEnv, nsa/train/cp.py), so the same rules hold with replicas in place of ranks.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def rank_streams(data: dict[str, Any], world: int) -> tuple[Optional[list[list[A
     return [positions[r * k:(r + 1) * k] for r in range(world)], note
 
 
-class _StreamEnv:
-    """``env`` seen as rank ``stream`` of a ``streams``-rank world, for the data only."""
+class StreamEnv:
+    """``env`` seen as rank ``stream`` of a ``streams``-rank world, for the data only (a resume on fewer ranks;
+    the replica's stream under context parallelism)."""
 
     seekable = True
 
@@ -51,7 +54,7 @@ class MultiStream:
 
     def __init__(self, env: Any, rank: int, seeks: list[Any], streams: int) -> None:
         k = len(seeks)
-        self.parts = [BatchStream(_StreamEnv(env, rank * k + j, streams), seek.epoch, 0, seek=seek)
+        self.parts = [BatchStream(StreamEnv(env, rank * k + j, streams), seek.epoch, 0, seek=seek)
                       for j, seek in enumerate(seeks)]
         self.samples = 0
 

@@ -3,8 +3,8 @@ same per-rank stream and seek as under Ray, nsa/data/position.py).
 
 Used by fast tests of the loop's control logic and by bench/bench_train.py's baseline; with ``rank`` and
 ``world_size`` (a torch.distributed group the caller set up) it is one rank of a multi-process run
-without Ray (DDP, or FSDP through the loop, tests/test_fsdp.py). Resume-by-name
-needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
+without Ray (DDP, or FSDP through the loop, tests/test_fsdp.py; context parallelism, tests/test_cp_train.py).
+Resume-by-name needs nothing here (the loop resumes from the newest checkpoint in the run dir); ``report`` copies the
 checkpoint into ``run_dir/<dir_name>`` atomically (a hidden temp dir renamed into place), never over an
 existing complete one; an incomplete one left by a crash is set aside first.
 """

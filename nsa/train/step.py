@@ -88,6 +88,8 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], pr
     ``cp``: each rank back-propagates its share x N (DDP's mean over dp*N ranks then equals the mean over
     replicas, nsa/train/cp.py); the returned loss and tokens are the replica's, as without CP."""
     n = len(micro_batches)
+    # CP: one DDP/FSDP over all dp*N ranks (no DP-only group plus a CP-group sum); shares x N make its mean over
+    # ranks the mean over replicas of the single-process gradient (tests/test_cp_train.py checks both)
     share = cp.size if cp is not None else 1
     if n == 0:
         raise ValueError("forward_backward needs at least one micro-batch")
