@@ -188,3 +188,11 @@ def test_planner_and_tuning_stay_within_their_line_budgets(path, limit):
     at most 300: values with one-line reasons (issue 44)."""
     n = len((ROOT / path).read_text().splitlines())
     assert n <= limit, f"{path} has {n} lines (budget {limit}): move helpers out rather than raise the budget"
+
+
+def test_tuning_py_holds_values_and_their_dataclasses_only():
+    """Module-level functions of tuning.py: tuning_for alone (the preset lookup nsa.ops exports); the checks and
+    family_of live in tuning_checks.py, the per-shape rules in route.py."""
+    import ast
+    tree = ast.parse((ROOT / "nsa" / "ops" / "tuning.py").read_text())
+    assert [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] == ["tuning_for"]
