@@ -175,11 +175,15 @@ def run_op(a, dims) -> dict:
             del bi
         per_m = {m: bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tn, x=x) for m, tn in tunings.items()}
         nsa = per_m[a.tile_m[0]]
+        if a.host_profile:
+            result["T"].setdefault(T, {})["host_hot"] = hot = common.host_hotspots(x, a.host_profile)
+            print(f"T={T} hottest host functions (ms per eager call, own / cumulative):\n" + "\n".join(
+                f"  {h['own_ms']:7.3f} {h['cum_ms']:7.3f}  x{h['calls']:.0f}  {h['fn']}" for h in hot[:8]), flush=True)
         del x
         torch.cuda.empty_cache()
         dense = dense_bar(a, dims[0], T, *dims[1:])
         rf, rfb = dense["fwd_ms"] / nsa["fwd_ms"], dense["fwd_bwd_ms"] / nsa["fwd_bwd_ms"]
-        result["T"][T] = {"nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb,
+        result["T"][T] = {**result["T"].get(T, {}), "nsa": nsa, "dense": dense, "speedup_fwd": rf, "speedup_fwd_bwd": rfb,
                           "nsa_tile_m": per_m}
         result["rows"] += [{"T": T, "inputs": "random", "m": m, "nsa": r, "speedup_fwd": dense["fwd_ms"] / r["fwd_ms"],
                             "speedup_fwd_bwd": dense["fwd_bwd_ms"] / r["fwd_bwd_ms"]} for m, r in per_m.items()]
@@ -520,6 +524,8 @@ def main() -> None:
     ap.add_argument("--sweep-only", default="", help="sweep only the groups with these prefixes (comma-separated, e.g. "
                     "select.block,scores.); with --branch select: only the score variants whose names start with one "
                     "of these, '|'-separated (the names hold commas)")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="--branch op: also profile the host side of CALLS eager calls (hottest functions)")
     ap.add_argument("--no-peers", action="store_true", help="skip peer implementations (fla-core)")
     ap.add_argument("--flash", nargs="+", default=list(FLASH_VARIANTS), choices=FLASH_VARIANTS,
                     help="--branch flash: op variants with these branches on flash-attn (off = own kernels)")

@@ -443,6 +443,25 @@ def tuning_dict(tuning) -> dict[str, Any]:
     return dataclasses.asdict(tuning)
 
 
+def host_hotspots(x: list[torch.Tensor], calls: int = 3, top: int = 12) -> list[dict[str, Any]]:
+    """The host functions that cost most own time over `calls` eager forward+backward calls of the op on x
+    (cProfile; ms per call): what a cached per-shape plan and a short launch sequence have to remove."""
+    import cProfile
+    import pstats
+    for t in x:
+        t.grad = None
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(calls):
+        nsa_op(x)[0].float().sum().backward()
+    prof.disable()
+    sync()
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"fn": f"{Path(f[0]).name}:{f[1]}({f[2]})", "calls": v[1] / calls, "own_ms": 1e3 * v[2] / calls,
+             "cum_ms": 1e3 * v[3] / calls} for f, v in rows]
+
+
 def nsa_op(x: list[torch.Tensor], tuning=None, hp: dict[str, int] | None = None):
     """The NSA op on the Triton backend, with `tuning` (a KernelTuning) or the policy's default, and the
     hyperparameters hp (l, d, l_sel, n_sel, w; default the paper's HP)."""

@@ -11,7 +11,8 @@
 #   bash bench/gpu.sh decode [S ...]             decode tests while the sweep variants compile, then the
 #                                                decode table (sweep at the largest S, breakdown)
 #   bash bench/gpu.sh train [SEQ ...]            bare vs Ray Train throughput (needs .gpu_bundle), 2 GPUs too
-#   bash bench/gpu.sh host [T ...]               eager op call vs its graph replay and the hottest host functions
+#   bash bench/gpu.sh host [T ...]               the production-shape op as eager calls vs graph replays, and the
+#                                                hottest host functions of an eager call (what the eager-op target needs)
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
 #   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
 #                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss
@@ -256,7 +257,11 @@ case "$cmd" in
   flash) gpu_info; run_flash "$@" ;;
   prod) gpu_info; run_prod "$@" ;;
   train) nvidia-smi -L; run_train "$@" ;;
-  host) gpu_info; timeout "$T_BENCH" python3 bench/bench_host.py ${*:+--T $*} 2>&1 | tee "$OUT/host.log" | tail -40 ;;
+  host) gpu_info; for tm in eager graph; do   # the production shape's op, eager calls against graph replays
+          timeout "$T_BENCH" python3 bench/bench_attention.py --T ${*:-8192 16384} --HQ 12 --H 2 --dk 64 --dv 64 \
+            --dense fa4 --no-peers --timer $tm $([ $tm = eager ] && echo --host-profile 3) 2>&1 \
+            | tee "$OUT/host_$tm.log" | grep -vE "Warning|warn" | tail -24
+        done ;;
   profile) gpu_info; m=${1:?profile mode: kernels, step, ncu-attention or ncu-decode}; shift
            timeout "$T_BENCH" python3 bench/bench_profile.py "$m" "$@" 2>&1 \
              | grep -vE "USDT|_warn_once|Profiler clears" | tee "$OUT/profile_$m.log" | tail -60 ;;
