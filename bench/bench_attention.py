@@ -175,7 +175,7 @@ def run_op(a, dims) -> dict:
             del bi
         per_m = {m: bench_nsa(*dims[:1], T, *dims[1:], a.warmup, a.iters, tn, x=x) for m, tn in tunings.items()}
         nsa = per_m[a.tile_m[0]]
-        if a.host_profile:
+        if getattr(a, "host_profile", 0):
             result["T"].setdefault(T, {})["host_hot"] = hot = common.host_hotspots(x, a.host_profile)
             print(f"T={T} hottest host functions (ms per eager call, own / cumulative):\n" + "\n".join(
                 f"  {h['own_ms']:7.3f} {h['cum_ms']:7.3f}  x{h['calls']:.0f}  {h['fn']}" for h in hot[:8]), flush=True)
