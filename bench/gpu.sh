@@ -44,6 +44,27 @@
 #                                                network: .fa4a (wheels + half the cu13 libraries) and .fa4b
 #                                                (the other half), each under one call's 64 MiB carry limit
 #
+# The Ray route on a 2-GPU host (issues 47, 49; carry .gpu_bundle; call plan and durations: docs/gpu_runbook.md).
+# job, scale, heal, past-one write <name>.json and <name>.log to $OUT (nothing else: a call returns 8 files), run
+# under /tmp/nsa-gpu and stop by T_RUN seconds (default 570) with what ran reported. DRY_RUN=1 resolves their configs.
+#   bash bench/gpu.sh bundle-ray                 (here, not on the GPU) .gpu_bundle/site.tar.xz: Ray (train, tune,
+#                                                dashboard/job API), MLflow and what they need beyond the GPU image
+#   bash bench/gpu.sh job                        local_head.sh start, prepare_data as a job, `ray job submit -- python
+#                                                pipelines/prod_50k.py` on 2 GPU workers (JOB_STEPS=1200, save every
+#                                                JOB_SAVE=300), rank 1's worker SIGKILLed after step JOB_KILL_AT=700;
+#                                                restart step, losses run twice, seconds to recover; head stopped
+#   bash bench/gpu.sh scale [SEQ ...]            NSA and the dense twin, 1 and 2 GPUs, graphed step (captured
+#                                                all-reduce) at every SEQ (default 8192 32768 65536) and DDP eager at
+#                                                EAGER_SEQS (8192 32768): tokens/s, efficiency, NSA/dense
+#   bash bench/gpu.sh heal                       2 GPUs, a stall on rank 0 before step HEAL_AT=170 (rank 1 waits in the
+#                                                NCCL all-reduce), train.on_stall=restart, stall_seconds 20; losses
+#                                                against the same run without the stall, stall-to-recovery seconds
+#   bash bench/gpu.sh lanes-gpu [LANE,...]       lanes/ab_grid.py on prod_50k with 6 layers, LANES_STEPS=40, one GPU per
+#                                                lane, two at a time; summary, plots and the MLflow store
+#   bash bench/gpu.sh past-one                   125M at 128k on 1 GPU vs 256k with context_parallel=2; the 1B FSDP2
+#                                                profile on 2 GPUs at 32k (tok/s, peak memory per GPU), resumed from
+#                                                its sharded checkpoint on 1 GPU (losses compared)
+#
 # FlashAttention-4 on the GPU machine: carry .fa4a in one call and .fa4b in the next (back to back: the
 # install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
 #
@@ -73,12 +94,26 @@ peers() {  # fla-core (and einops) from carried wheels, when present
   fi
 }
 
-ray_bundle() {  # Ray and its dependencies from .gpu_bundle (a wheel folder built where there is network; docs/ray.md)
-  local site
-  site=$(mktemp -d) && tar -xJf .gpu_bundle/ray.tar.xz -C "$site" && \
-    python3 -m pip install -q --no-index --no-deps --target "$site" .gpu_bundle/*.whl || exit 1
-  export PYTHONPATH="$site:$PWD" RAY_AUTH_MODE=disabled RAY_TRAIN_ENABLE_PRINT_PATCH=0
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ray_bundle() {  # Ray (+ MLflow) from .gpu_bundle (bundle-ray, built where there is network; docs/ray.md), once per machine
+  local site=$HOME/raysite
+  if [ -n "${DRY_RUN:-}" ]; then MLFLOW=false; return; fi   # DRY_RUN=1: resolve every config, run nothing (CPU)
+  if [ ! -f "$site/.complete" ]; then
+    rm -rf "$site" && mkdir -p "$site/bin" || exit 1
+    if [ -f .gpu_bundle/site.tar.xz ]; then
+      tar -xJf .gpu_bundle/site.tar.xz -C "$site" || exit 1
+    else   # the older layout: ray.tar.xz + wheels
+      tar -xJf .gpu_bundle/ray.tar.xz -C "$site" && \
+        python3 -m pip install -q --no-index --no-deps --target "$site" .gpu_bundle/*.whl || exit 1
+    fi
+    # the `ray` CLI (local_head.sh, ray job submit): a --target install has no usable console script
+    printf '#!/usr/bin/env python3\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' > "$site/bin/ray"
+    # local_head.sh and `ray job submit -- python ...` call `python`; the image may name it python3 only
+    command -v python >/dev/null || ln -s "$(command -v python3)" "$site/bin/python"
+    chmod +x "$site/bin/ray" && touch "$site/.complete"
+  fi
+  export PATH="$site/bin:$PATH" PYTHONPATH="$site:$PYTHONPATH" RAY_AUTH_MODE=disabled RAY_TRAIN_ENABLE_PRINT_PATCH=0
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_USAGE_STATS_ENABLED=0
+  python3 -c "import mlflow" 2>/dev/null && MLFLOW=true || MLFLOW=false   # the older bundle has no MLflow
 }
 
 fa4() {  # FlashAttention-4 into $HOME/fa4site from the carried halves (bundle-fa4); silent when absent
@@ -108,6 +143,38 @@ bundle_fa4() {  # runs on the CPU machine with network (pip download), writes .f
   mv "$tmp"/*.whl "$tmp/cu13.part.aa" .fa4a/ && mv "$tmp/cu13.part.ab" .fa4b/ && rm -rf "$tmp"
   # .fa4a/.fa4b are in .gitignore, which also keeps them out of `ray job submit --working-dir .` uploads
   du -sh .fa4a .fa4b
+}
+
+# Ray's and MLflow's needs that the GPU image already holds (its package list in the device notes, 2026-11-17):
+# not bundled. protobuf is bundled all the same: Ray's generated code wants the runtime it was tested with here.
+IMAGE_HAS="aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi charset-normalizer click cloudpickle
+  filelock frozenlist fsspec grpcio h11 idna markupsafe msgpack multidict numpy packaging pandas prometheus-client
+  propcache pyarrow python-dateutil pyyaml requests six typing-extensions urllib3 wrapt yarl zipp"
+# needed only for GCP/Databricks credentials and py-spy's profiler (a 3 MB binary): never used on that host
+RAY_UNUSED="py-spy google-api-core google-auth pyasn1 pyasn1-modules cryptography cffi pycparser proto-plus"
+
+bundle_ray() {  # runs on the CPU machine with network (pip download): .gpu_bundle/site.tar.xz, one site folder
+  # BUNDLE_PY/BUNDLE_DIR: another Python and folder, to try the bundle here (the GPU image's Python is 3.12)
+  local tmp w n dir=${BUNDLE_DIR:-.gpu_bundle} keep=() plat=(--only-binary=:all: --python-version "${BUNDLE_PY:-3.12}"
+    --implementation cp
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+  tmp=$(mktemp -d)
+  python3 -m pip download -q "${plat[@]}" -d "$tmp/whl" -c constraints.txt "ray[default,train,tune]==2.60.0" \
+    mlflow-skinny mlflow-tracing sqlalchemy alembic protobuf || exit 1
+  for w in "$tmp"/whl/*.whl; do
+    n=$(basename "$w" | cut -d- -f1 | tr 'A-Z_.' 'a-z--')
+    case " $(echo $IMAGE_HAS $RAY_UNUSED) " in *" $n "*) ;; *) keep+=("$w") ;; esac
+  done
+  python3 -m pip install -q --no-deps --no-compile "${plat[@]}" --target "$tmp/site" "${keep[@]}" || exit 1
+  # console scripts name this machine's python; Java workers, RLlib, Ray LLM and source maps are never used
+  rm -rf "$tmp/site/bin" "$tmp/site/ray/jars" "$tmp/site/ray/rllib" "$tmp/site/ray/llm"
+  find "$tmp/site" -name "*.map" -delete
+  mkdir -p "$dir" && rm -f "$dir/site.tar.xz" "$dir/CONTENTS"
+  (cd "$tmp/site" && tar -cf - .) | xz -T0 -9e > "$dir/site.tar.xz" && rm -rf "$tmp"
+  # .gpu_bundle is in .gitignore, so `ray job submit --working-dir .` does not upload it
+  printf '%s\n' "${keep[@]##*/}" > "$dir/CONTENTS"
+  du -sh "$dir/site.tar.xz"
 }
 
 run_vs_dense() {
@@ -237,10 +304,125 @@ run_train() {
   fi
 }
 
+# ------------------------------------------------------------------ the Ray route on 2 GPUs (issues 47, 49)
+GPU_WORK=/tmp/nsa-gpu    # run roots and the head's storage: outside the tree, so never uploaded by a job submit
+T_RUN=${T_RUN:-570}      # each subcommand's cap (one call is 600 s): what ran is still reported
+GR=cluster/scripts/gpu_runs.py
+RUN_COMMON="logging.mlflow=false logging.stats_every=0 logging.tensorboard=false train.eval_every=0"
+
+job_submit() {  # URL CMD...: `ray job submit` to the local head, again while its job agent is still starting
+  local url=$1 i rc=1; shift
+  for i in $(seq 1 15); do
+    timeout "${T_SUBMIT:-300}" ray job submit --address "$url" --working-dir . --runtime-env cluster/runtime_env.yaml \
+      -- "$@" 2>&1 \
+      | tee "$GPU_WORK/submit.log"
+    rc=${PIPESTATUS[0]}
+    grep -q "No available agent" "$GPU_WORK/submit.log" || return "$rc"
+    sleep 2
+  done
+  return "$rc"
+}
+
+run_job() {  # issue 47.1: the headline command on a 2-GPU head; rank 1's worker SIGKILLed mid-run
+  local store=$GPU_WORK/store name url t0 t_data rc kpid at=${JOB_KILL_AT:-700} args
+  name=job-$(date +%H%M%S)
+  args=("logging.name=$name" data.path=data/offline_python runtime.num_workers=2 runtime.gpus=2
+        "train.steps=${JOB_STEPS:-1200}" "train.save_every=${JOB_SAVE:-300}" "train.eval_every=${JOB_SAVE:-300}"
+        train.eval_batches=4 logging.log_every=10)
+  ray_bundle
+  if [ -n "${DRY_RUN:-}" ]; then python3 pipelines/prod_50k.py --print-config "${args[@]}" logging.mlflow=false; return; fi
+  export NSA_HEAD_DIR=$GPU_WORK/head
+  mkdir -p "$store" && t0=$(date +%s)
+  bash cluster/scripts/local_head.sh start --storage "$store" || return 1
+  url=$(cat "$NSA_HEAD_DIR/address")
+  job_submit "$url" python pipelines/prepare_data.py --out data/offline_python
+  t_data=$(( $(date +%s) - t0 ))
+  # a real kill from outside (as the OOM killer or a lost node): the worker process whose heartbeat shows the step
+  timeout "$T_RUN" python3 "$GR" kill-at "$store/runs/$name" --step "$at" --rank 1 --out "$GPU_WORK/job_kill.json" &
+  kpid=$!
+  T_SUBMIT=$(( T_RUN - t_data )) job_submit "$url" python pipelines/prod_50k.py "${args[@]}" "logging.mlflow=$MLFLOW"
+  rc=$?
+  kill "$kpid" 2>/dev/null; wait "$kpid"
+  bash cluster/scripts/local_head.sh stop
+  python3 "$GR" report "$store/runs/$name" --event "$GPU_WORK/job_kill.json" --note "submit_rc=$rc" \
+    --note "prepare_data_job_s=$t_data" --note "wall_s=$(( $(date +%s) - t0 ))" --out "$OUT/job.json"
+}
+
+ray_runs() {  # OUT_NAME CASE...: gpu_runs.py runs (one process, one Ray instance) into $GPU_WORK/OUT_NAME
+  local name=$1; shift
+  [ -n "${DRY_RUN:-}" ] || local_data
+  timeout "$T_RUN" python3 "$GR" runs --root "$GPU_WORK/$name" --out "$GPU_WORK/$name.json" ${DRY_RUN:+--dry-run} \
+    --steps "${STEPS:-10}" --warmup "${WARMUP:-6}" --common "data.path=$PWD/data/offline_python $RUN_COMMON" "$@"
+}
+
+run_scale() {  # issue 47.2: NSA and the dense twin, 1 vs 2 GPUs, graphed step vs DDP eager
+  local seqs=${*:-8192 32768 65536} eager=" ${EAGER_SEQS-8192 32768} " w s a c cases=()
+  ray_bundle
+  for s in $seqs; do      # one length's rows complete before the next: a call cut short keeps whole comparisons
+    for w in 1 2; do
+      for a in nsa dense; do
+        c="model.attention=$a train.seq_len=$s runtime.num_workers=$w runtime.gpus=$w"
+        cases+=(--case "${a}_${s}_${w}gpu_graph $c")
+        [ "$w" = 2 ] && [[ $eager == *" $s "* ]] && cases+=(--case "${a}_${s}_${w}gpu_ddp $c runtime.cuda_graph=false")
+      done
+    done
+  done
+  ray_runs scale "${cases[@]}" || [ -z "${DRY_RUN:-}" ] || return
+  [ -n "${DRY_RUN:-}" ] || python3 "$GR" table "$GPU_WORK/scale.json" --out "$OUT/scale.json"
+}
+
+run_heal() {  # issue 47.3: a stall on one rank inside the NCCL all-reduce heals by restart
+  local steps=${HEAL_STEPS:-300} save=${HEAL_SAVE:-100} at=${HEAL_AT:-170} c
+  ray_bundle
+  c="runtime.num_workers=2 runtime.gpus=2 train.steps=$steps train.save_every=$save logging.log_every=5"
+  c+=" train.stall_seconds=${HEAL_STALL_S:-20} train.on_stall=restart"
+  ray_runs heal --case "heal_ref $c" --case "heal_stall $c runtime.fault=stall@$at" || [ -z "${DRY_RUN:-}" ] || return
+  [ -n "${DRY_RUN:-}" ] || python3 "$GR" report "$GPU_WORK/heal/heal_stall" --reference "$GPU_WORK/heal/heal_ref" \
+    --runs "$GPU_WORK/heal.json" --out "$OUT/heal.json"
+}
+
+run_past_one() {  # issue 49: context parallelism at 256k, FSDP2 1B at 32k and its resume on one GPU
+  local fsdp="@pipelines/configs/fsdp_1b.yaml warmup=3 train.steps=8 train.save_every=4 logging.log_every=1"
+  local ck=$GPU_WORK/past_one/fsdp2_32k/checkpoint_00000004
+  ray_bundle
+  # FSDP first: the CP row runs the op's torch path (slowest, docs/parallel.md) and goes last
+  STEPS=${STEPS:-3} WARMUP=${WARMUP:-5} ray_runs past_one \
+    --case "fsdp2_32k $fsdp runtime.num_workers=2 runtime.gpus=2" \
+    --case "fsdp1_resume $fsdp runtime.num_workers=1 runtime.gpus=1 train.resume_from=$ck" \
+    --case "cp1_128k train.seq_len=131072 runtime.num_workers=1 runtime.gpus=1" \
+    --case "cp2_256k warmup=2 train.seq_len=262144 runtime.num_workers=2 runtime.gpus=2 runtime.context_parallel=2" \
+    || [ -z "${DRY_RUN:-}" ] || return
+  [ -n "${DRY_RUN:-}" ] || python3 "$GR" report "$GPU_WORK/past_one/fsdp1_resume" \
+    --reference "$GPU_WORK/past_one/fsdp2_32k" --runs "$GPU_WORK/past_one.json" --out "$OUT/past_one.json"
+}
+
+run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes at a time
+  local grid=$GPU_WORK/lanes/gpu-lanes f rc
+  ray_bundle; [ -n "${DRY_RUN:-}" ] || local_data
+  timeout "$T_RUN" python3 lanes/ab_grid.py ${DRY_RUN:+--print-config} --base pipelines/configs/prod_50k.yaml \
+    ${1:+--only "$1"} --steps "${LANES_STEPS:-40}" --max-concurrent 2 --stall-seconds 120 --hang-grace 60 --name gpu-lanes \
+    --overwrite --allow-failures "data.path=$PWD/data/offline_python" "logging.root=$GPU_WORK/lanes" \
+    model.n_layers=6 "logging.mlflow=$MLFLOW"
+  rc=$?
+  [ -z "${DRY_RUN:-}" ] || return "$rc"
+  for f in lanes_summary.json lanes_summary.md lanes_loss.png lanes_toks_per_s.png; do
+    [ -f "$grid/$f" ] && cp "$grid/$f" "$OUT/"
+  done
+  [ -f "$GPU_WORK/lanes/mlflow.db" ] && xz -c "$GPU_WORK/lanes/mlflow.db" > "$OUT/lanes_mlflow.db.xz"
+}
+
+on_gpus() {  # NAME FN ARGS...: a Ray-route subcommand with its log in $OUT/NAME.log (one of its two files)
+  local name=$1 fn=$2; shift 2
+  mkdir -p "$GPU_WORK"
+  { [ -n "${DRY_RUN:-}" ] || nvidia-smi -L; "$fn" "$@"; echo "$name rc=$?"; } 2>&1 | tee "$OUT/$name.log" \
+    | grep -vE "Warning|warn|Dataset|Progress bars|core_worker" | tail -40
+}
+
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
   bundle-fa4) bundle_fa4; exit ;;
+  bundle-ray) bundle_ray; exit ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit ;;
 esac
 command -v nvidia-smi >/dev/null && fa4
@@ -270,6 +452,11 @@ case "$cmd" in
   capture-bench) gpu_info; run_capture_bench "$@" ;;
   capture-paper) gpu_info; run_capture_paper "$@" ;;
   ncu) gpu_info; run_ncu "$@" ;;
+  job) on_gpus job run_job ;;
+  scale) on_gpus scale run_scale "$@" ;;
+  heal) on_gpus heal run_heal ;;
+  past-one) on_gpus past_one run_past_one ;;
+  lanes-gpu) on_gpus lanes run_lanes_gpu "$@" ;;
   all) gpu_info; run_tests; run_attention; run_decode ;;
   env) peers >&2; echo "export PYTHONPATH=\"$PYTHONPATH\"" ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;
