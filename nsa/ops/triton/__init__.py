@@ -9,11 +9,12 @@ calling ``nsa_attention_triton`` directly (``triton_available()`` stays False wi
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
-__all__ = ["triton_available", "triton_importable", "nsa_attention_triton", "check_supported",
+__all__ = ["triton_available", "triton_importable", "nsa_attention_triton", "planned_call", "check_supported",
            "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,3 +77,16 @@ def nsa_attention_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
 
     return nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
                             n_sel=n_sel, w=w, scale=safe_scale(scale, q.shape[-1]), tuning=tuning)
+
+
+def planned_call(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
+                 v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *, l: int,
+                 d: int, l_sel: int, n_sel: int, w: int, scale: float, tuning) -> tuple:
+    """nsa_attention_triton's support check and plan for these (validated) inputs, made once: (a function of
+    the eight tensors running that plan, whether it is final, i.e. may serve later calls of the same shapes,
+    strides, alignment and grad state: eager.py keeps it per call signature). NotImplementedError as there."""
+    check_supported(q, v_slc, gates)
+    from .function import call_plan, nsa_triton_apply
+    plan = call_plan(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning)
+    return functools.partial(nsa_triton_apply, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=scale, tuning=tuning,
+                             plan=plan), plan.needs is None

@@ -72,6 +72,7 @@ class NSATritonFunction(torch.autograd.Function):
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
                 l, d, l_sel, n_sel, w, scale, plan: OpPlan, sums, deferred):
         ctx.run = run = steps_for(plan)
+        ctx.set_materialize_grads(False)   # block_idx has no gradient: no zero tensor made for it
         ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
         ctx.deferred = deferred   # QFork's DeferredDq (qsum.py): where the backward may leave the selection's dq
         ctx.cmp_rows = cmp_rows   # o_cmp_in in the dense problem's rows: their CmpMaps, else None
@@ -253,22 +254,33 @@ _WIN_OUT = MappingProxyType({(False, "plain"): _no_win, (True, "plain"): _win_de
                              (True, "entry"): _win_split, (True, "split"): _win_split})
 
 
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def call_plan(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_sel: int, w: int,
+              tuning: KernelTuning | None = None, chunk: int | None = None) -> OpPlan:
+    """The plan nsa_triton_apply makes for these tensors (after their unit-stride copies): what a caller may keep
+    for later calls with the same shapes, strides, alignment and grad state (eager.py does, per call signature)."""
+    q, k_cmp, v_cmp, k_slc, v_slc = map(_unit, (q, k_cmp, v_cmp, k_slc, v_slc))
+    return plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
+                     chunk=chunk)
+
+
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
                      n_sel: int, w: int, scale: float, dkdv_chunk: int | None = None,
-                     tuning: KernelTuning | None = None):
+                     tuning: KernelTuning | None = None, plan: OpPlan | None = None):
     """Make layouts kernel-friendly, plan the call (nsa/ops/plan.py), run the branches computed outside
     and the autograd.Function (inputs already validated). A branch the backend refuses at run time is
     planned away (plan.refuse_branch: the Triton kernel for this call and, through the registry, the next).
 
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
-    fp32 partials added in a fixed order; None: the plan's); small values exercise that path in tests."""
-    def unit(x: torch.Tensor) -> torch.Tensor:
-        return x if x.stride(-1) == 1 else x.contiguous()
-
-    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(unit, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
-    plan = plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
-                     chunk=dkdv_chunk)
+    fp32 partials added in a fixed order; None: the plan's); small values exercise that path in tests.
+    plan: call_plan's for tensors of this signature, kept by the caller (None: planned here)."""
+    q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_unit, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
+    plan = plan or plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
+                             chunk=dkdv_chunk)
     ext_cmp, ext_win = plan.cmp != "triton", plan.win != "triton"
     bnhd = ext_cmp and cmp_dense.bnhd_layout(plan.cmp)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if ext_cmp else None

@@ -179,7 +179,8 @@ def gate_grads(do: torch.Tensor, o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win
         sums.cmp = dlc
     if win_gate:   # [B, T, HQ] -> lse's [B, HQ, T]
         sums.win = dg[..., 2].transpose(1, 2).contiguous()
-        sums.win_shift = gates[..., 2].float().log().transpose(1, 2).contiguous()
+        B, T, HQ = gates.shape[:3]   # ln of the fp32 gate, cast and laid out [B, HQ, T] in one copy
+        sums.win_shift = gates.new_empty(B, HQ, T, dtype=torch.float32).copy_(gates[..., 2].transpose(1, 2)).log_()
     elif sums is not None and "win" in sums.wants and ext_win:
         sums.win = (dg[..., 2] * gates[..., 2].float()).transpose(1, 2).contiguous()
     return dg, doc, dow

@@ -7,6 +7,8 @@ syncs with the host: sizes come from the shapes alone.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,14 @@ def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: boo
     return inv
 
 
+@functools.lru_cache(maxsize=64)
+def _segment_keys(B: int, H: int, nsb: int, kdt: torch.dtype, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_lists' per-shape constants, made once on the device: each (b, h)'s first key bh * nsb [B, H, 1, 1]
+    int64 and the segment bounds 0..NSEG in kdt that the sorted keys are searched for."""
+    return (torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1) * nsb,
+            torch.arange(B * H * nsb + 1, device=dev, dtype=kdt))
+
+
 def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     """blocks [B, H, N, S] (block ids of N entries of S slots each, -1 for none) -> for each segment
     (b, h, block j) the flat positions of the slots holding j, in (n, s) order, split in work items
@@ -58,12 +68,15 @@ def segment_lists(blocks: torch.Tensor, nsb: int, chunk: int) -> dict:
     B, H = blocks.shape[:2]
     dev = blocks.device
     nseg = B * H * nsb
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
     # the narrowest keys that fit: the radix sort makes 2 passes for int16, 4 for int32, 8 for int64
     kdt = torch.int16 if nseg < 2 ** 15 - 1 else torch.int32 if nseg < 2 ** 31 - 1 else torch.int64
-    key = torch.where(blocks >= 0, bh * nsb + blocks, nseg).reshape(-1).to(kdt)   # order (b, h, n, s)
+    consts = _segment_keys if not (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()) \
+        else _segment_keys.__wrapped__   # a capture only records the kernels that would fill a kept tensor
+    bhn, bounds = consts(B, H, nsb, kdt, dev)
+    # one copy casts the keys and lays them out in (b, h, n, s) order (blocks is a permuted view)
+    key = torch.where(blocks >= 0, bhn + blocks, nseg).to(kdt, memory_format=torch.contiguous_format).view(-1)
     skey, order = torch.sort(key, stable=True)
-    segoff = torch.searchsorted(skey, torch.arange(nseg + 1, device=dev, dtype=kdt))
+    segoff = torch.searchsorted(skey, bounds)
     n_pairs = key.numel()
     if n_pairs + chunk >= 2 ** 31:
         raise ValueError(f"the selection has {n_pairs} (entry, slot) pairs: list positions are int32 in the "

@@ -210,7 +210,8 @@ def slc_fwd_pairs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: 
     scaled = pairs.dtype == "fp16"
     # fp16 partials of o / max|v| (a device scalar from one reduction: no sync; clamped so an all-zero v,
     # whose o is 0, divides by no zero)
-    vs = torch.linalg.vector_norm(v.detach(), float("inf")).float().clamp_min(1e-30).reshape(1) if scaled else lp
+    vs = torch.linalg.vector_norm(v.detach(), float("inf"), dtype=torch.float32).clamp_min_(1e-30).reshape(1) \
+        if scaled else lp   # max|v| of fp32 casts = the cast of max|v|: one kernel fewer than .float() after
     bdk, bdv, gp = max(16, next_pow2(dk)), max(16, next_pow2(dv)), next_pow2(G)
     prec = dot_precision(q.dtype, q.is_cuda)
     items = (inv if tn.pair_chunk in (0, inv["chunk"])

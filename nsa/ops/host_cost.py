@@ -1,0 +1,236 @@
+"""The host work of one eager NSA op call, without a GPU: every Triton launch and flash-attn call is a
+counted no-op, so what remains is the Python and torch dispatch an eager call costs before the GPU runs.
+
+An eager call at the production shape (HQ=12, H=2, d=64, bf16) costs several times its CUDA-graph replay at
+8k on an H200 (issue 45): host-bound. `measure` runs the op's host path (nsa_attention -> eager.py ->
+triton/function.py, plan from plan.py) on meta tensors (shapes and strides, no data: like the asynchronous
+launches of a GPU, a torch op costs its dispatch only) and reports per forward+backward call: Python time,
+kernel launches by name, flash-attn calls, torch ops by name, and the planning work done (select_plan cache
+misses, policy resolutions, probes). family="sm90" plans as an H200 with flash-attn-4 installed (its calls
+are stand-ins returning outputs of the right shapes), "cpu" as this machine. tests/test_host_cost.py holds
+the second call of a shape to no planning work and to the launches its plan names.
+
+    python -m nsa.ops.host_cost --T 8192 --family sm90        # the table of one call
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PROD = dict(HQ=12, H=2, dk=64, dv=64)   # the 125M TinyLM's heads (bench/gpu.sh host)
+# views and allocations: host work only (scalar_tensor wraps a Python number on the CPU)
+FREE_OPS = frozenset(("view", "_unsafe_view", "reshape", "detach", "alias", "slice", "select", "transpose", "permute",
+                      "expand", "unsqueeze", "squeeze", "as_strided", "t", "empty", "empty_like", "new_empty",
+                      "empty_strided", "scalar_tensor", "lift_fresh"))
+
+
+@dataclass
+class Tally:
+    """What one measured stretch of calls did (counts summed over its calls)."""
+
+    launches: Counter = field(default_factory=Counter)    # Triton kernel name -> launches
+    flash: Counter = field(default_factory=Counter)       # flash-attn stand-in ("fwd" / "bwd") -> calls
+    ops: Counter = field(default_factory=Counter)         # aten op -> dispatches
+    planning: Counter = field(default_factory=Counter)    # select_plan misses, policies resolved, probes run
+    plan: object = None                                   # the OpPlan of the last call planned
+
+    def compute_ops(self) -> Counter:
+        """The torch ops that run a kernel on a GPU: neither views nor allocations."""
+        return Counter({k: v for k, v in self.ops.items() if k.replace("aten.", "") not in FREE_OPS})
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self, tally: Tally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.tally.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flash_fwd(tally: Tally):
+    def fwd(backend, q, k, v, *, scale, window):
+        """flash-attn's (o [B,T,HQ,dv], lse [B,HQ,T] fp32), shapes only."""
+        tally.flash["fwd"] += 1
+        B, T, HQ, _ = q.shape
+        return q.new_empty(B, T, HQ, v.shape[-1]), q.new_empty(B, HQ, T, dtype=torch.float32)
+    return fwd
+
+
+def _flash_bwd(tally: Tally):
+    def bwd(backend, q, k, v, o, do, lse, d_rows, *, scale, window, keep_dq=False, lse_shift=None):
+        """(dq or FA4's fp32 accumulator, dk, dv), shapes only (fa4_accum.Accum's layout for d <= 64 / > 64)."""
+        from .fa4_accum import Accum, reference_a
+        tally.flash["bwd"] += 1
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        if not keep_dq:
+            return torch.empty_like(q), dk, dv
+        B, S, NH, d = q.shape
+        a = reference_a(d)
+        s_r = -(-S // (64 * a)) * (64 * a)
+        return Accum(q.new_empty(B, NH, s_r * d, dtype=torch.float32), s_r, a, scale), dk, dv
+    return bwd
+
+
+@contextlib.contextmanager
+def no_kernels(tally: Tally, family: str = "sm90"):
+    """Triton launches and flash-attn calls as counted no-ops; the op planned as on `family` ("sm90": an H200
+    with flash-attn-4, "cpu"); the one-off probes pass without running; planning work counted in tally."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from . import branch_sums, dispatch, eager, flash, plan, probe, window_split
+    from .triton import function
+    saved: list = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        tally.launches[self.fn.__name__] += 1
+
+    def counted(key, fn):
+        def wrapped(*a, **k):
+            tally.planning[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    for cls in (JITFunction, InterpretedFunction):
+        patch(cls, "run", launch)
+    for mod in (branch_sums, window_split):
+        patch(mod, "flash_fwd", _flash_fwd(tally))
+        patch(mod, "flash_bwd", _flash_bwd(tally))
+    patch(dispatch, "_triton_status", lambda dev: (True, "host-cost stand-in"))
+    patch(probe, "_run", lambda *a, **k: None)
+    patch(probe, "probe_triton", counted("probe_triton", probe.probe_triton))
+    planner = function.plan_call
+
+    def plan_call(*a, **k):
+        tally.planning["plan_call"] += 1
+        tally.plan = planner(*a, **k)
+        return tally.plan
+    patch(function, "plan_call", plan_call)
+    if hasattr(eager, "_decide"):   # a signature's first call
+        patch(eager, "_decide", counted("decide", eager._decide))
+    patch(dispatch.KernelPolicy, "resolve", classmethod(counted("policy_resolve", dispatch.KernelPolicy.resolve.__func__)))
+    if family == "sm90":
+        patch(flash, "device_capability", lambda device: (9, 0))
+        patch(plan, "_installed", lambda cuda: frozenset({"fa4"}))
+        patch(flash, "choose_dense_backend", counted("dense_choice", lambda *a, **k: ("fa4", "host-cost stand-in")))
+    misses = plan.select_plan.cache_info().misses
+    try:
+        yield tally
+    finally:
+        tally.planning["select_plan_miss"] += plan.select_plan.cache_info().misses - misses
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
+
+
+def op_inputs(T: int, HQ: int, H: int, dk: int, dv: int, *, B: int = 1, device="meta", dtype=torch.bfloat16,
+              hp: dict | None = None) -> dict[str, torch.Tensor]:
+    """The op's inputs as a layer makes them (contiguous, requiring grad), on `device` (meta: shapes only)."""
+    from .common import num_cmp_tokens
+    hp = hp or dict(l=32, d=16)
+    N = num_cmp_tokens(T, hp["l"], hp["d"])
+    shapes = dict(q=(B, T, HQ, dk), k_cmp=(B, N, H, dk), v_cmp=(B, N, H, dv), k_slc=(B, T, H, dk),
+                  v_slc=(B, T, H, dv), k_win=(B, T, H, dk), v_win=(B, T, H, dv), gates=(B, T, HQ, 3))
+    gen = torch.Generator().manual_seed(0)
+
+    def make(s):
+        x = torch.empty(s, device=device, dtype=dtype) if device == "meta" else \
+            torch.rand(s, generator=gen).to(device=device, dtype=dtype)
+        return x.requires_grad_(True)
+    return {k: make(s) for k, s in shapes.items()}
+
+
+def measure(T: int = 8192, *, HQ: int = PROD["HQ"], H: int = PROD["H"], dk: int = PROD["dk"], dv: int = PROD["dv"],
+            family: str = "sm90", calls: int = 20, device="meta", dtype=torch.bfloat16, tuning=None,
+            backend: str = "auto") -> dict:
+    """Per forward+backward call after a first (planning) call: Python ms (forward, backward), launches, flash
+    calls and torch ops of one call, planning work of the repeated calls, and the first call's planning work.
+    tuning: the KernelTuning (None: the family's preset)."""
+    from . import nsa_attention
+    from .tuning import FAMILY_PRESET, PRESETS
+    tuning = tuning or PRESETS[FAMILY_PRESET[family]]
+    x = op_inputs(T, HQ, H, dk, dv, device=device, dtype=dtype)
+    leaves = list(x.values())
+
+    def call():
+        o, _ = nsa_attention(**x, backend=backend, tuning=tuning)
+        return o
+
+    first, tally = Tally(), Tally()
+    with no_kernels(first, family), _OpCounter(first):
+        o = call()
+        torch.autograd.grad(o, leaves, torch.empty_like(o))
+    with no_kernels(tally, family):
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            o = call()
+            t1 = time.perf_counter()
+            torch.autograd.grad(o, leaves, do := torch.empty_like(o))
+            times.append((t1 - t0, time.perf_counter() - t1))
+        launches = sum(tally.launches.values()) // calls
+        own = _own_python(lambda: torch.autograd.grad(call(), leaves, do), calls)
+        tally.launches.clear()
+        tally.flash.clear()
+        with _OpCounter(tally):   # its Python hook would weigh on the timing above
+            o = call()
+            torch.autograd.grad(o, leaves, do)
+    fwd, bwd = (1e3 * statistics.median(t[i] for t in times) for i in (0, 1))
+    planning = {k: v for k, v in tally.planning.items() if v}
+    return dict(T=T, family=family, fwd_ms=fwd, bwd_ms=bwd, ms=fwd + bwd, own_ms=own,
+                launches=sum(tally.launches.values()), launches_timed=launches, kernels=dict(tally.launches),
+                flash=dict(tally.flash), torch_ops=sum(tally.ops.values()), ops=dict(tally.ops),
+                compute_ops=dict(tally.compute_ops()), planning=planning, first_planning=dict(first.planning),
+                plan=first.plan)
+
+
+def _own_python(fn, calls: int) -> float:
+    """ms per call spent in this package's own Python (cProfile's own time of nsa/ functions; torch's and
+    Triton's excluded: on meta tensors torch runs Python reference implementations a GPU does not)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    own = sum(v[2] for f, v in pstats.Stats(prof).stats.items()
+              if f"{os.sep}nsa{os.sep}" in f[0] and not f[0].endswith("host_cost.py"))
+    return 1e3 * own / calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--T", type=int, nargs="+", default=[8192])
+    ap.add_argument("--family", default="sm90", choices=("sm90", "cpu"))
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--ops", action="store_true", help="also list the torch ops and kernels by name")
+    a = ap.parse_args(argv)
+    for T in a.T:
+        r = measure(T, family=a.family, calls=a.calls)
+        print(f"T={T} {a.family}: {r['ms']:.3f} ms host per fwd+bwd (fwd {r['fwd_ms']:.3f}, bwd {r['bwd_ms']:.3f}; "
+              f"own Python {r['own_ms']:.3f}); "
+              f"{r['launches']} launches, {sum(r['flash'].values())} flash calls, {r['torch_ops']} torch ops "
+              f"({sum(r['compute_ops'].values())} running a kernel); "
+              f"planning on repeat {r['planning'] or 'none'}")
+        if a.ops:
+            print("  kernels:", r["kernels"], "\n  flash:", r["flash"], "\n  compute ops:", r["compute_ops"],
+                  "\n  ops:", dict(Counter(r["ops"]).most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
