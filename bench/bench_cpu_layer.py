@@ -152,9 +152,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads in each measurement (0: torch's default)")
+    ap.add_argument("--host-cost", choices=("sm90", "cpu"), default=None,
+                    help="instead: the op's host work per eager fwd+bwd at --sizes, kernels as counted no-ops, "
+                         "planned as an H200 (sm90) or this CPU (nsa/ops/host_cost.py)")
     common.result_args(ap)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.host_cost:
+        common.write_result(common.host_cost_rows([int(s) for s in args.sizes.split(",")], args.host_cost),
+                            "host_cost", args)
+        return
     if args.child:
         impl, what, T, reps, threads = args.child.split(":")
         if int(threads) > 0:

@@ -462,6 +462,18 @@ def host_hotspots(x: list[torch.Tensor], calls: int = 3, top: int = 12) -> list[
              "cum_ms": 1e3 * v[3] / calls} for f, v in rows]
 
 
+def host_cost_rows(sizes: list[int], family: str) -> dict[str, Any]:
+    """nsa.ops.host_cost.measure at the production shape per T, printed one line each (bench_cpu_layer --host-cost)."""
+    from nsa.ops import host_cost
+    rows = [host_cost.measure(T, family=family, calls=30) for T in sizes]
+    for r in rows:
+        r.pop("plan")
+        print(f"T={r['T']} {family}: {r['ms']:.3f} ms (own Python {r['own_ms']:.3f}), {r['launches']} launches, "
+              f"{sum(r['flash'].values())} flash calls, {r['torch_ops']} torch ops "
+              f"({sum(r['compute_ops'].values())} running a kernel)", flush=True)
+    return dict(meta=dict(shape=host_cost.PROD, family=family, device="meta tensors, kernels as no-ops"), rows=rows)
+
+
 def nsa_op(x: list[torch.Tensor], tuning=None, hp: dict[str, int] | None = None):
     """The NSA op on the Triton backend, with `tuning` (a KernelTuning) or the policy's default, and the
     hyperparameters hp (l, d, l_sel, n_sel, w; default the paper's HP)."""
