@@ -89,7 +89,7 @@ def test_the_signature_keeps_decisions_apart():
     eager._CALLS.clear()
     x = host_cost.op_inputs(256, 4, 2, 16, 16, hp=dict(l=8, d=4))
     tally = host_cost.Tally()
-    with host_cost.no_kernels(tally, "cpu"):
+    with host_cost.kept_apart(), host_cost.no_kernels(tally, "cpu"):
         nsa_attention(**x, l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=PRESETS["cpu"])
         nsa_attention(**x, l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=PRESETS["cpu"])
         assert tally.planning["decide"] == 1
@@ -100,3 +100,4 @@ def test_the_signature_keeps_decisions_apart():
         nsa_attention(**{**x, "q": q}, l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=PRESETS["cpu"])
         nsa_attention(**x, l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=PRESETS["cpu"].replace())
         assert tally.planning["decide"] == 4
+    assert not eager._CALLS   # the stand-ins' decisions are forgotten

@@ -136,6 +136,21 @@ def no_kernels(tally: Tally, family: str = "sm90"):
             setattr(obj, name, value)
 
 
+@contextlib.contextmanager
+def kept_apart():
+    """Policies, probe results and call decisions made in the block are forgotten after it (made under the
+    stand-ins of no_kernels, they would serve later real calls of the same signature)."""
+    from . import dispatch, eager, probe
+    caches = (dispatch._cache, probe._results, eager._CALLS)
+    before = [set(c) for c in caches]
+    try:
+        yield
+    finally:
+        for cache, keys in zip(caches, before):
+            for k in set(cache) - keys:
+                del cache[k]
+
+
 def op_inputs(T: int, HQ: int, H: int, dk: int, dv: int, *, B: int = 1, device="meta", dtype=torch.bfloat16,
               hp: dict | None = None) -> dict[str, torch.Tensor]:
     """The op's inputs as a layer makes them (contiguous, requiring grad), on `device` (meta: shapes only)."""
@@ -163,12 +178,17 @@ def measure(T: int = 8192, *, HQ: int = PROD["HQ"], H: int = PROD["H"], dk: int 
     from .tuning import FAMILY_PRESET, PRESETS
     tuning = tuning or PRESETS[FAMILY_PRESET[family]]
     x = op_inputs(T, HQ, H, dk, dv, device=device, dtype=dtype)
-    leaves = list(x.values())
 
     def call():
         o, _ = nsa_attention(**x, backend=backend, tuning=tuning)
         return o
 
+    with kept_apart():
+        return _measure(T, family, calls, x, call)
+
+
+def _measure(T: int, family: str, calls: int, x: dict, call) -> dict:
+    leaves = list(x.values())
     first, tally = Tally(), Tally()
     with no_kernels(first, family), _OpCounter(first):
         o = call()
