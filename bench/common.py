@@ -471,7 +471,7 @@ def host_cost_rows(sizes: list[int], family: str) -> dict[str, Any]:
         print(f"T={r['T']} {family}: {r['ms']:.3f} ms (own Python {r['own_ms']:.3f}), {r['launches']} launches, "
               f"{sum(r['flash'].values())} flash calls, {r['torch_ops']} torch ops "
               f"({sum(r['compute_ops'].values())} running a kernel)", flush=True)
-    return dict(meta=dict(shape=host_cost.PROD, family=family, device="meta tensors, kernels as no-ops"), rows=rows)
+    return dict(meta=dict(shape=dict(host_cost.PROD), family=family, device="meta tensors, kernels as no-ops"), rows=rows)
 
 
 def nsa_op(x: list[torch.Tensor], tuning=None, hp: dict[str, int] | None = None):

@@ -21,11 +21,12 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-PROD = dict(HQ=12, H=2, dk=64, dv=64)   # the 125M TinyLM's heads (bench/gpu.sh host)
+PROD = MappingProxyType(dict(HQ=12, H=2, dk=64, dv=64))   # the 125M TinyLM's heads (bench/gpu.sh host)
 # views and allocations: host work only (scalar_tensor wraps a Python number on the CPU)
 FREE_OPS = frozenset(("view", "_unsafe_view", "reshape", "detach", "alias", "slice", "select", "transpose", "permute",
                       "expand", "unsqueeze", "squeeze", "as_strided", "t", "empty", "empty_like", "new_empty",
