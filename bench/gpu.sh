@@ -55,11 +55,12 @@
 #                                                restart step, losses run twice, seconds to recover; head stopped
 #   bash bench/gpu.sh scale [SEQ ...]            NSA and the dense twin, 1 and 2 GPUs, graphed step (captured
 #                                                all-reduce) at every SEQ (default 8192 32768 65536) and DDP eager at
-#                                                EAGER_SEQS (8192 32768): tokens/s, efficiency, NSA/dense
+#                                                EAGER_SEQS (8192 32768): tokens/s, efficiency, NSA/dense; files
+#                                                scale.* (no SEQ) or scale_<SEQ>_...*
 #   bash bench/gpu.sh heal                       2 GPUs, a stall on rank 0 before step HEAL_AT=170 (rank 1 waits in the
 #                                                NCCL all-reduce), train.on_stall=restart, stall_seconds 20; losses
 #                                                against the same run without the stall, stall-to-recovery seconds
-#   bash bench/gpu.sh lanes-gpu [LANE,...]       lanes/ab_grid.py on prod_50k with 6 layers, LANES_STEPS=40, one GPU per
+#   bash bench/gpu.sh lanes-gpu [LANE,...]       lanes/ab_grid.py on prod_50k with 6 layers, LANES_STEPS=30, one GPU per
 #                                                lane, two at a time; summary, plots and the MLflow store
 #   bash bench/gpu.sh past-one                   125M at 128k on 1 GPU vs 256k with context_parallel=2; the 1B FSDP2
 #                                                profile on 2 GPUs at 32k (tok/s, peak memory per GPU), resumed from
@@ -97,7 +98,8 @@ peers() {  # fla-core (and einops) from carried wheels, when present
 ray_bundle() {  # Ray (+ MLflow) from .gpu_bundle (bundle-ray, built where there is network; docs/ray.md), once per machine
   local site=$HOME/raysite
   if [ -n "${DRY_RUN:-}" ]; then MLFLOW=false; return; fi   # DRY_RUN=1: resolve every config, run nothing (CPU)
-  if [ ! -f "$site/.complete" ]; then
+  # a Python that has Ray already (a CPU trial here) uses its own
+  if [ ! -f "$site/.complete" ] && ! python3 -c "import ray.dashboard.optional_deps" 2>/dev/null; then
     rm -rf "$site" && mkdir -p "$site/bin" || exit 1
     if [ -f .gpu_bundle/site.tar.xz ]; then
       tar -xJf .gpu_bundle/site.tar.xz -C "$site" || exit 1
@@ -151,7 +153,8 @@ IMAGE_HAS="aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs certifi 
   filelock frozenlist fsspec grpcio h11 idna markupsafe msgpack multidict numpy packaging pandas prometheus-client
   propcache pyarrow python-dateutil pyyaml requests six typing-extensions urllib3 wrapt yarl zipp"
 # needed only for GCP/Databricks credentials and py-spy's profiler (a 3 MB binary): never used on that host
-RAY_UNUSED="py-spy google-api-core google-auth pyasn1 pyasn1-modules cryptography cffi pycparser proto-plus"
+# (cryptography stays: MLflow's SQLite store imports it)
+RAY_UNUSED="py-spy google-api-core google-auth pyasn1 pyasn1-modules proto-plus"
 
 bundle_ray() {  # runs on the CPU machine with network (pip download): .gpu_bundle/site.tar.xz, one site folder
   # BUNDLE_PY/BUNDLE_DIR: another Python and folder, to try the bundle here (the GPU image's Python is 3.12)
@@ -328,12 +331,14 @@ run_job() {  # issue 47.1: the headline command on a 2-GPU head; rank 1's worker
   name=job-$(date +%H%M%S)
   args=("logging.name=$name" data.path=data/offline_python runtime.num_workers=2 runtime.gpus=2
         "train.steps=${JOB_STEPS:-1200}" "train.save_every=${JOB_SAVE:-300}" "train.eval_every=${JOB_SAVE:-300}"
-        train.eval_batches=4 logging.log_every=10)
+        train.eval_batches=4 logging.log_every=1 ${JOB_EXTRA:-})   # JOB_EXTRA: a CPU trial's shrunk model
+  # log_every=1: a logged loss is the mean since the last log, and a restart logs its first step, so only
+  # per-step losses compare across a restart
   ray_bundle
   if [ -n "${DRY_RUN:-}" ]; then python3 pipelines/prod_50k.py --print-config "${args[@]}" logging.mlflow=false; return; fi
   export NSA_HEAD_DIR=$GPU_WORK/head
   mkdir -p "$store" && t0=$(date +%s)
-  bash cluster/scripts/local_head.sh start --storage "$store" || return 1
+  bash cluster/scripts/local_head.sh start --storage "$store" ${JOB_HEAD_CPUS:+-- "--num-cpus=$JOB_HEAD_CPUS"} || return 1
   url=$(cat "$NSA_HEAD_DIR/address")
   job_submit "$url" python pipelines/prepare_data.py --out data/offline_python
   t_data=$(( $(date +%s) - t0 ))
@@ -351,8 +356,11 @@ run_job() {  # issue 47.1: the headline command on a 2-GPU head; rank 1's worker
 ray_runs() {  # OUT_NAME CASE...: gpu_runs.py runs (one process, one Ray instance) into $GPU_WORK/OUT_NAME
   local name=$1; shift
   [ -n "${DRY_RUN:-}" ] || local_data
+  # fresh runs: a run dir of an earlier call on this warm machine would be resumed by name (train.resume=auto)
+  [ -n "${DRY_RUN:-}" ] || rm -rf "${GPU_WORK:?}/$name" "$GPU_WORK/$name.json"
   timeout "$T_RUN" python3 "$GR" runs --root "$GPU_WORK/$name" --out "$GPU_WORK/$name.json" ${DRY_RUN:+--dry-run} \
-    --steps "${STEPS:-10}" --warmup "${WARMUP:-6}" --common "data.path=$PWD/data/offline_python $RUN_COMMON" "$@"
+    --steps "${STEPS:-10}" --warmup "${WARMUP:-6}" \
+    --common "data.path=$PWD/data/offline_python $RUN_COMMON ${RUN_EXTRA:-}" "$@"   # RUN_EXTRA: a CPU trial's model
 }
 
 run_scale() {  # issue 47.2: NSA and the dense twin, 1 vs 2 GPUs, graphed step vs DDP eager
@@ -367,14 +375,14 @@ run_scale() {  # issue 47.2: NSA and the dense twin, 1 vs 2 GPUs, graphed step v
       done
     done
   done
-  ray_runs scale "${cases[@]}" || [ -z "${DRY_RUN:-}" ] || return
-  [ -n "${DRY_RUN:-}" ] || python3 "$GR" table "$GPU_WORK/scale.json" --out "$OUT/scale.json"
+  ray_runs "$RUN_NAME" "${cases[@]}" || [ -z "${DRY_RUN:-}" ] || return
+  [ -n "${DRY_RUN:-}" ] || python3 "$GR" table "$GPU_WORK/$RUN_NAME.json" --out "$OUT/$RUN_NAME.json"
 }
 
 run_heal() {  # issue 47.3: a stall on one rank inside the NCCL all-reduce heals by restart
   local steps=${HEAL_STEPS:-300} save=${HEAL_SAVE:-100} at=${HEAL_AT:-170} c
   ray_bundle
-  c="runtime.num_workers=2 runtime.gpus=2 train.steps=$steps train.save_every=$save logging.log_every=5"
+  c="runtime.num_workers=2 runtime.gpus=2 train.steps=$steps train.save_every=$save logging.log_every=1"
   c+=" train.stall_seconds=${HEAL_STALL_S:-20} train.on_stall=restart"
   ray_runs heal --case "heal_ref $c" --case "heal_stall $c runtime.fault=stall@$at" || [ -z "${DRY_RUN:-}" ] || return
   [ -n "${DRY_RUN:-}" ] || python3 "$GR" report "$GPU_WORK/heal/heal_stall" --reference "$GPU_WORK/heal/heal_ref" \
@@ -400,7 +408,7 @@ run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes 
   local grid=$GPU_WORK/lanes/gpu-lanes f rc
   ray_bundle; [ -n "${DRY_RUN:-}" ] || local_data
   timeout "$T_RUN" python3 lanes/ab_grid.py ${DRY_RUN:+--print-config} --base pipelines/configs/prod_50k.yaml \
-    ${1:+--only "$1"} --steps "${LANES_STEPS:-40}" --max-concurrent 2 --stall-seconds 120 --hang-grace 60 --name gpu-lanes \
+    ${1:+--only "$1"} --steps "${LANES_STEPS:-30}" --max-concurrent 2 --stall-seconds 120 --hang-grace 60 --name gpu-lanes \
     --overwrite --allow-failures "data.path=$PWD/data/offline_python" "logging.root=$GPU_WORK/lanes" \
     model.n_layers=6 "logging.mlflow=$MLFLOW"
   rc=$?
@@ -413,8 +421,9 @@ run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes 
 
 on_gpus() {  # NAME FN ARGS...: a Ray-route subcommand with its log in $OUT/NAME.log (one of its two files)
   local name=$1 fn=$2; shift 2
+  RUN_NAME=$name
   mkdir -p "$GPU_WORK"
-  { [ -n "${DRY_RUN:-}" ] || nvidia-smi -L; "$fn" "$@"; echo "$name rc=$?"; } 2>&1 | tee "$OUT/$name.log" \
+  { [ -n "${DRY_RUN:-}" ] || ! command -v nvidia-smi >/dev/null || nvidia-smi -L; "$fn" "$@"; echo "$name rc=$?"; } 2>&1 | tee "$OUT/$name.log" \
     | grep -vE "Warning|warn|Dataset|Progress bars|core_worker" | tail -40
 }
 
@@ -453,7 +462,7 @@ case "$cmd" in
   capture-paper) gpu_info; run_capture_paper "$@" ;;
   ncu) gpu_info; run_ncu "$@" ;;
   job) on_gpus job run_job ;;
-  scale) on_gpus scale run_scale "$@" ;;
+  scale) on_gpus "scale${1:+_$(IFS=_; echo "$*")}" run_scale "$@" ;;   # e.g. scale_65536.json: calls do not clash
   heal) on_gpus heal run_heal ;;
   past-one) on_gpus past_one run_past_one ;;
   lanes-gpu) on_gpus lanes run_lanes_gpu "$@" ;;

@@ -175,3 +175,24 @@ def test_gpu_subcommands_resolve_every_config_on_cpu(tmp_path, sub, cases):
     assert out.returncode == 0 and "rc=0" in log, log[-3000:]
     lines = [ln for ln in log.splitlines() if ln.startswith("case ")]
     assert len(lines) == cases and not [ln for ln in lines if "Error" in ln], log[-3000:]
+
+
+@pytest.mark.parametrize("cp,streams,expect", [(1, 1, 2 * 512), (2, 1, 512), (1, 2, 2 * 2 * 512)])
+def test_case_row_counts_tokens_per_replica_and_stream(tmp_path, cp, streams, expect):
+    """Tokens per step: batch x seq x accumulate per data-parallel replica (a CP group trains one sequence)
+    and per data stream a rank continues (a resume on fewer ranks); tokens/s from the p50 step."""
+    from nsa.config import resolve_config
+    cfg, _ = resolve_config(str(REPO / "pipelines" / "configs" / "tiny_cpu.yaml"), [
+        "train.seq_len=64", "train.batch_size=8", "runtime.num_workers=2", f"runtime.context_parallel={cp}"])
+    run = tmp_path / "r"
+    extra = {"data_streams": streams} if streams > 1 else {}
+    for rank in (0, 1):
+        recs = [{"ts": 1.0, "kind": "start", "step": 0, "rank": rank, "pid": 9, **extra}] + [
+            {"ts": 2.0 + s, "kind": "step_end", "step": s, "rank": rank, "pid": 9, "step_ms": 100.0, "fetch_ms": 1.0}
+            for s in range(1, 6)]
+        run.mkdir(exist_ok=True)
+        (run / f"heartbeat_rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "metrics.json").write_text(json.dumps({"world_size": 2, "device": "cpu", "step_mode": "eager"}))
+    row = gpu_runs.case_row(run, cfg, 2, {"world_size": 2})
+    assert row["tokens_per_step"] == expect and row["toks_per_s"] == pytest.approx(expect / 0.1)
+    assert row["step_ms_p50"] == 100.0 and row["peak_mem_gib_per_rank"] == {0: 0.0, 1: 0.0}

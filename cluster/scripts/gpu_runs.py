@@ -18,8 +18,9 @@ runs: launches in this one process through nsa.launch.builder.launch, so one pri
   CUDA), written after every case so a call cut short keeps what ran.
 table: the scaling table of `runs` rows (NSA and the dense twin, 1 vs 2 GPUs, graphed vs DDP step).
 
-Losses are the heartbeats' step_end records whose loss_step is their step (every logging.log_every
-steps); per step, the mean over ranks (each rank logs its own micro-batch's loss).
+Losses are the heartbeats' step_end records whose loss_step is their step; per step, the mean over ranks
+(each rank logs its own micro-batch's loss). A logged loss is the mean since the previous log and a restart
+logs its first step, so runs compared across a restart log every step (logging.log_every=1).
 """
 from __future__ import annotations
 
@@ -58,10 +59,11 @@ def attempts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in records:
         if not out or r.get("pid") != out[-1]["pid"]:
             out.append({"pid": r.get("pid"), "first_ts": r["ts"], "start_step": None, "start_ts": None,
-                        "losses": {}, "ends": {}, "peak_mib": 0.0})
+                        "streams": 1, "losses": {}, "ends": {}, "peak_mib": 0.0})
         a = out[-1]
         if r["kind"] == "start" and a["start_ts"] is None:
-            a["start_step"], a["start_ts"] = r["step"], r["ts"]
+            # data_streams: a resume on fewer ranks continues k streams per rank, k x the micro-batches a step
+            a["start_step"], a["start_ts"], a["streams"] = r["step"], r["ts"], int(r.get("data_streams", 1))
         elif r["kind"] == "step_end":
             a["ends"][r["step"]] = r["ts"]
             loss = r.get("loss")
@@ -252,10 +254,12 @@ def parse_case(text: str, profile: str) -> tuple[str, str, list[str], Optional[i
 
 def case_row(run_dir: Path, cfg: Any, warmup: int, summary: dict[str, Any]) -> dict[str, Any]:
     """bench_train.ray_row, with tokens per step counted per data-parallel replica (a CP group of N ranks
-    trains one sequence), and the peak CUDA memory of every rank."""
+    trains one sequence) and per data stream of a rank (a resume on fewer ranks), and the peak CUDA memory
+    of every rank."""
     row = _bench_train().ray_row(run_dir, cfg, warmup)
     world, cp = int(summary.get("world_size", 1)), cfg.runtime.context_parallel
-    tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.accumulate * max(1, world // cp)
+    streams = attempts(_records(run_dir, 0))[-1]["streams"]
+    tokens = cfg.train.batch_size * cfg.train.seq_len * cfg.train.accumulate * max(1, world // cp) * streams
     row.update(tokens_per_step=tokens, toks_per_s=tokens / (row["step_ms_p50"] / 1e3))
     rep = report(run_dir)
     row["peak_mem_gib_per_rank"] = rep["peak_mem_gib_per_rank"]
