@@ -46,7 +46,8 @@
 #
 # The Ray route on a 2-GPU host (issues 47, 49; carry .gpu_bundle; call plan and durations: docs/gpu_runbook.md).
 # job, scale, heal, past-one write <name>.json and <name>.log to $OUT (nothing else: a call returns 8 files), run
-# under /tmp/nsa-gpu and stop by T_RUN seconds (default 570) with what ran reported. DRY_RUN=1 resolves their configs.
+# under /tmp/nsa-gpu and stop by T_RUN seconds (default 570) with what ran reported. DRY_RUN=1 resolves their configs;
+# JOB_EXTRA, RUN_EXTRA (scale, heal, past-one), LANES_EXTRA append overrides (a shrunk model for a CPU trial).
 #   bash bench/gpu.sh bundle-ray                 (here, not on the GPU) .gpu_bundle/site.tar.xz: Ray (train, tune,
 #                                                dashboard/job API), MLflow and what they need beyond the GPU image
 #   bash bench/gpu.sh job                        local_head.sh start, prepare_data as a job, `ray job submit -- python
@@ -103,6 +104,8 @@ ray_bundle() {  # Ray (+ MLflow) from .gpu_bundle (bundle-ray, built where there
     rm -rf "$site" && mkdir -p "$site/bin" || exit 1
     if [ -f .gpu_bundle/site.tar.xz ]; then
       tar -xJf .gpu_bundle/site.tar.xz -C "$site" || exit 1
+    elif [ ! -f .gpu_bundle/ray.tar.xz ]; then
+      echo "no Ray on this machine: carry .gpu_bundle (bash bench/gpu.sh bundle-ray builds it)" >&2; exit 1
     else   # the older layout: ray.tar.xz + wheels
       tar -xJf .gpu_bundle/ray.tar.xz -C "$site" && \
         python3 -m pip install -q --no-index --no-deps --target "$site" .gpu_bundle/*.whl || exit 1
@@ -410,7 +413,7 @@ run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes 
   timeout "$T_RUN" python3 lanes/ab_grid.py ${DRY_RUN:+--print-config} --base pipelines/configs/prod_50k.yaml \
     ${1:+--only "$1"} --steps "${LANES_STEPS:-30}" --max-concurrent 2 --stall-seconds 120 --hang-grace 60 --name gpu-lanes \
     --overwrite --allow-failures "data.path=$PWD/data/offline_python" "logging.root=$GPU_WORK/lanes" \
-    model.n_layers=6 "logging.mlflow=$MLFLOW"
+    model.n_layers=6 "logging.mlflow=$MLFLOW" ${LANES_EXTRA:-}   # LANES_EXTRA: a CPU trial's model
   rc=$?
   [ -z "${DRY_RUN:-}" ] || return "$rc"
   for f in lanes_summary.json lanes_summary.md lanes_loss.png lanes_toks_per_s.png; do
