@@ -340,7 +340,7 @@ run_job() {  # issue 47.1: the headline command on a 2-GPU head; rank 1's worker
   ray_bundle
   if [ -n "${DRY_RUN:-}" ]; then python3 pipelines/prod_50k.py --print-config "${args[@]}" logging.mlflow=false; return; fi
   export NSA_HEAD_DIR=$GPU_WORK/head
-  mkdir -p "$store" && t0=$(date +%s)
+  mkdir -p "$store" && rm -f "$GPU_WORK/job_kill.json" && t0=$(date +%s)   # no earlier call's kill record
   bash cluster/scripts/local_head.sh start --storage "$store" ${JOB_HEAD_CPUS:+-- "--num-cpus=$JOB_HEAD_CPUS"} || return 1
   url=$(cat "$NSA_HEAD_DIR/address")
   job_submit "$url" python pipelines/prepare_data.py --out data/offline_python
