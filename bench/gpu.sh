@@ -115,6 +115,15 @@ ray_bundle() {  # Ray (+ MLflow) from .gpu_bundle (bundle-ray, built where there
     # local_head.sh and `ray job submit -- python ...` call `python`; the image may name it python3 only
     command -v python >/dev/null || ln -s "$(command -v python3)" "$site/bin/python"
     chmod +x "$site/bin/ray" && touch "$site/.complete"
+    # the image packages Ray leans on (IMAGE_HAS): a dashboard or job failure may be an old one of these
+    python3 -c 'import importlib.metadata as m
+def v(p):
+    try:
+        return m.version(p)
+    except m.PackageNotFoundError:
+        return "missing"
+print("ray bundle over the image:", *(f"{p}={v(p)}" for p in ("aiohttp", "grpcio", "packaging", "pyarrow",
+                                                               "pandas", "click", "msgpack", "requests")))' || true
   fi
   export PATH="$site/bin:$PATH" PYTHONPATH="$site:$PYTHONPATH" RAY_AUTH_MODE=disabled RAY_TRAIN_ENABLE_PRINT_PATCH=0
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_USAGE_STATS_ENABLED=0
