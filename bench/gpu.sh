@@ -46,7 +46,7 @@
 #
 # The Ray route on a 2-GPU host (issues 47, 49; carry .gpu_bundle; call plan and durations: docs/gpu_runbook.md).
 # job, scale, heal, past-one write <name>.json and <name>.log to $OUT (nothing else: a call returns 8 files), run
-# under /tmp/nsa-gpu and stop by T_RUN seconds (default 570) with what ran reported. DRY_RUN=1 resolves their configs;
+# under /tmp/nsa-gpu and stop by T_RUN seconds (default 540) with what ran reported. DRY_RUN=1 resolves their configs;
 # JOB_EXTRA, RUN_EXTRA (scale, heal, past-one), LANES_EXTRA append overrides (a shrunk model for a CPU trial).
 #   bash bench/gpu.sh bundle-ray                 (here, not on the GPU) .gpu_bundle/site.tar.xz: Ray (train, tune,
 #                                                dashboard/job API), MLflow and what they need beyond the GPU image
@@ -321,7 +321,7 @@ run_train() {
 
 # ------------------------------------------------------------------ the Ray route on 2 GPUs (issues 47, 49)
 GPU_WORK=/tmp/nsa-gpu    # run roots and the head's storage: outside the tree, so never uploaded by a job submit
-T_RUN=${T_RUN:-570}      # each subcommand's cap (one call is 600 s): what ran is still reported
+T_RUN=${T_RUN:-540}      # each subcommand's cap (one call is 600 s; a halted case may take a minute more)
 GR=cluster/scripts/gpu_runs.py
 RUN_COMMON="logging.mlflow=false logging.stats_every=0 logging.tensorboard=false train.eval_every=0"
 
@@ -370,7 +370,9 @@ ray_runs() {  # OUT_NAME CASE...: gpu_runs.py runs (one process, one Ray instanc
   [ -n "${DRY_RUN:-}" ] || local_data
   # fresh runs: a run dir of an earlier call on this warm machine would be resumed by name (train.resume=auto)
   [ -n "${DRY_RUN:-}" ] || rm -rf "${GPU_WORK:?}/$name" "$GPU_WORK/$name.json"
-  timeout "$T_RUN" python3 "$GR" runs --root "$GPU_WORK/$name" --out "$GPU_WORK/$name.json" ${DRY_RUN:+--dry-run} \
+  # --foreground: the SIGTERM reaches the driver alone, which halts the case at a step boundary with its steps
+  # kept (the Ray workers would die of their own SIGTERM otherwise); KILL 60 s later if that step is longer
+  timeout --foreground -k 60 "$T_RUN" python3 "$GR" runs --root "$GPU_WORK/$name" --out "$GPU_WORK/$name.json" ${DRY_RUN:+--dry-run} \
     --steps "${STEPS:-10}" --warmup "${WARMUP:-6}" \
     --common "data.path=$PWD/data/offline_python $RUN_COMMON ${RUN_EXTRA:-}" "$@"   # RUN_EXTRA: a CPU trial's model
 }
@@ -410,7 +412,7 @@ run_past_one() {  # issue 49: context parallelism at 256k, FSDP2 1B at 32k and i
     --case "fsdp2_32k $fsdp runtime.num_workers=2 runtime.gpus=2" \
     --case "fsdp1_resume $fsdp runtime.num_workers=1 runtime.gpus=1 train.resume_from=$ck" \
     --case "cp1_128k train.seq_len=131072 runtime.num_workers=1 runtime.gpus=1" \
-    --case "cp2_256k warmup=2 train.seq_len=262144 runtime.num_workers=2 runtime.gpus=2 runtime.context_parallel=2" \
+    --case "cp2_256k warmup=1 train.seq_len=262144 runtime.num_workers=2 runtime.gpus=2 runtime.context_parallel=2" \
     || [ -z "${DRY_RUN:-}" ] || return
   [ -n "${DRY_RUN:-}" ] || python3 "$GR" report "$GPU_WORK/past_one/fsdp1_resume" \
     --reference "$GPU_WORK/past_one/fsdp2_32k" --runs "$GPU_WORK/past_one.json" --out "$OUT/past_one.json"
@@ -419,7 +421,7 @@ run_past_one() {  # issue 49: context parallelism at 256k, FSDP2 1B at 32k and i
 run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes at a time
   local grid=$GPU_WORK/lanes/gpu-lanes f rc
   ray_bundle; [ -n "${DRY_RUN:-}" ] || local_data
-  timeout "$T_RUN" python3 lanes/ab_grid.py ${DRY_RUN:+--print-config} --base pipelines/configs/prod_50k.yaml \
+  timeout --foreground -k 30 "$T_RUN" python3 lanes/ab_grid.py ${DRY_RUN:+--print-config} --base pipelines/configs/prod_50k.yaml \
     ${1:+--only "$1"} --steps "${LANES_STEPS:-30}" --max-concurrent 2 --stall-seconds 120 --hang-grace 60 --name gpu-lanes \
     --overwrite --allow-failures "data.path=$PWD/data/offline_python" "logging.root=$GPU_WORK/lanes" \
     model.n_layers=6 "logging.mlflow=$MLFLOW" ${LANES_EXTRA:-}   # LANES_EXTRA: a CPU trial's model

@@ -273,6 +273,7 @@ def run_cases(cases: list[str], out: Path, steps: int, warmup: int, profile: str
     from nsa.launch import builder
     rows: list[dict[str, Any]] = []
     for text in cases:
+        halted = False
         name, prof, ovr, own = parse_case(text, profile)
         warm = warmup if own is None else own
         keys = {o.split("=", 1)[0] for o in common + ovr}
@@ -293,6 +294,9 @@ def run_cases(cases: list[str], out: Path, steps: int, warmup: int, profile: str
             res = builder.launch(cfg, src, prefix="gpu", quiet=True)
             row.update(status=res.summary.get("status"), exit_code=res.exit_code, run_dir=str(res.run_dir),
                        step_mode=res.summary.get("step_mode"))
+            # the driver turns SIGTERM (timeout's, at T_RUN) into a halt with a checkpoint: this case keeps the
+            # steps it ran, and no later case starts
+            halted = res.summary.get("status") == "halted"
             if res.exit_code == 0:
                 row.update(case_row(res.run_dir, cfg, warm, res.summary))
             else:
@@ -304,6 +308,9 @@ def run_cases(cases: list[str], out: Path, steps: int, warmup: int, profile: str
         msg = row.get("error") or f"{row['toks_per_s']:.0f} tok/s, step {row['step_ms_p50']:.1f} ms, {row['step_mode']}"
         print(f"case {name}: {msg} ({row['wall_s']:.0f} s)", flush=True)
         write_json(out, {"steps": steps, "warmup": warmup, "rows": rows})
+        if halted:
+            print(f"case {name} was halted (a SIGTERM: the time limit): the later cases were not launched", flush=True)
+            break
     return rows
 
 
