@@ -196,3 +196,29 @@ def test_case_row_counts_tokens_per_replica_and_stream(tmp_path, cp, streams, ex
     row = gpu_runs.case_row(run, cfg, 2, {"world_size": 2})
     assert row["tokens_per_step"] == expect and row["toks_per_s"] == pytest.approx(expect / 0.1)
     assert row["step_ms_p50"] == 100.0 and row["peak_mem_gib_per_rank"] == {0: 0.0, 1: 0.0}
+
+
+def test_runs_stop_after_a_halted_case_and_go_on_after_a_failed_one(tmp_path, monkeypatch):
+    """A case that fails is its row (with the one-line error) and the next case runs; a case halted (the
+    driver's answer to T_RUN's SIGTERM) keeps its row and no later case is launched."""
+    from nsa.launch import builder
+    launched = []
+
+    def fake_launch(cfg, src, prefix="run", quiet=False):
+        launched.append(cfg.logging.name)
+        status = {"bad": "failed", "cut": "halted"}.get(cfg.logging.name, "completed")
+        return builder.Outcome(run_dir=tmp_path / cfg.logging.name, exit_code=int(status == "failed"), wall_s=1.0,
+                               summary={"status": status, "reason": "boom" if status == "failed" else "",
+                                        "step_mode": "eager"})
+
+    monkeypatch.setattr(builder, "launch", fake_launch)
+    monkeypatch.setattr(gpu_runs, "case_row", lambda run_dir, cfg, warm, summary: {"toks_per_s": 10.0 * warm,
+                                                                                   "step_ms_p50": 5.0})
+    out = tmp_path / "rows.json"
+    rows = gpu_runs.run_cases(["bad", "ok warmup=3", "cut", "never"], out, 2, 1, "pipelines/configs/tiny_cpu.yaml",
+                              ["train.seq_len=64"], tmp_path)
+    assert launched == ["bad", "ok", "cut"]
+    assert [(r["case"], r.get("status"), r.get("error")) for r in rows] == \
+        [("bad", "failed", "failed: boom"), ("ok", "completed", None), ("cut", "halted", None)]
+    assert rows[1]["toks_per_s"] == 30.0 and rows[1]["steps"] == 5          # its own warm-up: 3 + 2 steps
+    assert [r["case"] for r in json.loads(out.read_text())["rows"]] == ["bad", "ok", "cut"]
