@@ -1,12 +1,12 @@
 """The host work of one eager NSA op call, without a GPU: every Triton launch and flash-attn call is a
 counted no-op, so what remains is the Python and torch dispatch an eager call costs before the GPU runs.
 
-An eager call at the production shape (HQ=12, H=2, d=64, bf16) costs several times its CUDA-graph replay at
-8k on an H200 (issue 45): host-bound. `measure` runs the op's host path (nsa_attention -> eager.py ->
+At short lengths an eager call can cost several times its CUDA-graph replay: it is host-bound (the GPU
+figures are in bench/RESULTS.md). `measure` runs the op's host path (nsa_attention -> eager.py ->
 triton/function.py, plan from plan.py) on meta tensors (shapes and strides, no data: like the asynchronous
 launches of a GPU, a torch op costs its dispatch only) and reports per forward+backward call: Python time,
 kernel launches by name, flash-attn calls, torch ops by name, and the planning work done (select_plan cache
-misses, policy resolutions, probes). family="sm90" plans as an H200 with flash-attn-4 installed (its calls
+misses, policy resolutions, probes). family="sm90" plans as a Hopper GPU with flash-attn-4 installed (its calls
 are stand-ins returning outputs of the right shapes), "cpu" as this machine. tests/test_host_cost.py holds
 the second call of a shape to no planning work and to the launches its plan names.
 
@@ -84,8 +84,8 @@ def _flash_bwd(tally: Tally):
 
 @contextlib.contextmanager
 def no_kernels(tally: Tally, family: str = "sm90"):
-    """Triton launches and flash-attn calls as counted no-ops; the op planned as on `family` ("sm90": an H200
-    with flash-attn-4, "cpu"); the one-off probes pass without running; planning work counted in tally."""
+    """Triton launches and flash-attn calls as counted no-ops; the op planned as on `family` ("sm90": a Hopper
+    GPU with flash-attn-4, "cpu"); the one-off probes pass without running; planning work counted in tally."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
