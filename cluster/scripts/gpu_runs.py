@@ -330,10 +330,9 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         data["torch"] = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         pass
+    from nsa.fileio import atomic_write_text
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1, default=str))
 
 
 # ------------------------------------------------------------------------------------------ table
