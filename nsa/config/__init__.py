@@ -245,11 +245,17 @@ class DataConfig:
     tiktoken_path: Optional[str] = None
     prefetch_batches: int = 4
     shuffle_seed: Optional[int] = 0
+    # share of training rows that begin with a passkey document (nsa/data/passkey.py; evaluation's format); 0: off
+    passkey_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _one_of("data.source", self.source, ("parquet", "synthetic"))
         _one_of("data.tokenizer", self.tokenizer, ("byte", "gpt2"))
         _require(self.prefetch_batches >= 0, "data.prefetch_batches must be >= 0")
+        _require(0.0 <= self.passkey_fraction <= 1.0, f"data.passkey_fraction={self.passkey_fraction} must be in "
+                 "[0, 1] (the share of training rows that start with a passkey document; 0 turns it off)")
+        _require(self.passkey_fraction == 0 or self.source == "parquet", "data.passkey_fraction mixes passkey rows "
+                 "into parquet text: it needs data.source=parquet (or set data.passkey_fraction=0)")
         _require(bool(self.path) or self.source == "synthetic", "data.path is empty: point it at a shard directory")
         for name in ("path", "val_path"):       # a URL streams without staging: hf://datasets/..., file:///...
             if "://" in str(getattr(self, name) or ""):
@@ -315,6 +321,9 @@ class RunConfig:
                  "nsa: the dense twin has no context-parallel path (set runtime.context_parallel=1)")
         _require(self.train.seq_len >= cp, f"train.seq_len={self.train.seq_len} is shorter than "
                  f"runtime.context_parallel={cp}: every rank must hold a position; lower runtime.context_parallel")
+        if self.data.passkey_fraction > 0 and self.data.tokenizer == "byte":   # gpt2's count needs its file: at start
+            from nsa.data.passkey import seq_len_error
+            _require(seq_len_error(self.train.seq_len) is None, str(seq_len_error(self.train.seq_len)))
         if self.runtime.precision == "fp16" and not self.runtime.use_gpu:
             raise ConfigError("runtime.precision=fp16 needs GPUs (runtime.use_gpu=true); use bf16 or fp32 on CPU")
         _require(not self.logging.memory_snapshot_steps or self.runtime.use_gpu, "logging.memory_snapshot_steps "

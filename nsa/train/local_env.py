@@ -53,6 +53,7 @@ class LocalEnv:
                      world: Optional[int] = None) -> Any:
         """This epoch's batches read in process by row group, from ``start`` (None: the epoch's start), as
         data rank ``rank`` of ``world`` (default: this rank; nsa/train/data_ranks.py reads others too)."""
+        from nsa.data.passkey import with_passkey
         from nsa.data.position import DeviceEpoch, iter_local_units, rank_epoch, row_group_rows
         from nsa.data.ray_data import _resolve_tokenizer
         d, t = self.cfg.data, self.cfg.train
@@ -63,7 +64,7 @@ class LocalEnv:
         ep = rank_epoch(self._files, self._rg_rows, epoch=epoch, rank=rank, world=world, seq_len=t.seq_len,
                         batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
                         source=lambda units: iter_local_units(self._files, units, tok))
-        return DeviceEpoch(ep, self.device)
+        return DeviceEpoch(with_passkey(ep, self.cfg, tok, rank), self.device)
 
     def val_batches(self, n: int) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []

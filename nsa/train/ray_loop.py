@@ -86,6 +86,7 @@ class RayEnv:
         ``rank``/``world``: another data rank's stream (a resume on fewer ranks, nsa/train/data_ranks.py)."""
         if not self.seekable:
             return None
+        from nsa.data.passkey import with_passkey
         from nsa.data.position import DeviceEpoch, rank_epoch, row_group_rows
         from nsa.data.ray_data import _resolve_tokenizer, iter_ray_units
         from nsa.data.shards import check_data_path
@@ -100,7 +101,7 @@ class RayEnv:
                         seq_len=t.seq_len, batch_size=t.batch_size, shuffle_seed=d.shuffle_seed, start=start,
                         source=lambda units: self._diagnosed(iter_ray_units(files, units, tok,
                                                                             prefetch_batches=self._prefetch)))
-        return DeviceEpoch(ep, self.device)
+        return DeviceEpoch(with_passkey(ep, self._cfg, tok, rank), self.device)
 
     def _diagnosed(self, it: Iterator[Any]) -> Iterator[Any]:
         try:

@@ -1,0 +1,99 @@
+"""Passkey training rows: the retrieval test of nsa/evaluation/core.py, in its exact format, mixed into training.
+
+A share ``data.passkey_fraction`` of the training rows begins with one whole passkey document (core's prompt
+builder: instructions, filler with a random 5-digit key planted at a random depth, the question and the key as
+answer), then EOS, then the rest of the text row it replaces the head of; the other rows are the text stream's.
+
+Why rows, not documents in the text stream: packing cuts the stream at fixed offsets (nsa/data/packing.py), so a
+document of L tokens inserted there would straddle a row boundary about L / (seq_len + 1) of the time, and the
+model would be asked for a key it never saw. A row that starts with the document keeps it whole (L <= seq_len)
+and puts it at position 0, as the evaluation does.
+
+Determinism and resume: whether a row is replaced and the document it gets depend only on (runtime.seed, epoch,
+data stream rank, batch index in the epoch, row), all of which a DataPosition restores; the text stream's own
+position is untouched (the displaced text tokens are simply not trained on), so a seek or a fast-forward resume
+yields the uninterrupted run's rows, on any number of ranks that continue the same streams.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Iterator
+
+import numpy as np
+
+from nsa.evaluation.core import passkey_overhead, passkey_prompt, random_key
+
+DIGITS = 5            # the evaluation's default --digits
+MIN_SHARE = 8         # documents are seq_len // MIN_SHARE .. seq_len tokens long (all at least the prompt itself)
+
+
+def seq_len_error(seq_len: int, tok: Any = None) -> str | None:
+    """One line naming train.seq_len when a passkey document cannot fit one row (``tok`` None: the byte
+    tokenizer, which config validation uses); None when it fits."""
+    if tok is None:
+        from nsa.data.tokenizers import get_tokenizer
+        tok = get_tokenizer("byte")
+    need = passkey_overhead(tok, DIGITS)
+    if seq_len >= need:
+        return None
+    return (f"train.seq_len={seq_len} is shorter than a passkey document ({need} tokens with this tokenizer): "
+            f"raise train.seq_len to >= {need} or set data.passkey_fraction=0")
+
+
+def row_rng(seed: int, epoch: int, rank: int, batch: int, row: int) -> random.Random:
+    """The one generator of a row's choices (string seeds hash with sha512: the same in every process)."""
+    return random.Random(f"passkey/{seed}/{epoch}/{rank}/{batch}/{row}")
+
+
+def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> tuple[list[int], str]:
+    """(ids of one passkey document ending with its key, the key): length uniform in
+    [max(prompt, seq_len // MIN_SHARE), seq_len] tokens, depth uniform in [0, 1]."""
+    lo = max(passkey_overhead(tok, digits), seq_len // MIN_SHARE)
+    length, depth, key = rng.randint(lo, seq_len), rng.random(), random_key(rng, digits)
+    return passkey_prompt(tok, length, depth, key)[0], key
+
+
+def mix_rows(batch: np.ndarray, tok: Any, fraction: float, *, seed: int, epoch: int, rank: int,
+             index: int) -> np.ndarray:
+    """Batch ``index`` of an epoch, int64 [B, seq_len+1], with each row picked (probability ``fraction``) starting
+    with a passkey document and EOS; a copy when a row changed, else ``batch`` itself."""
+    seq_len = batch.shape[1] - 1
+    out = batch
+    for r in range(batch.shape[0]):                      # per row: a handful of documents per batch
+        rng = row_rng(seed, epoch, rank, index, r)
+        if rng.random() >= fraction:
+            continue
+        ids, _ = passkey_doc(tok, seq_len, rng)
+        if out is batch:
+            out = batch.copy()
+        out[r, :len(ids)] = ids
+        out[r, len(ids)] = tok.eos_id
+    return out
+
+
+class PasskeyEpoch:
+    """One data stream's epoch (nsa.data.position.RankEpoch) with passkey rows mixed in; same ``position()``."""
+
+    def __init__(self, inner: Any, tok: Any, fraction: float, seed: int, rank: int) -> None:
+        self.inner, self.tok, self.fraction, self.seed, self.rank = inner, tok, fraction, seed, rank
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for b in self.inner:          # inner.batches counts this batch already: 1-based, restored on resume
+            yield mix_rows(b, self.tok, self.fraction, seed=self.seed, epoch=self.inner.epoch, rank=self.rank,
+                           index=self.inner.batches)
+
+    def position(self) -> Any:
+        return self.inner.position()
+
+
+def with_passkey(epoch: Any, cfg: Any, tok: Any, rank: int) -> Any:
+    """``epoch`` itself when data.passkey_fraction is 0, else its batches with passkey rows (``rank``: the data
+    stream's, so every reader of one stream, a CP group or a resume on fewer ranks, mixes the same rows)."""
+    fraction = cfg.data.passkey_fraction
+    if fraction <= 0:
+        return epoch
+    err = seq_len_error(cfg.train.seq_len, tok)
+    if err:
+        from nsa.config import ConfigError
+        raise ConfigError(err)
+    return PasskeyEpoch(epoch, tok, fraction, cfg.runtime.seed, rank)

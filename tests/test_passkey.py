@@ -1,0 +1,135 @@
+"""The passkey training recipe (issue 48, item 2): rows that start with a whole passkey document in the evaluation's
+format (nsa/data/passkey.py), the same rows after a resume, data.passkey_fraction's validation, the profiles, and
+pipelines/configs/passkey_cpu.yaml trained a few dozen steps then evaluated into a passkey table."""
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from conftest import PIPELINES, load_entry_point
+from evaltools import write_data
+from nsa.config import ConfigError, resolve_config
+from nsa.data import passkey as PK
+from nsa.data import position as P
+from nsa.data.tokenizers import get_tokenizer
+from nsa.evaluation import core
+
+TOK = get_tokenizer("byte")
+SEQ, BATCH = 320, 4
+CPU_PROFILE = str(PIPELINES / "configs" / "passkey_cpu.yaml")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("passkey") / "data", docs=120)
+
+
+def _epoch(data, *, rank=0, world=1, start=None, seed=7, fraction=0.5):
+    from nsa.data.shards import check_data_path
+    files = check_data_path(data)
+    ep = P.rank_epoch(files, P.row_group_rows(files), epoch=0, rank=rank, world=world, seq_len=SEQ,
+                      batch_size=BATCH, source=lambda units: P.iter_local_units(files, units, TOK), start=start)
+    return PK.PasskeyEpoch(ep, TOK, fraction, seed, rank)
+
+
+def _text(ids) -> str:
+    return bytes(int(i) for i in ids).decode("utf-8")
+
+
+def _check_document(row: np.ndarray, original: np.ndarray) -> str:
+    """A passkey row: one whole document in the evaluation's format, EOS, then the original row's own tokens.
+    Returns the key."""
+    end = int(np.flatnonzero(row == TOK.eos_id)[0])           # the text rows of write_data hold no EOS before it
+    doc = _text(row[:end])
+    assert doc.startswith(core.PREFIX) and end <= SEQ
+    key = doc[len(doc) - PK.DIGITS:]
+    assert re.fullmatch(r"[1-9]\d{4}", key) and doc.endswith(core.QUESTION + key)
+    assert doc.count(core.NEEDLE.format(key=key)) == 1                 # planted once ...
+    assert re.findall(r"\d+", doc) == [key, key, key]                  # ... (twice in its sentence), asked once
+    np.testing.assert_array_equal(row[end + 1:], original[end + 1:])   # the rest of the row: text, untouched
+    return key
+
+
+def test_rows_start_with_whole_documents_in_the_evaluation_format(data):
+    plain = list(PK.PasskeyEpoch(_epoch(data).inner, TOK, 0.0, 7, 0))   # fraction 0: the text stream itself
+    mixed = list(_epoch(data))
+    assert len(mixed) == len(plain) > 10
+    keys, changed, lengths = [], 0, []
+    for m, p in zip(mixed, plain):
+        assert m.shape == p.shape == (BATCH, SEQ + 1) and m.dtype == np.int64
+        for rm, rp in zip(m, p):
+            if np.array_equal(rm, rp):
+                assert not _text(rp[:len(core.PREFIX)]) == core.PREFIX
+                continue
+            changed += 1
+            keys.append(_check_document(rm, rp))
+            lengths.append(int(np.flatnonzero(rm == TOK.eos_id)[0]))
+    rows = len(mixed) * BATCH
+    assert 0.3 * rows < changed < 0.7 * rows                     # about data.passkey_fraction of the rows
+    assert len(set(keys)) == len(keys)                           # a fresh key per document
+    assert min(lengths) >= core.passkey_overhead(TOK, PK.DIGITS) and max(lengths) <= SEQ and len(set(lengths)) > 5
+    every = list(_epoch(data, fraction=1.0))
+    for m, p in zip(every, plain):
+        for rm, rp in zip(m, p):
+            _check_document(rm, rp)
+
+
+def test_same_rows_after_a_resume_and_other_rows_per_seed_and_rank(data):
+    for rank, world in ((0, 1), (1, 2)):
+        full = list(_epoch(data, rank=rank, world=world))
+        for k in (1, len(full) // 2):
+            ep = _epoch(data, rank=rank, world=world)
+            it = iter(ep)
+            head = [next(it) for _ in range(k)]
+            pos = P.DataPosition.from_state(ep.position().to_state())
+            assert pos.batches_in_epoch == k
+            rest = list(_epoch(data, rank=rank, world=world, start=pos))
+            assert len(head) + len(rest) == len(full)
+            for a, b in zip(head + rest, full):
+                np.testing.assert_array_equal(a, b)
+    base = list(_epoch(data))
+    assert any(not np.array_equal(a, b) for a, b in zip(base, _epoch(data, seed=8)))
+    r0, r1 = list(_epoch(data, rank=0, world=2)), list(_epoch(data, rank=1, world=2))
+    assert any(not np.array_equal(a[:, :40], b[:, :40]) for a, b in zip(r0, r1))
+
+
+def test_passkey_fraction_is_validated_with_one_line_naming_the_field():
+    tiny = str(PIPELINES / "configs" / "tiny_cpu.yaml")
+    for over, words in ((["data.passkey_fraction=1.5"], "data.passkey_fraction=1.5 must be in [0, 1]"),
+                        (["data.passkey_fraction=-0.1"], "data.passkey_fraction=-0.1 must be in [0, 1]"),
+                        (["data.passkey_fraction=0.5", "data.source=synthetic"], "needs data.source=parquet"),
+                        (["data.passkey_fraction=0.5", "train.seq_len=200"], "train.seq_len=200 is shorter than a "
+                         "passkey document (249 tokens")):
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            resolve_config(tiny, over, env={})
+        assert "\n" not in str(e.value)
+    cfg, _ = resolve_config(tiny, ["train.seq_len=200"], env={})     # off (the default): no constraint
+    assert cfg.data.passkey_fraction == 0.0
+    cfg, src = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), env={})
+    assert (cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers, cfg.model.attention) == (32768, 768, 12, "nsa")
+    assert 0 < cfg.data.passkey_fraction < 1 and cfg.runtime.use_gpu and src["data.passkey_fraction"].startswith("yaml")
+    dense, _ = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), ["model.attention=dense"], env={})
+    assert dense.model.attention == "dense" and dense.data == cfg.data and dense.train == cfg.train
+
+
+def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tmp_path):
+    """pipelines/configs/passkey_cpu.yaml, a few dozen steps on the loop without Ray (conftest.run_local), then
+    pipelines/evaluate.py on its checkpoint: the JSON's passkey table covers every (length, depth)."""
+    from conftest import run_local
+    cfg, _ = resolve_config(CPU_PROFILE, [f"data.path={data}", f"logging.root={tmp_path / 'runs'}", "logging.name=pk",
+                                          "logging.mlflow=false", "logging.csv=false"], env={})
+    assert cfg.data.passkey_fraction > 0 and cfg.train.steps >= 24
+    result, run_dir = run_local(cfg)
+    assert result["status"] == "completed" and result["step"] == cfg.train.steps, result
+    cli = load_entry_point(PIPELINES / "evaluate.py")
+    assert cli.main(["--checkpoint", run_dir, "--lengths", "320", "--max-tokens", "640", "--passkey-lengths", "256",
+                     "320", "--depths", "0", "0.5", "1", "--trials", "2", "--device", "cpu", "--no-mlflow"]) == 0
+    res = json.loads((tmp_path / "runs" / "pk" / "eval" / f"eval_step_{cfg.train.steps:08d}.json").read_text())
+    pk = res["passkey"]
+    assert {(c["length"], c["depth"]) for c in pk["cells"]} == {(n, d) for n in (256, 320) for d in (0.0, 0.5, 1.0)}
+    assert all(c["trials"] == 2 and 0 <= c["accuracy"] <= 1 for c in pk["cells"])
+    assert pk["table"].splitlines()[0] == "| depth \\ length | 256 | 320 |" and "| mean |" in pk["table"]
+    assert res["step"] == cfg.train.steps and res["attention"] == "nsa"
