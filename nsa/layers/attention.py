@@ -13,6 +13,7 @@ seven); the row blocks are [q | k_cmp k_slc k_win | v_cmp v_slc v_win].
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -22,11 +23,20 @@ from torch import nn
 import nsa.ops as nsa_ops
 from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
-from nsa.layers.rope import apply_rope
+from nsa.config import triton_interpreter
+from nsa.layers.rope import apply_rope, rope_table
 from nsa.ops.common import check_block_geometry
 from nsa.ops.tuning import FlashBranchTuning
 
 BRANCHES = ("cmp", "slc", "win")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _triton_runs() -> bool:
+    """Triton kernels run natively here (CUDA and triton importable); asked once per process."""
+    from nsa.ops.triton import triton_available
+    return triton_available()
 
 
 def _attend(*args, **kwargs):
@@ -71,7 +81,10 @@ class NSAAttention(nn.Module):
     [B, T, HQ, 3] and `last_block_idx` [B, T, H, n_sel] (no host sync). `op_capture` (callable or
     None): when set, each full forward calls op_capture(layer, inputs, o, block_idx) with the op's
     eight inputs (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates) as passed to it and its outputs
-    (bench/capture_inputs.py saves them as benchmark inputs).
+    (bench/capture_inputs.py saves them as benchmark inputs). `project_kernel` ("auto", "triton" or
+    "torch"): how project applies RoPE and the branch-major layout; "auto" runs the fused Triton kernel
+    (nsa/ops/triton/rope_layout.py, apply_rope's numbers) on CUDA outside torch.compile, else torch;
+    "triton" forces the kernel (on CPU only under TRITON_INTERPRET=1, the tests).
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_groups: int, d_k: int, d_v: int, l: int,
@@ -102,6 +115,7 @@ class NSAAttention(nn.Module):
         self.last_gates: torch.Tensor | None = None
         self.last_block_idx: torch.Tensor | None = None
         self.op_capture = None
+        self.project_kernel = "auto"
         self.reset_parameters()
 
     @torch.no_grad()
@@ -129,17 +143,41 @@ class NSAAttention(nn.Module):
         `positions` [T], a device tensor, so nothing on the host depends on the position)."""
         B, T, _ = x.shape
         HQ, H, dk, dv = self.n_heads, self.n_kv_groups, self.d_k, self.d_v
-        rope = dict(offset=offset, base=self.rope_base, positions=positions)
-        q_part, k_part, v_part = self.qkv_proj(x).split(self._split, dim=-1)
-        q = apply_rope(q_part.view(B, T, HQ, dk), **rope)
-        # Branch-major layout [3, B, T, H, *] (one copy) so that every branch's k/v handed to the
-        # op is a contiguous [B, T, H, *] tensor: kernels index them with their own strides only.
-        k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
-        k = apply_rope(k, **rope).view(3, B, T, H, dk)
-        v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
+        y = self.qkv_proj(x)
+        # Branch-major layout [3, B, T, H, *] so that every branch's k/v handed to the op is a
+        # contiguous [B, T, H, *] tensor: kernels index them with their own strides only.
+        if self._fused_project(y):   # one kernel: RoPE and both layouts (nsa/ops/triton/rope_layout.py)
+            from nsa.ops.triton.rope_layout import rope_layout
+            if positions is not None and tuple(positions.shape) != (T,):
+                raise ValueError(f"positions: expected [{T}] (one per token), got {tuple(positions.shape)}")
+            cos, sin = rope_table(T, dk, self.rope_base, offset, positions, y.device)
+            q, k, v = rope_layout(y, cos, sin, HQ, H, dk, dv)
+        else:
+            rope = dict(offset=offset, base=self.rope_base, positions=positions)
+            q_part, k_part, v_part = y.split(self._split, dim=-1)
+            q = apply_rope(q_part.view(B, T, HQ, dk), **rope)
+            k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
+            k = apply_rope(k, **rope).view(3, B, T, H, dk)
+            v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
         k_cmp, k_slc, k_win = k.unbind(0)
         v_cmp, v_slc, v_win = v.unbind(0)
         return Projected(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+
+    def _fused_project(self, y: torch.Tensor) -> bool:
+        """Whether project runs the fused RoPE/layout kernel on the qkv GEMM output y (project_kernel)."""
+        mode = self.project_kernel
+        if mode == "torch":
+            return False
+        if mode == "triton":
+            if not (y.is_cuda or triton_interpreter()):
+                raise ValueError("project_kernel='triton' needs a CUDA tensor or TRITON_INTERPRET=1 (CPU tests); "
+                                 "set project_kernel='auto' or 'torch'")
+            return True
+        if mode != "auto":
+            raise ValueError(f"project_kernel={mode!r}: choose 'auto', 'triton' or 'torch'")
+        # torch.compile fuses the torch path itself; fp64 stays on it (the kernel is fp16/bf16/fp32)
+        return (y.is_cuda and y.dtype in _FUSED_DTYPES and not torch.compiler.is_compiling()
+                and _triton_runs())
 
     def compute_gates(self, x: torch.Tensor) -> torch.Tensor:
         """g = sigmoid(MLP(x)): [B, T, dim] -> [B, T, HQ, 3] ordered (cmp, slc, win)."""

@@ -21,6 +21,16 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0
     return ang.cos(), ang.sin()
 
 
+def rope_table(T: int, head_dim: int, base: float = 10000.0, offset: int = 0,
+               positions: torch.Tensor | None = None, device: torch.device | str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, head_dim // 2] fp32 of T tokens at offset .. offset+T-1 (or at `positions` [T], a device
+    tensor): the tables apply_rope and the fused projection kernel (nsa/ops/triton/rope_layout.py) share."""
+    if positions is None:
+        positions = torch.arange(offset, offset + T, device=device)
+    return rope_cos_sin(positions, head_dim, base)
+
+
 def apply_rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x [B, T, H, D] (D even) at absolute positions offset .. offset+T-1 (or `positions` [T]).
@@ -30,9 +40,7 @@ def apply_rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
     if x.dim() != 4:
         raise ValueError(f"x: expected [B, T, H, D], got shape {tuple(x.shape)}")
     T, D = x.shape[1], x.shape[3]
-    if positions is None:
-        positions = torch.arange(offset, offset + T, device=x.device)
-    cos, sin = rope_cos_sin(positions, D, base)  # [T, D/2] fp32
+    cos, sin = rope_table(T, D, base, offset, positions, x.device)  # [T, D/2] fp32
     cos = cos[None, :, None, :]  # [1, T, 1, D/2]
     sin = sin[None, :, None, :]
     xf = x.float()

@@ -1,0 +1,143 @@
+"""RoPE and the branch-major layout of the NSA layer's projections in one pass (NSAAttention.project).
+
+The fused qkv GEMM gives y [B, T, HQ*dk + 3H*dk + 3H*dv] with row blocks [q | k_cmp k_slc k_win |
+v_cmp v_slc v_win]. One forward kernel reads y once and writes
+  q [B, T, HQ, dk]      RoPE'd
+  k [3, B, T, H, dk]    RoPE'd, branch-major (k[c] is branch c's contiguous [B, T, H, dk])
+  v [3, B, T, H, dv]    branch-major
+and the backward kernel applies the inverse rotation to dq / dk and scatters dq, dk, dv into one
+dy of y's shape. The torch path it replaces (nsa/layers/rope.py apply_rope plus two permute copies)
+runs ~30 elementwise kernels over fp32 intermediates forward and more backward.
+
+Numerics are apply_rope's, bit for bit: the cos/sin tables [T, dk/2] (fp32) come from the same torch
+code (rope_cos_sin), the rotation is x1*cos - x2*sin, x2*cos + x1*sin in fp32 with every product
+rounded on its own (enable_fp_fusion=False: no FMA contraction, like torch's separate kernels), cast
+back to y's dtype; backward is autograd's dx1 = g1*cos + g2*sin, dx2 = g2*cos - g1*sin.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from ...config import triton_interpreter
+from ._utils import next_pow2
+
+SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_ROWS = 64   # tokens per program; one program moves one head of them (grid: row blocks x heads)
+
+
+@triton.jit
+def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 x -> dtype rounded to nearest even. Triton's interpreter truncates fp32 -> bf16 (a GPU rounds),
+    so under INTERP bf16 is rounded here by the bits (finite values; the CPU tests compare bit for bit)."""
+    if INTERP and dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _branch_row(r, i, n_rows, H: tl.constexpr, D: tl.constexpr):
+    """Element offset of rows r (int64 [BLOCK]) of head i (branch i // H, head i % H) in a branch-major
+    [3, n_rows, H, D] tensor."""
+    return ((i // H) * n_rows + r) * (H * D) + (i % H) * D
+
+
+@triton.jit
+def _rope_layout(Y, COS, SIN, Q, K, V, n_rows, T, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                 DV: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr,
+                 BWD: tl.constexpr, INTERP: tl.constexpr):
+    """Program (row block, head slot j) between the packed rows Y [n_rows, C] and Q [n_rows, HQ, DK] /
+    K [3, n_rows, H, DK] / V [3, n_rows, H, DV]: slots j < HQ + 3H rotate q head j or k head j - HQ, the
+    3H slots after copy v heads. Forward reads Y and writes Q/K/V; BWD (the transpose) reads their
+    gradients and writes Y's, rotating by -angle (sin negated: the same products, exactly)."""
+    C: tl.constexpr = (HQ + 3 * H) * DK + 3 * H * DV
+    HALF: tl.constexpr = DK // 2
+    NROT: tl.constexpr = HQ + 3 * H
+    j = tl.program_id(1)
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < n_rows
+    if j < NROT:
+        c = tl.arange(0, HALF_P)
+        m = ok[:, None] & (c[None, :] < HALF)
+        tab = (r % T)[:, None] * HALF + c[None, :]
+        cs = tl.load(COS + tab, mask=m, other=0.0)
+        sn = tl.load(SIN + tab, mask=m, other=0.0)
+        packed = Y + r[:, None] * C + j * DK + c[None, :]
+        if j < HQ:
+            split = Q + (r * (HQ * DK) + j * DK)[:, None] + c[None, :]
+        else:
+            split = K + _branch_row(r, j - HQ, n_rows, H, DK)[:, None] + c[None, :]
+        if BWD:
+            src, dst, sn = split, packed, -sn
+        else:
+            src, dst = packed, split
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, _cast(x1 * cs - x2 * sn, Y.dtype.element_ty, INTERP), mask=m)
+        tl.store(dst + HALF, _cast(x2 * cs + x1 * sn, Y.dtype.element_ty, INTERP), mask=m)
+    else:
+        c = tl.arange(0, DV_P)
+        m = ok[:, None] & (c[None, :] < DV)
+        packed = Y + r[:, None] * C + NROT * DK + (j - NROT) * DV + c[None, :]
+        split = V + _branch_row(r, j - NROT, n_rows, H, DV)[:, None] + c[None, :]
+        if BWD:
+            tl.store(packed, tl.load(split, mask=m, other=0.0), mask=m)
+        else:
+            tl.store(split, tl.load(packed, mask=m, other=0.0), mask=m)
+
+
+def _launch(y, cos, sin, q, k, v, hq: int, h: int, bwd: bool) -> None:
+    """One program per (BLOCK_ROWS rows, head slot): HQ + 3H rotated heads, then 3H value heads."""
+    B, T = y.shape[:2]
+    dk, dv = q.shape[-1], v.shape[-1]
+    if B * T == 0:
+        return
+    grid = (triton.cdiv(B * T, BLOCK_ROWS), hq + 6 * h)
+    _rope_layout[grid](y, cos, sin, q, k, v, B * T, T, HQ=hq, H=h, DK=dk, DV=dv, HALF_P=next_pow2(dk // 2),
+                       DV_P=next_pow2(dv), BLOCK=BLOCK_ROWS, BWD=bwd, INTERP=triton_interpreter(), num_warps=4,
+                       enable_fp_fusion=False)
+
+
+class _RopeLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, cos, sin, hq, h, dk, dv):
+        B, T = y.shape[:2]
+        y = y.contiguous()
+        q = y.new_empty(B, T, hq, dk)
+        k = y.new_empty(3, B, T, h, dk)
+        v = y.new_empty(3, B, T, h, dv)
+        _launch(y, cos, sin, q, k, v, hq, h, bwd=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.y_meta = (hq, h), (y.shape, y.dtype)
+        return q, k, v
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gq, gk, gv):
+        cos, sin = ctx.saved_tensors
+        shape, dtype = ctx.y_meta
+        dy = gq.new_empty(shape, dtype=dtype)   # every element written: q, k and v cover y's columns
+        _launch(dy, cos, sin, gq.contiguous(), gk.contiguous(), gv.contiguous(), *ctx.heads, bwd=True)
+        return dy, None, None, None, None, None, None
+
+
+def rope_layout(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_groups: int,
+                d_k: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """y [B, T, HQ*dk + 3H*dk + 3H*dv] (the fused qkv GEMM's output), cos/sin [T, dk/2] fp32 (rope_cos_sin at
+    the tokens' positions) -> (q [B, T, HQ, dk], k [3, B, T, H, dk], v [3, B, T, H, dv]) in y's dtype, q and k
+    RoPE'd as apply_rope does (see module doc). Differentiable w.r.t. y (not twice)."""
+    if y.dim() != 3 or y.shape[-1] != (n_heads + 3 * n_kv_groups) * d_k + 3 * n_kv_groups * d_v:
+        raise ValueError(f"y: expected [B, T, {(n_heads + 3 * n_kv_groups) * d_k + 3 * n_kv_groups * d_v}] "
+                         f"(HQ*dk + 3H*dk + 3H*dv), got {tuple(y.shape)}")
+    if y.dtype not in SUPPORTED:
+        raise ValueError(f"y has dtype {y.dtype}; rope_layout supports fp16/bf16/fp32 (use the torch path)")
+    want = (y.shape[1], d_k // 2)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != want or t.dtype != torch.float32 or t.device != y.device:
+            raise ValueError(f"{name}: expected fp32 [{want[0]}, {want[1]}] on {y.device} (rope_cos_sin at the "
+                             f"T tokens' positions), got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return _RopeLayout.apply(y, cos.contiguous(), sin.contiguous(), n_heads, n_kv_groups, d_k, d_v)

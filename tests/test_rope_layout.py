@@ -1,0 +1,135 @@
+"""The fused RoPE + branch-major layout kernel of NSAAttention.project (nsa/ops/triton/rope_layout.py)
+against the layer's torch path (apply_rope and the permute copies): the same bits forward and backward.
+CPU through Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the gpu test runs natively."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nsa.layers.attention import NSAAttention  # noqa: E402
+from nsa.layers.rope import apply_rope, rope_table  # noqa: E402
+from nsa.ops.triton.rope_layout import rope_layout  # noqa: E402
+
+GEOM = dict(l=4, d=2, l_sel=4, n_sel=2, w=4)
+
+
+def make_layer(dk=8, dv=6, hq=4, h=2, dtype=torch.float32, device="cpu", **over):
+    torch.manual_seed(0)
+    kw = dict(dim=16, n_heads=hq, n_kv_groups=h, d_k=dk, d_v=dv, backend="torch", **GEOM)
+    return NSAAttention(**{**kw, **over}).to(device=device, dtype=dtype)
+
+
+def run_project(layer, mode, x, **kw):
+    """project under project_kernel=mode with a fixed random loss on every output: (outputs, dx, dW_qkv)."""
+    layer.project_kernel = mode
+    layer.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    p = layer.project(x, **kw)
+    g = torch.Generator(device=x.device).manual_seed(1)
+    sum((t.float() * torch.randn(t.shape, generator=g, device=x.device)).sum() for t in p).backward()
+    return p, x.grad, layer.qkv_proj.weight.grad.clone()
+
+
+def assert_same(a, b):
+    (pa, dxa, dwa), (pb, dxb, dwb) = a, b
+    for name, u, w in zip(pa._fields, pa, pb):
+        assert u.dtype == w.dtype and u.stride() == w.stride(), name   # the same layout, not only values
+        assert torch.equal(u, w), name
+    assert torch.equal(dxa, dxb) and torch.equal(dwa, dwb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dk,dv", [(8, 6), (6, 8)])   # a non-power-of-two half (3) and value width (6)
+def test_fused_project_matches_torch_path_bit_for_bit(dtype, dk, dv):
+    layer = make_layer(dk, dv, dtype=dtype)
+    x = torch.randn(2, 5, 16, dtype=dtype)
+    assert_same(run_project(layer, "torch", x, offset=3), run_project(layer, "triton", x, offset=3))
+
+
+def test_fused_project_device_positions_and_long_offsets():
+    layer = make_layer(hq=2, h=1, dtype=torch.bfloat16)
+    x = torch.randn(1, 3, 16, dtype=torch.bfloat16)
+    pos = torch.tensor([70000, 5, 123456])   # angles far from 0: the fp32 tables must be apply_rope's
+    assert_same(run_project(layer, "torch", x, positions=pos), run_project(layer, "triton", x, positions=pos))
+    assert_same(run_project(layer, "torch", x, offset=65531), run_project(layer, "triton", x, offset=65531))
+
+
+def test_rope_layout_outputs_and_partial_gradients():
+    """The function alone: q/k/v equal apply_rope + the permute copies; a loss on q alone gives dy zero in
+    the k and v columns (every column of dy is written, none left uninitialised)."""
+    hq, h, dk, dv, B, T = 3, 2, 4, 2, 2, 3
+    y = torch.randn(B, T, (hq + 3 * h) * dk + 3 * h * dv, requires_grad=True)
+    cos, sin = rope_table(T, dk, 500.0, offset=2)
+    q, k, v = rope_layout(y, cos, sin, hq, h, dk, dv)
+    yq, yk, yv = y.detach().split((hq * dk, 3 * h * dk, 3 * h * dv), dim=-1)
+    assert torch.equal(q, apply_rope(yq.reshape(B, T, hq, dk), offset=2, base=500.0))
+    k_ref = apply_rope(yk.reshape(B, T, 3, h, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, h, dk), 2, 500.0)
+    assert torch.equal(k, k_ref.view(3, B, T, h, dk))
+    assert torch.equal(v, yv.reshape(B, T, 3, h, dv).permute(2, 0, 1, 3, 4))
+    (dy,) = torch.autograd.grad(q.sum(), y)
+    assert torch.equal(dy[..., hq * dk:], torch.zeros_like(dy[..., hq * dk:]))
+    y_t = y.detach().clone().requires_grad_()
+    apply_rope(y_t[..., :hq * dk].reshape(B, T, hq, dk), offset=2, base=500.0).sum().backward()
+    assert torch.equal(dy, y_t.grad)
+
+
+def test_layer_forward_backward_and_decode_same_with_fused_project():
+    """The whole layer (torch op backend) computes the same y and parameter gradients on either project
+    path, and decode at an offset (positions cache.length ..) as well."""
+    layer = make_layer(dtype=torch.float32)
+    x = torch.randn(1, 12, 16)
+    res = {}
+    for mode in ("torch", "triton"):
+        layer.project_kernel = mode
+        layer.zero_grad()
+        y = layer(x)
+        y.square().sum().backward()
+        cache = layer.new_cache()
+        with torch.no_grad():
+            layer.prefill(x[:, :9], cache)
+            y_dec = layer.decode(x[:, 9:], cache)
+        res[mode] = (y, {n: p.grad.clone() for n, p in layer.named_parameters()}, y_dec)
+    (ya, ga, da), (yb, gb, db) = res["torch"], res["triton"]
+    assert torch.equal(ya, yb) and torch.equal(da, db)
+    assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_project_kernel_choice_and_errors(monkeypatch):
+    layer = make_layer()
+    y = torch.zeros(1, 2, sum(layer._split))
+    assert not layer._fused_project(y)                      # auto: torch on CPU
+    layer.project_kernel = "triton"
+    assert layer._fused_project(y)                          # forced, through the interpreter
+    with pytest.raises(ValueError, match="positions"):
+        layer.project(torch.zeros(1, 2, 16), positions=torch.arange(3))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="project_kernel='triton' needs"):
+        layer._fused_project(y)
+    layer.project_kernel = "fast"
+    with pytest.raises(ValueError, match="project_kernel='fast'"):
+        layer._fused_project(y)
+
+
+def test_rope_layout_bad_inputs_name_the_field():
+    cos, sin = rope_table(2, 4)
+    with pytest.raises(ValueError, match="^y: expected"):
+        rope_layout(torch.zeros(1, 2, 7), cos, sin, 1, 1, 4, 4)
+    with pytest.raises(ValueError, match="^y has dtype"):
+        rope_layout(torch.zeros(1, 2, 28, dtype=torch.float64), cos, sin, 1, 1, 4, 4)
+    with pytest.raises(ValueError, match="^sin: expected"):
+        rope_layout(torch.zeros(1, 2, 28), cos, sin[:1], 1, 1, 4, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fused_project_matches_torch_path(dtype):
+    """On CUDA "auto" takes the native kernel; outputs, layouts and gradients are the torch path's bits
+    (production-like heads: HQ=12, H=2, d_k=d_v=64; a partial last row block)."""
+    layer = make_layer(64, 64, hq=12, h=2, dtype=dtype, device="cuda", dim=256)
+    x = torch.randn(2, 1000, 256, device="cuda", dtype=dtype)
+    layer.project_kernel = "auto"
+    assert layer._fused_project(layer.qkv_proj(x))
+    pos = torch.arange(1000, device="cuda") * 37
+    for kw in (dict(offset=0), dict(offset=40000), dict(positions=pos)):
+        assert_same(run_project(layer, "torch", x, **kw), run_project(layer, "auto", x, **kw))
