@@ -66,6 +66,10 @@
 #   bash bench/gpu.sh past-one                   125M at 128k on 1 GPU vs 256k with context_parallel=2; the 1B FSDP2
 #                                                profile on 2 GPUs at 32k (tok/s, peak memory per GPU), resumed from
 #                                                its sharded checkpoint on 1 GPU (losses compared)
+#   bash bench/gpu.sh passkey [nsa|dense ...]   pipelines/configs/passkey.yaml (125M, seq 32k, passkey rows) trained on 1 GPU
+#                                                as NSA and/or the dense twin (train stops by T_PASSKEY s, default T_RUN
+#                                                - 120), then evaluated at 4k-32k: passkey_<a>.json (eval), passkey_<a>.png,
+#                                                passkey_<a>_train.json (metrics.json); one attention per call fits 600 s
 #
 # FlashAttention-4 on the GPU machine: carry .fa4a in one call and .fa4b in the next (back to back: the
 # install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
@@ -433,6 +437,27 @@ run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes 
   [ -f "$GPU_WORK/lanes/mlflow.db" ] && xz -c "$GPU_WORK/lanes/mlflow.db" > "$OUT/lanes_mlflow.db.xz"
 }
 
+run_passkey() {  # issue 48.2: the passkey recipe trained and evaluated, NSA and/or the dense twin
+  local a run dir args ev=(--lengths 32768 --passkey-lengths 4096 8192 16384 32768 --trials "${PASSKEY_TRIALS:-8}"
+    --device cuda --dtype bf16 --overwrite)
+  ray_bundle; [ -n "${DRY_RUN:-}" ] || local_data
+  for a in ${*:-nsa dense}; do
+    run=passkey-$a dir=$GPU_WORK/passkey/passkey-$a
+    args=(--config pipelines/configs/passkey.yaml "model.attention=$a" "logging.name=$run" "logging.root=$GPU_WORK/passkey"
+          "data.path=$PWD/data/offline_python" "logging.mlflow=$MLFLOW" ${PASSKEY_EXTRA:-})   # PASSKEY_EXTRA: a CPU trial
+    if [ -n "${DRY_RUN:-}" ]; then   # the config resolves; the evaluation's flags are printed, not run
+      python3 pipelines/train.py --print-config "${args[@]}" || return; echo "evaluate $a: ${ev[*]}"; continue
+    fi
+    rm -rf "$dir"   # a fresh run: one left by an earlier call on this warm machine would be resumed by name
+    timeout --foreground -k 60 "${T_PASSKEY:-$(( T_RUN - 120 ))}" python3 pipelines/train.py "${args[@]}"
+    echo "train $a rc=$?"; cp "$dir/metrics.json" "$OUT/passkey_${a}_train.json"
+    timeout 110 python3 pipelines/evaluate.py --checkpoint "$dir" "${ev[@]}" --out "$dir/eval" \
+      $([ "$MLFLOW" = true ] || echo --no-mlflow) || return
+    cp "$(ls "$dir"/eval/eval_step_*.json | tail -1)" "$OUT/passkey_$a.json"
+    cp "$(ls "$dir"/eval/passkey_step_*.png | tail -1)" "$OUT/passkey_$a.png"
+  done
+}
+
 on_gpus() {  # NAME FN ARGS...: a Ray-route subcommand with its log in $OUT/NAME.log (one of its two files)
   local name=$1 fn=$2; shift 2
   RUN_NAME=$name
@@ -480,6 +505,7 @@ case "$cmd" in
   heal) on_gpus heal run_heal ;;
   past-one) on_gpus past_one run_past_one ;;
   lanes-gpu) on_gpus lanes run_lanes_gpu "$@" ;;
+  passkey) on_gpus "passkey${1:+_$(IFS=_; echo "$*")}" run_passkey "$@" ;;   # passkey_nsa.log: calls do not clash
   all) gpu_info; run_tests; run_attention; run_decode ;;
   env) peers >&2; echo "export PYTHONPATH=\"$PYTHONPATH\"" ;;
   -h|--help|help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" ;;

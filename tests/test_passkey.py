@@ -133,3 +133,22 @@ def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tm
     assert all(c["trials"] == 2 and 0 <= c["accuracy"] <= 1 for c in pk["cells"])
     assert pk["table"].splitlines()[0] == "| depth \\ length | 256 | 320 |" and "| mean |" in pk["table"]
     assert res["step"] == cfg.train.steps and res["attention"] == "nsa"
+
+
+def test_gpu_passkey_subcommand_resolves_both_configs_on_cpu(tmp_path):
+    """DRY_RUN=1 bash bench/gpu.sh passkey: the NSA and dense-twin configs it would train resolve (the profile with
+    model.attention and the run name from the command line), and the evaluation it would run is printed."""
+    import os
+    import subprocess
+    from conftest import REPO
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), PYTHONPATH=str(REPO))
+    out = subprocess.run(["bash", str(REPO / "bench" / "gpu.sh"), "passkey"], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=300)
+    log = (tmp_path / "passkey.log").read_text()
+    assert out.returncode == 0 and "passkey rc=0" in log, log[-3000:]
+    heads = [ln for ln in log.splitlines() if ln.startswith("== train: resolved config (profile pipelines/configs/"
+                                                            "passkey.yaml)")]
+    attention = re.findall(r"model\.attention\s+= '(\w+)'\s+\[cli\]", log)
+    fraction = re.findall(r"data\.passkey_fraction\s+= ([\d.]+)\s+\[yaml:pipelines/configs/passkey\.yaml\]", log)
+    assert len(heads) == 2 and attention == ["nsa", "dense"] and len(fraction) == 2 and float(fraction[0]) > 0, log
+    assert re.findall(r"^evaluate (\w+): .*--passkey-lengths 4096 8192 16384 32768", log, re.M) == ["nsa", "dense"]
