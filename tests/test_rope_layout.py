@@ -7,7 +7,8 @@ import torch
 pytest.importorskip("triton")
 
 from nsa.layers.attention import NSAAttention  # noqa: E402
-from nsa.layers.rope import apply_rope, rope_table  # noqa: E402
+import nsa.layers.rope as rope  # noqa: E402
+from nsa.layers.rope import apply_rope, rope_table, shared_rope_table  # noqa: E402
 from nsa.ops.triton.rope_layout import rope_layout  # noqa: E402
 
 GEOM = dict(l=4, d=2, l_sel=4, n_sel=2, w=4)
@@ -120,6 +121,26 @@ def test_rope_layout_bad_inputs_name_the_field():
         rope_layout(torch.zeros(1, 2, 28), cos, sin[:1], 1, 1, 4, 4)
 
 
+def test_shared_rope_table_rows_growth_and_retired_tables_kept(monkeypatch):
+    """Rows offset .. offset+T-1 of one table per (device, head_dim, base), grown by doubling; outgrown
+    tables stay referenced (a captured CUDA graph may read them). Values: rope_table's (bit for bit on a
+    GPU, test below; here within cos/sin's rounding, as a CPU's vector loop and scalar tail differ)."""
+    monkeypatch.setattr(rope, "_TABLES", {})
+    monkeypatch.setattr(rope, "_RETIRED", [])
+    monkeypatch.setattr(rope, "MIN_TABLE", 8)
+    dev = torch.device("cpu")
+    cos, sin = shared_rope_table(5, 6, 100.0, 2, dev)
+    ref = rope_table(5, 6, 100.0, offset=2)
+    torch.testing.assert_close((cos, sin), ref, rtol=0, atol=1e-6)
+    first = rope._TABLES[(dev, 6, 100.0)]
+    assert first[0].shape == (8, 3) and cos.data_ptr() == first[0][2:].data_ptr()
+    cos2, _ = shared_rope_table(7, 6, 100.0, 10, dev)            # needs 17 rows: grows to 32
+    assert rope._TABLES[(dev, 6, 100.0)][0].shape == (32, 3) and rope._RETIRED == [first]
+    torch.testing.assert_close(cos2, rope_table(7, 6, 100.0, offset=10)[0], rtol=0, atol=1e-6)
+    shared_rope_table(3, 8, 100.0, 0, dev)                       # another head_dim: its own table
+    assert len(rope._TABLES) == 2 and len(rope._RETIRED) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -131,5 +152,10 @@ def test_gpu_fused_project_matches_torch_path(dtype):
     layer.project_kernel = "auto"
     assert layer._fused_project(layer.qkv_proj(x))
     pos = torch.arange(1000, device="cuda") * 37
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for off in (0, 3, 40000):   # the shared table's rows are the per-call table's bits
+        got, ref = shared_rope_table(1000, 64, layer.rope_base, off, dev), rope_table(1000, 64, layer.rope_base, off,
+                                                                                     device=dev)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     for kw in (dict(offset=0), dict(offset=40000), dict(positions=pos)):
         assert_same(run_project(layer, "torch", x, **kw), run_project(layer, "auto", x, **kw))

@@ -24,7 +24,7 @@ import nsa.ops as nsa_ops
 from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
 from nsa.config import triton_interpreter
-from nsa.layers.rope import apply_rope, rope_table
+from nsa.layers.rope import apply_rope, rope_table, shared_rope_table
 from nsa.ops.common import check_block_geometry
 from nsa.ops.tuning import FlashBranchTuning
 
@@ -150,7 +150,10 @@ class NSAAttention(nn.Module):
             from nsa.ops.triton.rope_layout import rope_layout
             if positions is not None and tuple(positions.shape) != (T,):
                 raise ValueError(f"positions: expected [{T}] (one per token), got {tuple(positions.shape)}")
-            cos, sin = rope_table(T, dk, self.rope_base, offset, positions, y.device)
+            if positions is None and y.is_cuda:   # one table for all layers (bitwise the per-call one)
+                cos, sin = shared_rope_table(T, dk, self.rope_base, offset, y.device)
+            else:
+                cos, sin = rope_table(T, dk, self.rope_base, offset, positions, y.device)
             q, k, v = rope_layout(y, cos, sin, HQ, H, dk, dv)
         else:
             rope = dict(offset=offset, base=self.rope_base, positions=positions)

@@ -31,6 +31,32 @@ def rope_table(T: int, head_dim: int, base: float = 10000.0, offset: int = 0,
     return rope_cos_sin(positions, head_dim, base)
 
 
+_TABLES: dict = {}     # (device, head_dim, base) -> (cos, sin) [L, head_dim // 2] for positions 0 .. L-1
+_RETIRED: list = []    # outgrown tables, kept: a captured CUDA graph may still read them (sizes double: <= 2x)
+MIN_TABLE = 4096
+
+
+def shared_rope_table(T: int, head_dim: int, base: float, offset: int, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_table(T, head_dim, base, offset) on a CUDA device as rows offset .. offset+T-1 of one table per
+    (device, head_dim, base) grown by doubling: the layers of a model (each would rebuild the same tables,
+    ~8 small kernels per layer and pass) share it. The same elementwise fp32 ops per position, so the same
+    bits (a GPU's cos/sin do not depend on where an element sits; a CPU's vectorised loop and its scalar
+    tail may differ, so CPU callers use rope_table). The tensors are made outside inference mode and
+    autograd, read only; none is made for the cache inside a CUDA graph capture (its kernels have not run)."""
+    key, end = (device, head_dim, float(base)), offset + T
+    tab = _TABLES.get(key)
+    if tab is None or tab[0].shape[0] < end:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return rope_table(T, head_dim, base, offset, device=device)
+        with torch.inference_mode(False), torch.no_grad():
+            new = rope_table(max(MIN_TABLE, 1 << (end - 1).bit_length()), head_dim, base, device=device)
+        if tab is not None:
+            _RETIRED.append(tab)
+        _TABLES[key] = tab = new
+    return tab[0][offset:end], tab[1][offset:end]
+
+
 def apply_rope(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
                positions: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate x [B, T, H, D] (D even) at absolute positions offset .. offset+T-1 (or `positions` [T]).
