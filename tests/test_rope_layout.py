@@ -61,12 +61,14 @@ def test_rope_layout_outputs_and_partial_gradients():
     hq, h, dk, dv, B, T = 3, 2, 4, 2, 2, 3
     y = torch.randn(B, T, (hq + 3 * h) * dk + 3 * h * dv, requires_grad=True)
     cos, sin = rope_table(T, dk, 500.0, offset=2)
-    q, k, v = rope_layout(y, cos, sin, hq, h, dk, dv)
+    q, *kv = rope_layout(y, cos, sin, hq, h, dk, dv)
     yq, yk, yv = y.detach().split((hq * dk, 3 * h * dk, 3 * h * dv), dim=-1)
     assert torch.equal(q, apply_rope(yq.reshape(B, T, hq, dk), offset=2, base=500.0))
     k_ref = apply_rope(yk.reshape(B, T, 3, h, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, h, dk), 2, 500.0)
-    assert torch.equal(k, k_ref.view(3, B, T, h, dk))
-    assert torch.equal(v, yv.reshape(B, T, 3, h, dv).permute(2, 0, 1, 3, 4))
+    assert torch.equal(torch.stack(kv[:3]), k_ref.view(3, B, T, h, dk))
+    assert torch.equal(torch.stack(kv[3:]), yv.reshape(B, T, 3, h, dv).permute(2, 0, 1, 3, 4))
+    for t in kv:   # planes of branch-major buffers: each branch contiguous, one buffer per k and v
+        assert t.is_contiguous() and t.untyped_storage().data_ptr() in (kv[0].data_ptr(), kv[3].data_ptr())
     (dy,) = torch.autograd.grad(q.sum(), y)
     assert torch.equal(dy[..., hq * dk:], torch.zeros_like(dy[..., hq * dk:]))
     y_t = y.detach().clone().requires_grad_()

@@ -148,23 +148,28 @@ class NSAAttention(nn.Module):
         # contiguous [B, T, H, *] tensor: kernels index them with their own strides only.
         if self._fused_project(y):   # one kernel: RoPE and both layouts (nsa/ops/triton/rope_layout.py)
             from nsa.ops.triton.rope_layout import rope_layout
-            if positions is not None and tuple(positions.shape) != (T,):
-                raise ValueError(f"positions: expected [{T}] (one per token), got {tuple(positions.shape)}")
-            if positions is None and y.is_cuda:   # one table for all layers (bitwise the per-call one)
-                cos, sin = shared_rope_table(T, dk, self.rope_base, offset, y.device)
-            else:
-                cos, sin = rope_table(T, dk, self.rope_base, offset, positions, y.device)
-            q, k, v = rope_layout(y, cos, sin, HQ, H, dk, dv)
-        else:
-            rope = dict(offset=offset, base=self.rope_base, positions=positions)
-            q_part, k_part, v_part = y.split(self._split, dim=-1)
-            q = apply_rope(q_part.view(B, T, HQ, dk), **rope)
-            k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
-            k = apply_rope(k, **rope).view(3, B, T, H, dk)
-            v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
+            q, k_cmp, k_slc, k_win, v_cmp, v_slc, v_win = rope_layout(
+                y, *self._rope_rows(T, offset, positions, y.device), HQ, H, dk, dv)
+            return Projected(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+        rope = dict(offset=offset, base=self.rope_base, positions=positions)
+        q_part, k_part, v_part = y.split(self._split, dim=-1)
+        q = apply_rope(q_part.view(B, T, HQ, dk), **rope)
+        k = k_part.view(B, T, 3, H, dk).permute(2, 0, 1, 3, 4).reshape(3 * B, T, H, dk)
+        k = apply_rope(k, **rope).view(3, B, T, H, dk)
+        v = v_part.view(B, T, 3, H, dv).permute(2, 0, 1, 3, 4).contiguous()
         k_cmp, k_slc, k_win = k.unbind(0)
         v_cmp, v_slc, v_win = v.unbind(0)
         return Projected(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win)
+
+    def _rope_rows(self, T: int, offset: int, positions: torch.Tensor | None, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, d_k/2] fp32 of the fused project: on CUDA at offset.. rows of the table all layers
+        share (the per-call table's bits), else rope_table's."""
+        if positions is not None and tuple(positions.shape) != (T,):
+            raise ValueError(f"positions: expected [{T}] (one per token), got {tuple(positions.shape)}")
+        if positions is None and device.type == "cuda":
+            return shared_rope_table(T, self.d_k, self.rope_base, offset, device)
+        return rope_table(T, self.d_k, self.rope_base, offset, positions, device)
 
     def _fused_project(self, y: torch.Tensor) -> bool:
         """Whether project runs the fused RoPE/layout kernel on the qkv GEMM output y (project_kernel)."""

@@ -40,20 +40,28 @@ def _cast(x, dtype: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _branch_row(r, i, n_rows, H: tl.constexpr, D: tl.constexpr):
-    """Element offset of rows r (int64 [BLOCK]) of head i (branch i // H, head i % H) in a branch-major
-    [3, n_rows, H, D] tensor."""
-    return ((i // H) * n_rows + r) * (H * D) + (i % H) * D
+def _branch_rows(P0, P1, P2, r, i, H: tl.constexpr, D: tl.constexpr):
+    """Pointers [BLOCK] to rows r (int64) of head i, i.e. head i % H of branch i // H, in that branch's
+    [n_rows, H, D] tensor P0 / P1 / P2."""
+    off = r * (H * D) + (i % H) * D
+    br = i // H
+    if br == 0:
+        p = P0 + off
+    elif br == 1:
+        p = P1 + off
+    else:
+        p = P2 + off
+    return p
 
 
 @triton.jit
-def _rope_layout(Y, COS, SIN, Q, K, V, n_rows, T, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+def _rope_layout(Y, COS, SIN, Q, K0, K1, K2, V0, V1, V2, n_rows, T, HQ: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                  DV: tl.constexpr, HALF_P: tl.constexpr, DV_P: tl.constexpr, BLOCK: tl.constexpr,
                  BWD: tl.constexpr, INTERP: tl.constexpr):
-    """Program (row block, head slot j) between the packed rows Y [n_rows, C] and Q [n_rows, HQ, DK] /
-    K [3, n_rows, H, DK] / V [3, n_rows, H, DV]: slots j < HQ + 3H rotate q head j or k head j - HQ, the
-    3H slots after copy v heads. Forward reads Y and writes Q/K/V; BWD (the transpose) reads their
-    gradients and writes Y's, rotating by -angle (sin negated: the same products, exactly)."""
+    """Program (row block, head slot j) between the packed rows Y [n_rows, C] and Q [n_rows, HQ, DK], the
+    branches' K0..K2 [n_rows, H, DK] and V0..V2 [n_rows, H, DV]: slots j < HQ + 3H rotate q head j or k head
+    j - HQ, the 3H slots after copy v heads. Forward reads Y and writes the rest; BWD (the transpose)
+    reads their gradients and writes Y's, rotating by -angle (sin negated: the same products, exactly)."""
     C: tl.constexpr = (HQ + 3 * H) * DK + 3 * H * DV
     HALF: tl.constexpr = DK // 2
     NROT: tl.constexpr = HQ + 3 * H
@@ -70,7 +78,7 @@ def _rope_layout(Y, COS, SIN, Q, K, V, n_rows, T, HQ: tl.constexpr, H: tl.conste
         if j < HQ:
             split = Q + (r * (HQ * DK) + j * DK)[:, None] + c[None, :]
         else:
-            split = K + _branch_row(r, j - HQ, n_rows, H, DK)[:, None] + c[None, :]
+            split = _branch_rows(K0, K1, K2, r, j - HQ, H, DK)[:, None] + c[None, :]
         if BWD:
             src, dst, sn = split, packed, -sn
         else:
@@ -83,52 +91,57 @@ def _rope_layout(Y, COS, SIN, Q, K, V, n_rows, T, HQ: tl.constexpr, H: tl.conste
         c = tl.arange(0, DV_P)
         m = ok[:, None] & (c[None, :] < DV)
         packed = Y + r[:, None] * C + NROT * DK + (j - NROT) * DV + c[None, :]
-        split = V + _branch_row(r, j - NROT, n_rows, H, DV)[:, None] + c[None, :]
+        split = _branch_rows(V0, V1, V2, r, j - NROT, H, DV)[:, None] + c[None, :]
         if BWD:
             tl.store(packed, tl.load(split, mask=m, other=0.0), mask=m)
         else:
             tl.store(split, tl.load(packed, mask=m, other=0.0), mask=m)
 
 
-def _launch(y, cos, sin, q, k, v, hq: int, h: int, bwd: bool) -> None:
+def _launch(y, cos, sin, q, ks, vs, hq: int, h: int, bwd: bool) -> None:
     """One program per (BLOCK_ROWS rows, head slot): HQ + 3H rotated heads, then 3H value heads."""
     B, T = y.shape[:2]
-    dk, dv = q.shape[-1], v.shape[-1]
+    dk, dv = q.shape[-1], vs[0].shape[-1]
     if B * T == 0:
         return
     grid = (triton.cdiv(B * T, BLOCK_ROWS), hq + 6 * h)
-    _rope_layout[grid](y, cos, sin, q, k, v, B * T, T, HQ=hq, H=h, DK=dk, DV=dv, HALF_P=next_pow2(dk // 2),
+    _rope_layout[grid](y, cos, sin, q, *ks, *vs, B * T, T, HQ=hq, H=h, DK=dk, DV=dv, HALF_P=next_pow2(dk // 2),
                        DV_P=next_pow2(dv), BLOCK=BLOCK_ROWS, BWD=bwd, INTERP=triton_interpreter(), num_warps=4,
                        enable_fp_fusion=False)
 
 
 class _RopeLayout(torch.autograd.Function):
+    """Outputs q and the branches' k and v as planes of two branch-major buffers; backward takes the six
+    branch gradients as they come (no stack into one buffer first)."""
+
     @staticmethod
     def forward(ctx, y, cos, sin, hq, h, dk, dv):
         B, T = y.shape[:2]
         y = y.contiguous()
         q = y.new_empty(B, T, hq, dk)
-        k = y.new_empty(3, B, T, h, dk)
-        v = y.new_empty(3, B, T, h, dv)
-        _launch(y, cos, sin, q, k, v, hq, h, bwd=False)
+        ks = y.new_empty(3, B, T, h, dk).unbind(0)
+        vs = y.new_empty(3, B, T, h, dv).unbind(0)
+        _launch(y, cos, sin, q, ks, vs, hq, h, bwd=False)
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.y_meta = (hq, h), (y.shape, y.dtype)
-        return q, k, v
+        return (q, *ks, *vs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gq, gk, gv):
+    def backward(ctx, gq, *g):
         cos, sin = ctx.saved_tensors
         shape, dtype = ctx.y_meta
         dy = gq.new_empty(shape, dtype=dtype)   # every element written: q, k and v cover y's columns
-        _launch(dy, cos, sin, gq.contiguous(), gk.contiguous(), gv.contiguous(), *ctx.heads, bwd=True)
+        g = [t.contiguous() for t in g]
+        _launch(dy, cos, sin, gq.contiguous(), g[:3], g[3:], *ctx.heads, bwd=True)
         return dy, None, None, None, None, None, None
 
 
 def rope_layout(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_heads: int, n_kv_groups: int,
-                d_k: int, d_v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                d_k: int, d_v: int) -> tuple[torch.Tensor, ...]:
     """y [B, T, HQ*dk + 3H*dk + 3H*dv] (the fused qkv GEMM's output), cos/sin [T, dk/2] fp32 (rope_cos_sin at
-    the tokens' positions) -> (q [B, T, HQ, dk], k [3, B, T, H, dk], v [3, B, T, H, dv]) in y's dtype, q and k
+    the tokens' positions) -> (q [B, T, HQ, dk], k_cmp, k_slc, k_win [B, T, H, dk], v_cmp, v_slc, v_win
+    [B, T, H, dv]) in y's dtype: k_* and v_* are the planes of branch-major [3, B, T, H, *] buffers, q and k
     RoPE'd as apply_rope does (see module doc). Differentiable w.r.t. y (not twice)."""
     if y.dim() != 3 or y.shape[-1] != (n_heads + 3 * n_kv_groups) * d_k + 3 * n_kv_groups * d_v:
         raise ValueError(f"y: expected [B, T, {(n_heads + 3 * n_kv_groups) * d_k + 3 * n_kv_groups * d_v}] "
