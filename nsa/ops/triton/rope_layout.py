@@ -1,13 +1,13 @@
 """RoPE and the branch-major layout of the NSA layer's projections in one pass (NSAAttention.project).
 
 The fused qkv GEMM gives y [B, T, HQ*dk + 3H*dk + 3H*dv] with row blocks [q | k_cmp k_slc k_win |
-v_cmp v_slc v_win]. One forward kernel reads y once and writes
+v_cmp v_slc v_win]. One kernel launch reads y once and writes
   q [B, T, HQ, dk]      RoPE'd
   k [3, B, T, H, dk]    RoPE'd, branch-major (k[c] is branch c's contiguous [B, T, H, dk])
   v [3, B, T, H, dv]    branch-major
-and the backward kernel applies the inverse rotation to dq / dk and scatters dq, dk, dv into one
-dy of y's shape. The torch path it replaces (nsa/layers/rope.py apply_rope plus two permute copies)
-runs ~30 elementwise kernels over fp32 intermediates forward and more backward.
+and in backward the same kernel (BWD) applies the inverse rotation to dq / dk and scatters dq, dk, dv
+into one dy of y's shape. The torch path it replaces (nsa/layers/rope.py apply_rope plus two permute
+copies) runs ~30 elementwise kernels over fp32 intermediates forward and more backward.
 
 Numerics are apply_rope's, bit for bit: the cos/sin tables [T, dk/2] (fp32) come from the same torch
 code (rope_cos_sin), the rotation is x1*cos - x2*sin, x2*cos + x1*sin in fp32 with every product
