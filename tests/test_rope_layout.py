@@ -1,12 +1,14 @@
 """The fused RoPE + branch-major layout kernel of NSAAttention.project (nsa/ops/triton/rope_layout.py)
-against the layer's torch path (apply_rope and the permute copies): the same bits forward and backward.
-CPU through Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py); the gpu test runs natively."""
+against the layer's torch path (apply_rope and the permute copies): the same bits forward and backward;
+also BlockCompressor's copy-free flatten (add_pos). CPU through Triton's interpreter (TRITON_INTERPRET=1,
+tests/conftest.py); the gpu test runs natively."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from nsa.layers.attention import NSAAttention  # noqa: E402
+import nsa.layers.compression as compression  # noqa: E402
 import nsa.layers.rope as rope  # noqa: E402
 from nsa.layers.rope import apply_rope, rope_table, shared_rope_table  # noqa: E402
 from nsa.ops.triton.rope_layout import rope_layout  # noqa: E402
@@ -141,6 +143,31 @@ def test_shared_rope_table_rows_growth_and_retired_tables_kept(monkeypatch):
     torch.testing.assert_close(cos2, rope_table(7, 6, 100.0, offset=10)[0], rtol=0, atol=1e-6)
     shared_rope_table(3, 8, 100.0, 0, dev)                       # another head_dim: its own table
     assert len(rope._TABLES) == 2 and len(rope._RETIRED) == 1
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_contiguous_pos_add_same_bits(kind, dtype, monkeypatch):
+    """BlockCompressor's blocks + pos_emb written contiguous (its flatten a view, add_pos) gives the plain
+    add's compressed tokens and gradients (raw tokens, pos_emb, weights) bit for bit; decode's one block too."""
+    def run():
+        torch.manual_seed(0)
+        phi = compression.BlockCompressor(8, 8, 4, kind).to(dtype)
+        with torch.no_grad():
+            phi.pos_emb.normal_()
+        x = torch.randn(3, 2, 41, 3, 8, dtype=dtype)[1].requires_grad_()   # a branch plane, as project gives
+        y = phi(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype))
+        one = phi.compress_block(x.detach()[:, 8:16])
+        return y, x.grad, {n: p.grad for n, p in phi.named_parameters()}, one
+
+    y, dx, dp, one = run()
+    blocks = compression.unfold_blocks(torch.zeros(1, 12, 2, 4), 8, 4)
+    assert compression.add_pos(blocks, torch.ones(8, 4)).is_contiguous()
+    monkeypatch.setattr(compression, "add_pos", lambda b, p: b + p)        # the plain add (and a copying flatten)
+    y0, dx0, dp0, one0 = run()
+    assert torch.equal(y, y0) and torch.equal(dx, dx0) and torch.equal(one, one0)
+    assert dp.keys() == dp0.keys() and all(torch.equal(dp[n], dp0[n]) for n in dp)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,30 @@ def unfold_blocks(x: torch.Tensor, l: int, d: int) -> torch.Tensor:
     return x.unfold(1, l, d).transpose(-1, -2)
 
 
+class _AddPos(torch.autograd.Function):
+    """blocks [B, N, H, l, D] (unfold_blocks' strided view) + pos [l, D] written into a contiguous tensor, so
+    that flattening each block to l*D is a view. `blocks + pos` would come out in blocks' memory order
+    (B, N, l, H, D) and the flatten would copy it. Backward is autograd's for that add: the gradient
+    itself for blocks, its sum over the broadcast dims (sum_to_size, the same reduction) for pos."""
+
+    @staticmethod
+    def forward(ctx, blocks, pos):
+        ctx.pos_shape = pos.shape
+        return torch.add(blocks, pos, out=blocks.new_empty(blocks.shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.sum_to_size(ctx.pos_shape)
+
+
+def add_pos(blocks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """blocks + pos as a contiguous [B, N, H, l, D] tensor (_AddPos); under torch.compile the plain add,
+    whose layout the compiler chooses itself."""
+    if torch.compiler.is_compiling():
+        return blocks + pos
+    return _AddPos.apply(blocks, pos)
+
+
 class BlockCompressor(nn.Module):
     """phi for one stream: x [B, T, H, D] -> compressed [B, N, H, D]."""
 
@@ -83,7 +107,7 @@ class BlockCompressor(nn.Module):
         B, N, H, l, D = blocks.shape
         if self.kind == "mean":
             return blocks.mean(dim=3)
-        flat = (blocks + self.pos_emb.to(blocks.dtype)).reshape(B, N, H, l * D)
+        flat = add_pos(blocks, self.pos_emb.to(blocks.dtype)).reshape(B, N, H, l * D)   # a view
         if self.kind == "linear":
             return self.proj(flat)
         return blocks.mean(dim=3) + self.fc2(F.silu(self.fc1(flat)))
