@@ -305,7 +305,7 @@ import runpy, sys
 import ray.train.torch as rtt
 orig = rtt.TorchTrainer
 
-class CpuTrainer(orig):   # a class: the project subclasses TorchTrainer (nsa/train/failures.py)
+class CpuTrainer(orig):   # a class: the project subclasses TorchTrainer (nsa/train/ray_trainer.py)
     def __init__(self, loop, *a, torch_config=None, **k):
         def on_cpu(config):
             import torch

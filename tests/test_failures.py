@@ -8,6 +8,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY_PROFILE, tiny_overrides
-from nsa.train.failures import (NotRetried, NoRetryForUserErrors, failure_cause, not_retried, user_cause)
+from nsa.train.failures import NotRetried, failure_cause, not_retried, user_cause
 
 
 def _cfg(**kw):
@@ -106,6 +108,7 @@ def _group_error(failures):
 def test_policy_raises_user_errors_at_once_and_retries_the_rest():
     from ray.train import FailureConfig
     from ray.train.v2._internal.execution.failure_handling import FailureDecision
+    from nsa.train.ray_trainer import NoRetryForUserErrors
     policy = NoRetryForUserErrors(FailureConfig(max_failures=3))
     assert policy.make_decision(_group_error({1: NotRetried("Read-only file system: /r/x")})) == FailureDecision.RAISE
     assert policy.make_decision(_group_error({0: RuntimeError("killed")})) == FailureDecision.RETRY
@@ -260,3 +263,10 @@ def test_damaged_shard_fails_once_naming_it_and_everything_listens_on_loopback(r
     assert sum(r["kind"] == "attempt" for r in recs) == 1          # runtime.max_failures=2, yet no retry
     outside = sorted(s for s in seen if not _loopback(s[0]))
     assert seen and not outside, outside
+
+
+def test_training_loop_imports_without_ray():
+    # the GPU image runs benchmarks and GPU tests through the plain loop with no Ray installed
+    code = "import sys; sys.modules['ray'] = None; import nsa.train.loop, nsa.train.failures"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

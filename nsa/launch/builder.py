@@ -358,7 +358,7 @@ def build_trainer(cfg: RunConfig, run_dir: Path, datasets: dict[str, Any], *,
     from ray.data import ExecutionOptions
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from nsa.train.failures import NsaTorchTrainer     # user errors in a worker are not retried
+    from nsa.train.ray_trainer import NsaTorchTrainer    # user errors in a worker are not retried
     from nsa.train.ray_loop import train_loop_per_worker
     from nsa.train.rendezvous import LoopbackTorchConfig  # torch's store on 127.0.0.1 with a local instance
     n = resolve_num_workers(cfg)

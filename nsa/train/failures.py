@@ -5,7 +5,8 @@ killed or preempted worker, a transient hang or a flaky node; it cannot help a u
 same way again: a run dir or storage that refuses writes (read-only, full, no permission), a corrupt data
 shard, too little data for one batch. Those are raised in the worker as ``NotRetried`` carrying their
 cause as one line (``not_retried`` wraps the training function), and ``NoRetryForUserErrors`` (the
-failure policy the controller runs, installed by ``NsaTorchTrainer``) ends the run on them at once.
+failure policy the controller runs, installed by ``NsaTorchTrainer``; both in nsa/train/ray_trainer.py,
+so that this module imports without Ray) ends the run on them at once.
 
 In the driver ``failure_cause`` turns Ray's ``WorkerGroupError`` (whose own first line is "Training failed
 due to worker errors:") into the cause: a NotRetried message, else a stall that ended a worker with no
@@ -85,35 +86,6 @@ def not_retried_failures(error: BaseException) -> list[str]:
     """The NotRetried messages among a WorkerGroupError's worker failures (by rank)."""
     failures = getattr(error, "worker_failures", None) or {}
     return [str(e) for _, e in sorted(failures.items()) if isinstance(e, NotRetried)]
-
-
-def _policy_base() -> type:
-    from ray.train.v2._internal.execution.failure_handling import DefaultFailurePolicy
-    return DefaultFailurePolicy
-
-
-class NoRetryForUserErrors(_policy_base()):   # type: ignore[misc]
-    """Ray's default policy, except that a worker group failing with NotRetried is raised at once."""
-
-    def make_decision(self, training_failed_error: Any) -> Any:
-        from ray.train.v2._internal.execution.failure_handling import FailureDecision
-        if not_retried_failures(training_failed_error):
-            return FailureDecision.RAISE
-        return super().make_decision(training_failed_error)
-
-
-def _trainer_base() -> type:
-    from ray.train.torch import TorchTrainer
-    return TorchTrainer
-
-
-class NsaTorchTrainer(_trainer_base()):   # type: ignore[misc]
-    """TorchTrainer whose controller runs NoRetryForUserErrors. Ray 2.60 builds the policy in the driver
-    and hands it to the controller actor here; tests/test_failures.py fails if that hook moves."""
-
-    def _initialize_and_run_controller(self, **kw: Any) -> Any:
-        kw["failure_policy"] = NoRetryForUserErrors(self.run_config.failure_config)
-        return super()._initialize_and_run_controller(**kw)
 
 
 # ------------------------------------------------------------------------------------------ driver side
