@@ -49,6 +49,13 @@ def test_fused_project_matches_torch_path_bit_for_bit(dtype, dk, dv):
     assert_same(run_project(layer, "torch", x, offset=3), run_project(layer, "triton", x, offset=3))
 
 
+def test_fused_project_several_row_blocks():
+    """B*T = 150 rows: three programs of 64 rows per head (block_rows), the last one partial."""
+    layer = make_layer(4, 2, hq=2, h=1, dtype=torch.bfloat16)
+    x = torch.randn(2, 75, 16, dtype=torch.bfloat16)
+    assert_same(run_project(layer, "torch", x, offset=1), run_project(layer, "triton", x, offset=1))
+
+
 def test_fused_project_device_positions_and_long_offsets():
     layer = make_layer(hq=2, h=1, dtype=torch.bfloat16)
     x = torch.randn(1, 3, 16, dtype=torch.bfloat16)

@@ -25,7 +25,13 @@ from ...config import triton_interpreter
 from ._utils import next_pow2
 
 SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_ROWS = 64   # tokens per program; one program moves one head of them (grid: row blocks x heads)
+TILE = 4096   # elements of a program's widest tile [rows, max(dk/2, dv)]: 32 per thread at 4 warps
+
+
+def block_rows(dk: int, dv: int) -> int:
+    """Tokens per program (one program moves one head of them; grid: row blocks x heads): 64 at d_k = d_v
+    = 64, fewer for wider heads so the tiles stay in registers."""
+    return max(16, min(64, TILE // next_pow2(max(dk // 2, dv))))
 
 
 @triton.jit
@@ -99,14 +105,15 @@ def _rope_layout(Y, COS, SIN, Q, K0, K1, K2, V0, V1, V2, n_rows, T, HQ: tl.const
 
 
 def _launch(y, cos, sin, q, ks, vs, hq: int, h: int, bwd: bool) -> None:
-    """One program per (BLOCK_ROWS rows, head slot): HQ + 3H rotated heads, then 3H value heads."""
+    """One program per (block_rows tokens, head slot): HQ + 3H rotated heads, then 3H value heads."""
     B, T = y.shape[:2]
     dk, dv = q.shape[-1], vs[0].shape[-1]
     if B * T == 0:
         return
-    grid = (triton.cdiv(B * T, BLOCK_ROWS), hq + 6 * h)
+    rows = block_rows(dk, dv)
+    grid = (triton.cdiv(B * T, rows), hq + 6 * h)
     _rope_layout[grid](y, cos, sin, q, *ks, *vs, B * T, T, HQ=hq, H=h, DK=dk, DV=dv, HALF_P=next_pow2(dk // 2),
-                       DV_P=next_pow2(dv), BLOCK=BLOCK_ROWS, BWD=bwd, INTERP=triton_interpreter(), num_warps=4,
+                       DV_P=next_pow2(dv), BLOCK=rows, BWD=bwd, INTERP=triton_interpreter(), num_warps=4,
                        enable_fp_fusion=False)
 
 
