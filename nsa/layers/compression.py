@@ -53,7 +53,7 @@ class _AddPos(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.sum_to_size(ctx.pos_shape)
+        return grad, (grad.sum_to_size(ctx.pos_shape) if ctx.needs_input_grad[1] else None)
 
 
 def add_pos(blocks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
