@@ -115,15 +115,24 @@ def test_passkey_fraction_is_validated_with_one_line_naming_the_field():
     assert dense.model.attention == "dense" and dense.data == cfg.data and dense.train == cfg.train
 
 
-def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tmp_path):
-    """pipelines/configs/passkey_cpu.yaml, a few dozen steps on the loop without Ray (conftest.run_local), then
-    pipelines/evaluate.py on its checkpoint: the JSON's passkey table covers every (length, depth)."""
+def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tmp_path, monkeypatch):
+    """pipelines/configs/passkey_cpu.yaml, a few dozen steps on the loop without Ray (conftest.run_local), the
+    batches it trained on holding passkey rows, then pipelines/evaluate.py on its checkpoint: the JSON's passkey
+    table covers every (length, depth)."""
     from conftest import run_local
+    seen, mix = [], PK.mix_rows
+
+    def spy(*args, **kw):
+        out = mix(*args, **kw)
+        seen.extend(bytes(r[:len(core.PREFIX)].tolist()) == core.PREFIX.encode() for r in out)
+        return out
+    monkeypatch.setattr(PK, "mix_rows", spy)
     cfg, _ = resolve_config(CPU_PROFILE, [f"data.path={data}", f"logging.root={tmp_path / 'runs'}", "logging.name=pk",
                                           "logging.mlflow=false", "logging.csv=false"], env={})
     assert cfg.data.passkey_fraction > 0 and cfg.train.steps >= 24
     result, run_dir = run_local(cfg)
     assert result["status"] == "completed" and result["step"] == cfg.train.steps, result
+    assert len(seen) >= cfg.train.steps * cfg.train.batch_size and 0 < sum(seen) < len(seen)
     cli = load_entry_point(PIPELINES / "evaluate.py")
     assert cli.main(["--checkpoint", run_dir, "--lengths", "320", "--max-tokens", "640", "--passkey-lengths", "256",
                      "320", "--depths", "0", "1", "--trials", "2", "--device", "cpu", "--no-mlflow"]) == 0
