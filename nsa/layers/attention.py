@@ -23,7 +23,7 @@ from torch import nn
 import nsa.ops as nsa_ops
 from nsa.layers.cache import NSAKVCache, StaticNSACache
 from nsa.layers.compression import COMPRESSION_KINDS, BlockCompressor
-from nsa.config import triton_interpreter
+from nsa.config.env import triton_interpreter
 from nsa.layers.rope import apply_rope, rope_table, shared_rope_table
 from nsa.ops.common import check_block_geometry
 from nsa.ops.tuning import FlashBranchTuning

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ...config import triton_interpreter
+from ...config.env import triton_interpreter
 from ._utils import next_pow2
 
 SUPPORTED = (torch.float16, torch.bfloat16, torch.float32)
