@@ -1,7 +1,7 @@
 """The fused RoPE + branch-major layout kernel of NSAAttention.project (nsa/ops/triton/rope_layout.py)
 against the layer's torch path (apply_rope and the permute copies): the same bits forward and backward;
-also BlockCompressor's copy-free flatten (add_pos). CPU through Triton's interpreter (TRITON_INTERPRET=1,
-tests/conftest.py); the gpu test runs natively."""
+also BlockCompressor's copy-free flatten (add_pos). On CUDA where present, else on CPU through Triton's
+interpreter (TRITON_INTERPRET=1, tests/conftest.py); the gpu test adds production head shapes."""
 import pytest
 import torch
 
@@ -14,11 +14,13 @@ from nsa.layers.rope import apply_rope, rope_table, shared_rope_table  # noqa: E
 from nsa.ops.triton.rope_layout import rope_layout  # noqa: E402
 
 GEOM = dict(l=4, d=2, l_sel=4, n_sel=2, w=4)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+OP = "auto" if DEV == "cuda" else "torch"   # the op's deterministic choice at these sizes either way
 
 
-def make_layer(dk=8, dv=6, hq=4, h=2, dtype=torch.float32, device="cpu", **over):
+def make_layer(dk=8, dv=6, hq=4, h=2, dtype=torch.float32, device=DEV, **over):
     torch.manual_seed(0)
-    kw = dict(dim=16, n_heads=hq, n_kv_groups=h, d_k=dk, d_v=dv, backend="torch", **GEOM)
+    kw = dict(dim=16, n_heads=hq, n_kv_groups=h, d_k=dk, d_v=dv, backend=OP, **GEOM)
     return NSAAttention(**{**kw, **over}).to(device=device, dtype=dtype)
 
 
@@ -45,21 +47,21 @@ def assert_same(a, b):
 @pytest.mark.parametrize("dk,dv", [(8, 6), (6, 8)])   # a non-power-of-two half (3) and value width (6)
 def test_fused_project_matches_torch_path_bit_for_bit(dtype, dk, dv):
     layer = make_layer(dk, dv, dtype=dtype)
-    x = torch.randn(2, 5, 16, dtype=dtype)
+    x = torch.randn(2, 5, 16, dtype=dtype, device=DEV)
     assert_same(run_project(layer, "torch", x, offset=3), run_project(layer, "triton", x, offset=3))
 
 
 def test_fused_project_several_row_blocks():
     """B*T = 150 rows: three programs of 64 rows per head (block_rows), the last one partial."""
     layer = make_layer(4, 2, hq=2, h=1, dtype=torch.bfloat16)
-    x = torch.randn(2, 75, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 75, 16, dtype=torch.bfloat16, device=DEV)
     assert_same(run_project(layer, "torch", x, offset=1), run_project(layer, "triton", x, offset=1))
 
 
 def test_fused_project_device_positions_and_long_offsets():
     layer = make_layer(hq=2, h=1, dtype=torch.bfloat16)
-    x = torch.randn(1, 3, 16, dtype=torch.bfloat16)
-    pos = torch.tensor([70000, 5, 123456])   # angles far from 0: the fp32 tables must be apply_rope's
+    x = torch.randn(1, 3, 16, dtype=torch.bfloat16, device=DEV)
+    pos = torch.tensor([70000, 5, 123456], device=DEV)   # angles far from 0: the fp32 tables must be apply_rope's
     assert_same(run_project(layer, "torch", x, positions=pos), run_project(layer, "triton", x, positions=pos))
     assert_same(run_project(layer, "torch", x, offset=65531), run_project(layer, "triton", x, offset=65531))
 
@@ -68,8 +70,8 @@ def test_rope_layout_outputs_and_partial_gradients():
     """The function alone: q/k/v equal apply_rope + the permute copies; a loss on q alone gives dy zero in
     the k and v columns (every column of dy is written, none left uninitialised)."""
     hq, h, dk, dv, B, T = 3, 2, 4, 2, 2, 3
-    y = torch.randn(B, T, (hq + 3 * h) * dk + 3 * h * dv, requires_grad=True)
-    cos, sin = rope_table(T, dk, 500.0, offset=2)
+    y = torch.randn(B, T, (hq + 3 * h) * dk + 3 * h * dv, device=DEV, requires_grad=True)
+    cos, sin = rope_table(T, dk, 500.0, offset=2, device=DEV)
     q, *kv = rope_layout(y, cos, sin, hq, h, dk, dv)
     yq, yk, yv = y.detach().split((hq * dk, 3 * h * dk, 3 * h * dv), dim=-1)
     assert torch.equal(q, apply_rope(yq.reshape(B, T, hq, dk), offset=2, base=500.0))
@@ -86,10 +88,10 @@ def test_rope_layout_outputs_and_partial_gradients():
 
 
 def test_layer_forward_backward_and_decode_same_with_fused_project():
-    """The whole layer (torch op backend) computes the same y and parameter gradients on either project
-    path, and decode at an offset (positions cache.length ..) as well."""
+    """The whole layer computes the same y and parameter gradients on either project path, and decode at
+    an offset (positions cache.length ..) as well."""
     layer = make_layer(dtype=torch.float32)
-    x = torch.randn(1, 12, 16)
+    x = torch.randn(1, 12, 16, device=DEV)
     res = {}
     for mode in ("torch", "triton"):
         layer.project_kernel = mode
@@ -108,15 +110,16 @@ def test_layer_forward_backward_and_decode_same_with_fused_project():
 
 def test_project_kernel_choice_and_errors(monkeypatch):
     layer = make_layer()
-    y = torch.zeros(1, 2, sum(layer._split))
-    assert not layer._fused_project(y)                      # auto: torch on CPU
+    y = torch.zeros(1, 2, sum(layer._split), device=DEV)
+    assert layer._fused_project(y) == (DEV == "cuda")      # auto: the kernel on CUDA, torch on CPU
+    assert not layer._fused_project(y.double())            # fp64 stays on torch
     layer.project_kernel = "triton"
-    assert layer._fused_project(y)                          # forced, through the interpreter
+    assert layer._fused_project(y)                          # forced (on CPU through the interpreter)
     with pytest.raises(ValueError, match="positions"):
-        layer.project(torch.zeros(1, 2, 16), positions=torch.arange(3))
+        layer.project(torch.zeros(1, 2, 16, device=DEV), positions=torch.arange(3, device=DEV))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="project_kernel='triton' needs"):
-        layer._fused_project(y)
+        layer._fused_project(y.cpu())
     layer.project_kernel = "fast"
     with pytest.raises(ValueError, match="project_kernel='fast'"):
         layer._fused_project(y)
