@@ -96,18 +96,21 @@ def test_same_rows_after_a_resume_and_other_rows_per_seed_and_rank(data):
     assert any(not np.array_equal(a[:, :40], b[:, :40]) for a, b in zip(r0, r1))
 
 
-def test_passkey_fraction_is_validated_with_one_line_naming_the_field():
+def test_passkey_fraction_is_validated_with_one_line_naming_the_field(data, tmp_path, run_train):
     tiny = str(PIPELINES / "configs" / "tiny_cpu.yaml")
     for over, words in ((["data.passkey_fraction=1.5"], "data.passkey_fraction=1.5 must be in [0, 1]"),
                         (["data.passkey_fraction=-0.1"], "data.passkey_fraction=-0.1 must be in [0, 1]"),
-                        (["data.passkey_fraction=0.5", "data.source=synthetic"], "needs data.source=parquet"),
-                        (["data.passkey_fraction=0.5", "train.seq_len=200"], "train.seq_len=200 is shorter than a "
-                         "passkey document (249 tokens")):
+                        (["data.passkey_fraction=0.5", "data.source=synthetic"], "needs data.source=parquet")):
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             resolve_config(tiny, over, env={})
         assert "\n" not in str(e.value)
+    # a document longer than a row: refused before Ray starts (run_train fails the test if Ray is reached)
+    code, err, _ = run_train("--config", CPU_PROFILE, f"data.path={data}", f"logging.root={tmp_path}", "train.seq_len=200")
+    lines = [ln for ln in err.splitlines() if "train.seq_len=200" in ln]
+    assert code == 2 and len(lines) == 1 and "shorter than a passkey document (249 tokens" in lines[0], err
+    from nsa.launch.preflight import check_passkey
     cfg, _ = resolve_config(tiny, ["train.seq_len=200"], env={})     # off (the default): no constraint
-    assert cfg.data.passkey_fraction == 0.0
+    assert cfg.data.passkey_fraction == 0.0 and check_passkey(cfg) is None
     cfg, src = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), env={})
     assert (cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers, cfg.model.attention) == (32768, 768, 12, "nsa")
     assert 0 < cfg.data.passkey_fraction < 1 and cfg.runtime.use_gpu and src["data.passkey_fraction"].startswith("yaml")

@@ -321,9 +321,6 @@ class RunConfig:
                  "nsa: the dense twin has no context-parallel path (set runtime.context_parallel=1)")
         _require(self.train.seq_len >= cp, f"train.seq_len={self.train.seq_len} is shorter than "
                  f"runtime.context_parallel={cp}: every rank must hold a position; lower runtime.context_parallel")
-        if self.data.passkey_fraction > 0 and self.data.tokenizer == "byte":   # gpt2's count needs its file: at start
-            from nsa.data.passkey import seq_len_error
-            _require(seq_len_error(self.train.seq_len) is None, str(seq_len_error(self.train.seq_len)))
         if self.runtime.precision == "fp16" and not self.runtime.use_gpu:
             raise ConfigError("runtime.precision=fp16 needs GPUs (runtime.use_gpu=true); use bf16 or fp32 on CPU")
         _require(not self.logging.memory_snapshot_steps or self.runtime.use_gpu, "logging.memory_snapshot_steps "

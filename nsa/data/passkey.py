@@ -27,12 +27,9 @@ DIGITS = 5            # the evaluation's default --digits
 MIN_SHARE = 8         # documents are seq_len // MIN_SHARE .. seq_len tokens long (all at least the prompt itself)
 
 
-def seq_len_error(seq_len: int, tok: Any = None) -> str | None:
-    """One line naming train.seq_len when a passkey document cannot fit one row (``tok`` None: the byte
-    tokenizer, which config validation uses); None when it fits."""
-    if tok is None:
-        from nsa.data.tokenizers import get_tokenizer
-        tok = get_tokenizer("byte")
+def seq_len_error(seq_len: int, tok: Any) -> str | None:
+    """One line naming train.seq_len when a passkey document cannot fit one row; None when it fits (checked
+    before Ray starts, nsa/launch/preflight.py, and again where the rows are made)."""
     need = passkey_overhead(tok, DIGITS)
     if seq_len >= need:
         return None

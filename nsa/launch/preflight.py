@@ -5,6 +5,7 @@
 - too little data: a rank whose share of the train tokens is under one batch produces no batch, in
   every attempt. The manifest knows the token count: fewer than ``workers x batch_size x (seq_len+1)``
   in all means some rank gets less than one batch.
+- a passkey document (data.passkey_fraction > 0) longer than ``train.seq_len`` with the run's tokenizer.
 - too little memory: a step's activations grow with ``batch_size x seq_len``; Ray's memory monitor kills an
   over-sized CPU run minutes later. The estimate (``train_bytes``) errs low rather than high: it refuses
   requests off by orders of magnitude (``train.seq_len=1048576`` on the CPU profile: ~100s of GiB), not
@@ -142,11 +143,22 @@ def check_memory(cfg: Any, free: Optional[int] = None) -> None:
                     "train.batch_size (train.accumulate keeps the tokens per step)")
 
 
+def check_passkey(cfg: Any) -> None:
+    """data.passkey_fraction > 0: one passkey document (its length depends on the tokenizer) must fit train.seq_len."""
+    if cfg.data.passkey_fraction > 0:
+        from nsa.data.passkey import seq_len_error
+        from nsa.data.tokenizers import get_tokenizer
+        err = seq_len_error(cfg.train.seq_len, get_tokenizer(cfg.data.tokenizer, tiktoken_path=cfg.data.tiktoken_path))
+        if err:
+            raise UserError(err)
+
+
 def preflight(cfg: Any) -> None:
     """All of the above, in validate_inputs after the paths are absolute."""
     check_storage_root(cfg)
+    check_passkey(cfg)
     check_data_tokens(cfg)
     check_memory(cfg)
 
 
-__all__ = ["preflight", "check_storage_root", "check_data_tokens", "check_memory", "train_bytes"]
+__all__ = ["preflight", "check_storage_root", "check_passkey", "check_data_tokens", "check_memory", "train_bytes"]
