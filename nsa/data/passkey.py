@@ -42,12 +42,12 @@ def row_rng(seed: int, epoch: int, rank: int, batch: int, row: int) -> random.Ra
     return random.Random(f"passkey/{seed}/{epoch}/{rank}/{batch}/{row}")
 
 
-def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> tuple[list[int], str]:
-    """(ids of one passkey document ending with its key, the key): length uniform in
-    [max(prompt, seq_len // MIN_SHARE), seq_len] tokens, depth uniform in [0, 1]."""
+def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> list[int]:
+    """Ids of one passkey document, ending with its key: length uniform in [max(prompt, seq_len // MIN_SHARE),
+    seq_len] tokens, depth uniform in [0, 1], a fresh ``digits``-digit key."""
     lo = max(passkey_overhead(tok, digits), seq_len // MIN_SHARE)
     length, depth, key = rng.randint(lo, seq_len), rng.random(), random_key(rng, digits)
-    return passkey_prompt(tok, length, depth, key)[0], key
+    return passkey_prompt(tok, length, depth, key)[0]
 
 
 def mix_rows(batch: np.ndarray, tok: Any, fraction: float, *, seed: int, epoch: int, rank: int,
@@ -60,7 +60,7 @@ def mix_rows(batch: np.ndarray, tok: Any, fraction: float, *, seed: int, epoch: 
         rng = row_rng(seed, epoch, rank, index, r)
         if rng.random() >= fraction:
             continue
-        ids, _ = passkey_doc(tok, seq_len, rng)
+        ids = passkey_doc(tok, seq_len, rng)
         if out is batch:
             out = batch.copy()
         out[r, :len(ids)] = ids
