@@ -101,3 +101,37 @@ def test_the_signature_keeps_decisions_apart():
         nsa_attention(**x, l=8, d=4, l_sel=8, n_sel=2, w=8, tuning=PRESETS["cpu"].replace())
         assert tally.planning["decide"] == 4
     assert not eager._CALLS   # the stand-ins' decisions are forgotten
+
+
+# ------------------------------------------------------------------------------------------------ decode
+@pytest.fixture(scope="module", params=[("op", 1), ("op", 16), ("layer", 1)])
+def decode_measured(request):
+    form, B = request.param
+    return host_cost.measure_decode(65536, B, family="sm90", calls=3, form=form)
+
+
+def test_a_repeated_decode_call_decides_nothing(decode_measured):
+    """The first call validates, resolves the policy, builds the launcher and plans its geometry; the next ones
+    none of it, but the layer's (one token further each) a new geometry every l_sel tokens (plan_caps)."""
+    first = decode_measured["first_planning"]
+    assert (first["decode_decide"], first["decode_launcher"], first["decode_geometry"]) == (1, 1, 1), first
+    again = decode_measured["planning"]
+    if decode_measured["form"] == "op":
+        assert again == {}, again
+    else:
+        steps = 2 * 3 + host_cost.DECODE_HP["d"]   # timed, profiled and counted calls
+        assert set(again) <= {"decode_geometry"} and again.get("decode_geometry", 0) <= 1 + steps // 64, again
+
+
+def test_a_decode_call_launches_four_kernels_and_allocates_its_outputs(decode_measured):
+    """Per call: the four decode kernels, the outputs o and block_idx allocated (the split-K scratch is kept),
+    no other torch op in the op; the layer adds its cache writes (k, v of three streams: 6 copies), the six
+    views and, every d steps, one compression (unfold and the stand-in phi per k / v)."""
+    assert decode_measured["kernels"] == {k: 1 for k in ("_cmp_kernel", "_score_kernel", "_slc_win_kernel",
+                                                          "_combine_kernel")}
+    assert decode_measured["launches_timed"] == 4
+    d = host_cost.DECODE_HP["d"]
+    if decode_measured["form"] == "op":
+        assert decode_measured["ops"] == {"aten.empty": 2}
+    else:
+        assert decode_measured["compute_ops"] == {"aten.copy_": 6 + 2 / d, "aten.unfold": 2 / d, "aten.mean": 2 / d}

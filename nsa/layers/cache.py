@@ -58,10 +58,12 @@ class _AppendBuffer:
 
     def append(self, xs: list[torch.Tensor]) -> None:
         n = xs[0].shape[1]
-        self._ensure(xs, self.length + n)
+        if not self.bufs or self.length + n > self.capacity:
+            self._ensure(xs, self.length + n)
+        at = self.length
         for buf, x in zip(self.bufs, xs):
-            buf[:, self.length: self.length + n].copy_(x.detach())
-        self.length += n
+            buf[:, at: at + n].copy_(_untracked(x))
+        self.length = at + n
 
     def views(self) -> list[torch.Tensor]:
         return [b[:, : self.length] for b in self.bufs]
@@ -198,6 +200,11 @@ class NSAKVCache:
         return last - first
 
 
+def _untracked(x: torch.Tensor) -> torch.Tensor:
+    """x without autograd history (an op only where autograd tracks x: a decode step under no_grad skips it)."""
+    return x.detach() if x.requires_grad else x
+
+
 class StaticNSACache:
     """Fixed-capacity decode state of one NSA layer for CUDA-graph replay.
 
@@ -231,6 +238,8 @@ class StaticNSACache:
         for name, rows in (("slc", self.capacity), ("win", self.w), ("raw", self.l), ("cmp", n_cmp)):
             self.bufs[f"k_{name}"] = k.new_zeros(B, rows, H, dk)
             self.bufs[f"v_{name}"] = v.new_zeros(B, rows, H, dv)
+        # ring rows of positions pos - l + 1 .. pos are (pos + ring_off) % l: one add and one mod per step
+        self.ring_off = torch.arange(1 - self.l, 1, device=k.device)
 
     def prefill(self, k_cmp_raw: torch.Tensor, v_cmp_raw: torch.Tensor, k_slc: torch.Tensor,
                 v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, k_cmp: torch.Tensor,
@@ -274,15 +283,13 @@ class StaticNSACache:
         for name, x, rows in (("slc", (k_slc, v_slc), None), ("win", (k_win, v_win), self.w),
                               ("raw", (k_cmp_raw, v_cmp_raw), l)):
             at = pos if rows is None else pos % rows
-            self.bufs[f"k_{name}"].index_copy_(1, at, x[0].detach())
-            self.bufs[f"v_{name}"].index_copy_(1, at, x[1].detach())
-        ring_rows = (pos - l + 1 + torch.arange(l, device=pos.device)) % l        # positions pos-l+1..pos
+            self.bufs[f"k_{name}"].index_copy_(1, at, _untracked(x[0]))
+            self.bufs[f"v_{name}"].index_copy_(1, at, _untracked(x[1]))
+        ring_rows = (pos + self.ring_off) % l                                    # positions pos-l+1..pos
         k_new = phi_k(self.k_raw.index_select(1, ring_rows))
         v_new = phi_v(self.v_raw.index_select(1, ring_rows))
-        done = pos + 1 - l                                                        # [1]
-        n_after = torch.where(done >= 0, torch.div(done, d, rounding_mode="floor") + 1, 0)
-        emit = ((done >= 0) & (done % d == 0)).to(pos.dtype)
-        row = n_after - emit
+        # row N(pos+1) - [a block completes at pos] = max(0, ceil((pos + 1 - l) / d)), in integers: [1]
+        row = torch.div(pos + (d - l), d, rounding_mode="floor").clamp_(min=0)
         self.k_cmp.index_copy_(1, row, k_new.to(self.k_cmp.dtype))
         self.v_cmp.index_copy_(1, row, v_new.to(self.v_cmp.dtype))
 

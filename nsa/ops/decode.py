@@ -5,17 +5,26 @@ prefill run the same arithmetic and choose the same blocks. On CUDA with triton,
 decode kernel (nsa/ops/triton/decode.py nsa_decode_triton) is used. Positions in device tensors
 (the CUDA-graph form, NSAAttention.decode_static) need that kernel: pass
 KernelPolicy.for_device_positions(device, dtype) as the backend.
+
+Everything decided before the kernels (validation but the lengths, the policy, the tuning, the scale, the
+backend and the Triton launcher) depends on the call's signature only (decode_signature: shapes but the caches'
+lengths, strides, dtypes, devices; the hyper-parameters, backend and tuning): decided on a signature's first call
+and kept (_Call), so a repeated call -- the layer's, whose cache grows by a token per step, too -- checks the
+positions against the lengths and goes to the kernels (tests/test_decode_host.py).
 """
 from __future__ import annotations
 
 import importlib
+import functools
 from collections.abc import Callable
 
 import torch
 
+from . import dispatch
 from .batched import nsa_torch
-from .common import NSAParams, safe_scale, validate_inputs
+from .common import _NAMES, NSAParams, safe_scale, validate_inputs
 from .dispatch import KernelPolicy, _check_requested, cached_policy, triton_module
+from .eager import _Call
 from .fallbacks import count_fallback
 from .reference import nsa_reference
 from .tuning import KernelTuning
@@ -47,6 +56,36 @@ def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object, win
                              f"{tuple(x.shape)} on {x.device}")
 
 
+def decode_signature(t: tuple) -> tuple | None:
+    """What a decode call's decisions depend on of its eight tensors (q .. gates): q's and gates' type, shape,
+    strides, dtype, device; the same of the six caches but their lengths (dim 1), of which only whether they are
+    empty. None where a tensor has no such attributes (validation names it)."""
+    q, gates = t[0], t[7]
+    try:
+        return ((type(q), q.shape, q.stride(), q.dtype, q.device),
+                (type(gates), gates.shape, gates.stride(), gates.dtype, gates.device),
+                *((type(x), (s := x.shape)[0], s[2:], s[1] > 0, x.stride(), x.dtype, x.device) for x in t[1:7]))
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        return None
+
+
+# a signature's decisions, as eager.py keeps the prefill op's: run(tensors, pos0, win_pos0, launch_info) here
+_CALLS: dict[tuple, _Call] = {}
+MAX_CALLS = 256   # signatures kept (a few per layer shape); more: start over
+
+
+def _lengths_ok(t: tuple, pos0, win_pos0, l: int, d: int, w: int) -> bool:
+    """The int positions fit the lengths (common._validate_lengths' rules, decode form); False sends the call
+    through validate_inputs, which names what is wrong."""
+    if type(pos0) is not int or type(win_pos0) is not int or pos0 < 0 or win_pos0 < 0:
+        return False
+    S = pos0 + t[0].shape[1]
+    n_cmp = t[1].shape[1]
+    return (t[3].shape[1] == S == t[4].shape[1] and win_pos0 + t[5].shape[1] == S == win_pos0 + t[6].shape[1]
+            and win_pos0 <= max(0, pos0 - w + 1) and n_cmp == t[2].shape[1]
+            and n_cmp >= (0 if S < l else (S - l) // d + 1))
+
+
 def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
                v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
                pos0: int | torch.Tensor, win_pos0: int | torch.Tensor | None, l: int, d: int,
@@ -67,12 +106,33 @@ def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc:
     KernelPolicy.for_device_positions). tuning: launch parameters (None: the policy's).
     launch_info: a dict the triton kernel fills with kernel name -> compiled kernel (diagnostics).
     """
+    t = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    on_device = isinstance(pos0, torch.Tensor) or isinstance(win_pos0, torch.Tensor)
+    rest = (l, d, l_sel, n_sel, w, scale, win_ring, on_device)
+    sig = decode_signature(t)
+    key = None if sig is None else (sig, backend if isinstance(backend, str) else id(backend), id(tuning), rest,
+                                    tuple(map(type, rest)), triton_module())
+    call = _CALLS.get(key) if key is not None else None
+    if call is None or call.policy_key is not None and dispatch._cache.get(call.policy_key) is not call.policy:
+        call = _decide(t, backend, tuning, rest, key, pos0, win_pos0)
+    elif on_device:
+        _check_device_positions(q, pos0, win_pos0, win_ring)
+    elif not _lengths_ok(t, pos0, win_pos0, l, d, w):
+        validate_inputs(dict(zip(_NAMES, t)), NSAParams(l, d, l_sel, n_sel, w), pos0=pos0, win_pos0=win_pos0,
+                        decode=True)   # raises, naming the field
+    for name in call.counts:
+        count_fallback(name)
+    return call.run(t, pos0, win_pos0, launch_info)
+
+
+def _decide(t: tuple, backend, tuning, rest: tuple, key: tuple | None, pos0, win_pos0) -> _Call:
+    """A signature's first call: validation, policy, tuning, scale and backend (the Triton launcher), kept
+    under key when given."""
+    l, d, l_sel, n_sel, w, scale, win_ring, on_device = rest
+    q = t[0]
     p = NSAParams(l, d, l_sel, n_sel, w)
-    tensors = dict(q=q, k_cmp=k_cmp, v_cmp=v_cmp, k_slc=k_slc, v_slc=v_slc, k_win=k_win,
-                   v_win=v_win, gates=gates)
     if not isinstance(backend, KernelPolicy):
         _check_requested(backend)
-    on_device = isinstance(pos0, torch.Tensor) or isinstance(win_pos0, torch.Tensor)
     if isinstance(win_ring, bool) or not isinstance(win_ring, int) or win_ring < 0:
         raise ValueError(f"win_ring must be a non-negative int (0 = linear window buffer), got {win_ring!r}")
     if win_ring and not on_device:
@@ -81,32 +141,66 @@ def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc:
     if win_ring and win_ring < w + q.shape[1] - 1:
         raise ValueError(f"win_ring={win_ring} must be >= w + Tq - 1 = {w + q.shape[1] - 1} so every "
                          "query's window is still in the ring")
-    validate_inputs(tensors, p, pos0=0 if on_device else pos0,
+    validate_inputs(dict(zip(_NAMES, t)), p, pos0=0 if on_device else pos0,
                     win_pos0=0 if on_device else win_pos0, decode=True, check_lengths=not on_device)
     sc = safe_scale(scale, q.shape[-1])
-    policy = backend if isinstance(backend, KernelPolicy) else cached_policy(backend, q.device, q.dtype)
-    tuning = tuning or policy.tuning
+    policy_key = None
+    if isinstance(backend, KernelPolicy):
+        policy = backend
+    else:
+        policy = cached_policy(backend, q.device, q.dtype)
+        policy_key = (backend, str(q.device), q.dtype, None)   # cached_policy's
+    tuning_ = tuning or policy.tuning
     fn = _triton_decode() if policy.backend == "triton" else None
-    kw = dict(pos0=pos0, win_pos0=win_pos0, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, scale=sc)
-    tkw = dict(tuning=tuning.decode, launch_info=launch_info)
+    hp = dict(l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w)
     if on_device:
         if fn is None:
             raise ValueError("pos0/win_pos0 as device tensors need the triton decode kernel (CUDA, "
                              f"triton installed; resolved backend here: {policy.backend}); pass "
                              "Python ints for the torch/reference backends")
         _check_device_positions(q, pos0, win_pos0, win_ring)
-        return fn(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, win_ring=win_ring, **kw, **tkw)
-    if policy.fallback is not None:
-        count_fallback(f"decode:{policy.fallback}")
-    if policy.backend == "reference":
-        return nsa_reference(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw)
-    if policy.backend == "triton":
-        if fn is None:
-            count_fallback("decode:triton->torch")
-        else:
+        run, counts = _triton_run(fn, t, hp, sc, win_ring, tuning_, True), ()
+    else:
+        counts = (f"decode:{policy.fallback}",) if policy.fallback is not None else ()
+        run = functools.partial(_torch_run, p=p, scale=sc, tuning=tuning_.torch)
+        if policy.backend == "reference":
+            run = functools.partial(_reference_run, kw=dict(hp, scale=sc))
+        elif policy.backend == "triton" and fn is None:
+            counts += ("decode:triton->torch",)
+        elif policy.backend == "triton":
             try:
-                return fn(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, **kw, **tkw)
+                run = _triton_run(fn, t, hp, sc, 0, tuning_, False)
             except NotImplementedError:  # kernel does not cover this shape/dtype
-                count_fallback("decode:triton_unsupported->torch")
-    return nsa_torch(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, p=p, scale=sc,
-                     pos0=pos0, win_pos0=win_pos0, tuning=tuning.torch)
+                counts += ("decode:triton_unsupported->torch",)
+    call = _Call(run, counts, policy_key, policy, (backend, tuning))
+    if key is not None:
+        if len(_CALLS) >= MAX_CALLS:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
+def _triton_run(fn: Callable, t: tuple, hp: dict, scale: float, win_ring: int, tuning: KernelTuning,
+                pos_ptr: bool) -> Callable:
+    """run of the Triton backend: the kernel module's launcher for this signature (its checks raise here, on
+    the first call: NotImplementedError where the kernels do not cover the shape / dtype), or fn as is where it
+    is no such module's (a test's stand-in)."""
+    from .triton import decode as tdec
+    if fn is not tdec.nsa_decode_triton:
+        def run(x, pos0, win_pos0, launch_info):
+            return fn(*x, pos0=pos0, win_pos0=win_pos0, **hp, scale=scale, win_ring=win_ring,
+                      tuning=tuning.decode, launch_info=launch_info)
+        return run
+    launcher = tdec.decode_launcher(*t, **hp, win_ring=win_ring, tuning=tuning.decode, pos_ptr=pos_ptr)
+
+    def run(x, pos0, win_pos0, launch_info):
+        return launcher(*x, pos0, win_pos0, scale, launch_info)
+    return run
+
+
+def _torch_run(t: tuple, pos0, win_pos0, launch_info, *, p: NSAParams, scale: float, tuning) -> tuple:
+    return nsa_torch(*t, p=p, scale=scale, pos0=pos0, win_pos0=win_pos0, tuning=tuning)
+
+
+def _reference_run(t: tuple, pos0, win_pos0, launch_info, *, kw: dict) -> tuple:
+    return nsa_reference(*t, pos0=pos0, win_pos0=win_pos0, **kw)

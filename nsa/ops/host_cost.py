@@ -11,6 +11,8 @@ are stand-ins returning outputs of the right shapes), "cpu" as this machine. tes
 the second call of a shape to no planning work and to the launches its plan names.
 
     python -m nsa.ops.host_cost --T 8192 --family sm90        # the table of one call
+    python -m nsa.ops.host_cost --decode op --S 65536 --B 1 16  # one eager decode call (measure_decode;
+    python -m nsa.ops.host_cost --decode layer                  #  "layer": with the cache's append and views)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -89,7 +92,8 @@ def no_kernels(tally: Tally, family: str = "sm90"):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from . import branch_sums, dispatch, eager, flash, plan, probe, window_split
+    from . import branch_sums, decode, dispatch, eager, flash, plan, probe, window_split
+    from .triton import decode as tdec
     from .triton import function
     saved: list = []
 
@@ -121,8 +125,10 @@ def no_kernels(tally: Tally, family: str = "sm90"):
         tally.plan = planner(*a, **k)
         return tally.plan
     patch(function, "plan_call", plan_call)
-    if hasattr(eager, "_decide"):   # a signature's first call
-        patch(eager, "_decide", counted("decide", eager._decide))
+    patch(eager, "_decide", counted("decide", eager._decide))   # a signature's first call
+    patch(decode, "_decide", counted("decode_decide", decode._decide))   # likewise, of nsa_decode
+    patch(tdec._Launcher, "__init__", counted("decode_launcher", tdec._Launcher.__init__))   # a launcher built
+    patch(tdec._Launcher, "_build", counted("decode_geometry", tdec._Launcher._build))   # its geometry planned
     patch(dispatch.KernelPolicy, "resolve", classmethod(counted("policy_resolve", dispatch.KernelPolicy.resolve.__func__)))
     if family == "sm90":
         patch(flash, "device_capability", lambda device: (9, 0))
@@ -142,7 +148,9 @@ def kept_apart():
     """Policies, probe results and call decisions made in the block are forgotten after it (made under the
     stand-ins of no_kernels, they would serve later real calls of the same signature)."""
     from . import dispatch, eager, probe
-    caches = (dispatch._cache, probe._results, eager._CALLS)
+    from . import decode
+    from .triton import decode as tdec
+    caches = (dispatch._cache, probe._results, eager._CALLS, decode._CALLS, tdec._LAUNCHERS)
     before = [set(c) for c in caches]
     try:
         yield
@@ -218,6 +226,123 @@ def _measure(T: int, family: str, calls: int, x: dict, call) -> dict:
                 plan=first.plan)
 
 
+
+# ------------------------------------------------------------------------------------------------ decode
+DECODE_HP = MappingProxyType(dict(l=32, d=16, l_sel=64, n_sel=16, w=512))   # pipelines/configs/prod_50k.yaml nsa
+H200_SMS = 132   # the multiprocessors the sm90 stand-in plans the decode launch geometry for
+LAYER_BACK = 1025   # the layer form's first step sits this many tokens before S
+
+
+def decode_inputs(S: int, B: int, HQ: int, H: int, dk: int, dv: int, *, device="meta", dtype=torch.bfloat16,
+                  hp=DECODE_HP) -> dict:
+    """One decode step at context S as bench/bench_decode.py makes it: the query at S - 1, S raw tokens,
+    the window buffer of the last min(w, S) and num_cmp_tokens(S) compressed ones; pos0 / win_pos0 too."""
+    from .common import num_cmp_tokens
+    N, Sw = num_cmp_tokens(S, hp["l"], hp["d"]), min(hp["w"], S)
+    shapes = dict(q=(B, 1, HQ, dk), k_cmp=(B, N, H, dk), v_cmp=(B, N, H, dv), k_slc=(B, S, H, dk),
+                  v_slc=(B, S, H, dv), k_win=(B, Sw, H, dk), v_win=(B, Sw, H, dv), gates=(B, 1, HQ, 3))
+    gen = torch.Generator().manual_seed(0)
+
+    def make(s):
+        return torch.empty(s, device=device, dtype=dtype) if device == "meta" else \
+            torch.rand(s, generator=gen).to(device=device, dtype=dtype)
+    return dict({k: make(s) for k, s in shapes.items()}, pos0=S - 1, win_pos0=S - Sw)
+
+
+def _layer_step(x: dict, S: int, hp) -> Callable:
+    """The eager layer's decode step after the projections (NSAAttention.decode): NSAKVCache.append of one
+    token, views, nsa_decode; the cache prefilled with S - LAYER_BACK tokens, one more per call (positions
+    below S: a power-of-two S is where the geometry's raw-block count doubles). phi stands in for the
+    compression MLP as a mean over the block (one op: the layer's MLP is not this file's concern)."""
+    from ..layers.cache import NSAKVCache
+    from . import nsa_decode
+    from .common import num_cmp_tokens
+    q, gates = x["q"], x["gates"]
+    B, _, _, dk = q.shape
+    H, dv = x["k_slc"].shape[2], x["v_slc"].shape[3]
+    cache = NSAKVCache(hp["l"], hp["d"], hp["w"], capacity=2 * S)
+    T = max(1, S - LAYER_BACK)
+    raw = [torch.empty(B, T, H, dd, device=q.device, dtype=q.dtype) for dd in (dk, dv)] * 3
+    n = num_cmp_tokens(T, hp["l"], hp["d"])
+    cache.prefill(*raw, *(torch.empty(B, n, H, dd, device=q.device, dtype=q.dtype) for dd in (dk, dv)))
+    new = [torch.empty(B, 1, H, dd, device=q.device, dtype=q.dtype) for dd in (dk, dv)] * 3
+
+    def phi(blocks):
+        return blocks.mean(3)
+
+    def step(**kw):
+        pos0 = cache.length
+        cache.append(*new, phi, phi)
+        kv = cache.views()
+        return nsa_decode(q, kv["k_cmp"], kv["v_cmp"], kv["k_slc"], kv["v_slc"], kv["k_win"], kv["v_win"], gates,
+                          pos0=pos0, win_pos0=cache.win_pos0, **kw)
+    return step
+
+
+def measure_decode(S: int = 65536, B: int = 1, *, HQ: int = PROD["HQ"], H: int = PROD["H"], dk: int = PROD["dk"],
+                   dv: int = PROD["dv"], family: str = "sm90", calls: int = 32, form: str = "op", device="meta",
+                   dtype=torch.bfloat16, tuning=None, backend: str = "auto", hp=DECODE_HP) -> dict:
+    """One eager decode call after a first one: form "op" = nsa_decode on a fixed cache (bench_decode.py's
+    eager step), "layer" = the layer's cache append + views + nsa_decode, one position further per call.
+    Python ms per call (median, min and mean: the layer compresses a block every d calls), launches, torch
+    ops (the layer's averaged over d calls), the planning work of the repeated calls and of the first."""
+    from . import nsa_decode
+    from .triton import decode as tdec
+    from .tuning import FAMILY_PRESET, PRESETS
+    tuning = tuning or PRESETS[FAMILY_PRESET[family]]
+    x = decode_inputs(S, B, HQ, H, dk, dv, device=device, dtype=dtype, hp=hp)
+    kw = dict(hp, backend=backend, tuning=tuning)
+    if form == "op":
+        t = [x[k] for k in ("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win", "gates")]
+
+        def call():
+            return nsa_decode(*t, pos0=x["pos0"], win_pos0=x["win_pos0"], **kw)
+    elif form == "layer":
+        step = _layer_step(x, S, hp)
+
+        def call():
+            return step(**kw)
+    else:
+        raise ValueError(f"form must be 'op' or 'layer', got {form!r}")
+    first, tally = Tally(), Tally()
+    sms = H200_SMS if family == "sm90" else tdec.CPU_SMS
+    with kept_apart(), _patched(tdec, "CPU_SMS", sms):
+        with no_kernels(first, family), _OpCounter(first):
+            call()
+        with no_kernels(tally, family):
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            launches = sum(tally.launches.values()) // calls
+            own = _own_python(call, calls)
+            tally.launches.clear()
+            with _OpCounter(tally):
+                for _ in range(hp["d"] if form == "layer" else 1):   # a whole compression period
+                    call()
+    per = hp["d"] if form == "layer" else 1
+    ops = Counter({k: v / per for k, v in tally.ops.items()})
+    tally.ops = ops
+    planning = {k: v for k, v in tally.planning.items() if v}
+    return dict(S=S, B=B, family=family, form=form, ms=1e3 * statistics.median(times),
+                mean_ms=1e3 * statistics.fmean(times), min_ms=1e3 * min(times), own_ms=own,
+                launches=sum(tally.launches.values()) / per,
+                launches_timed=launches, kernels={k: v / per for k, v in tally.launches.items()},
+                torch_ops=sum(ops.values()), ops=dict(ops), compute_ops=dict(tally.compute_ops()),
+                planning=planning, first_planning=dict(first.planning))
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    saved = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
 def _own_python(fn, calls: int) -> float:
     """ms per call spent in this package's own Python (cProfile's own time of nsa/ functions; torch's and
     Triton's excluded: on meta tensors torch runs Python reference implementations a GPU does not)."""
@@ -239,7 +364,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="sm90", choices=("sm90", "cpu"))
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--ops", action="store_true", help="also list the torch ops and kernels by name")
+    ap.add_argument("--decode", choices=("op", "layer"), help="one eager decode call instead (--S, --B)")
+    ap.add_argument("--S", type=int, nargs="+", default=[65536])
+    ap.add_argument("--B", type=int, nargs="+", default=[1, 16])
     a = ap.parse_args(argv)
+    if a.decode:
+        for S in a.S:
+            for B in a.B:
+                r = measure_decode(S, B, family=a.family, calls=a.calls, form=a.decode)
+                print(f"decode {a.decode} S={S} B={B} {a.family}: {1e3 * r['ms']:.1f} us host per call (min "
+                      f"{1e3 * r['min_ms']:.1f}, mean {1e3 * r['mean_ms']:.1f}, own Python {1e3 * r['own_ms']:.1f}); "
+                      f"{r['launches']:g} launches, "
+                      f"{r['torch_ops']:g} torch ops ({sum(r['compute_ops'].values()):g} running a kernel); "
+                      f"planning on repeat {r['planning'] or 'none'}")
+                if a.ops:
+                    print("  kernels:", r["kernels"], "\n  ops:", dict(Counter(r["ops"]).most_common()))
+        return 0
     for T in a.T:
         r = measure(T, family=a.family, calls=a.calls)
         print(f"T={T} {a.family}: {r['ms']:.3f} ms host per fwd+bwd (fwd {r['fwd_ms']:.3f}, bwd {r['bwd_ms']:.3f}; "

@@ -41,12 +41,15 @@ gates [B,Tq,HQ,3]; any strides with a unit last dim. Forward only (decode is inf
 from __future__ import annotations
 
 import dataclasses
+import threading
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..common import FORCED_STEP, LOG2E
+from ..decode import decode_signature
 from ..tuning import DecodeTuning
 from . import check_supported
 from ._utils import dot_precision, next_pow2
@@ -54,7 +57,7 @@ from .attn import online_softmax_step
 # _COUNTERS / CPU_SMS / decode_plan stay reachable here for tests and benchmarks, and bench_decode.py swaps
 # this module's _launch_with_pdl_fallback to time the first n launches
 from .decode_launch import (CPU_SMS, _COUNTERS, _counters, _launch_with_pdl_fallback, _sm_count,  # noqa: F401
-                            _warps, decode_plan)
+                            _warps, decode_plan, plan_caps, plan_of_caps)
 from .scores import SCORE_GRID, _bitonic_sort, _merge_rows
 
 
@@ -418,7 +421,204 @@ def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot,
 
 
 # ----------------------------------------------------------------------------------------------
-# launcher (geometry, semaphores and the launch itself: decode_launch.py)
+# launcher: what a call signature fixes is worked out once (_Launcher); per call the positions, two output
+# allocations, the argument tuples and the launches (geometry, semaphores, launching: decode_launch.py)
+
+
+class _Geometry(NamedTuple):
+    """The launch geometry of one plan (plan_of_caps) for one launcher: grids, constexprs, scratch shapes and
+    the plan's integer arguments of each kernel."""
+
+    grids: tuple
+    kws: tuple                 # cmp, score, slc_win, combine constexprs and launch options
+    scratch: tuple             # (shape, dtype) of sp, ms, cm, cl, co, xm, xl, xo, cand, sel
+    ints: tuple                # cmp, score, slc_win, combine: the plan's integer arguments
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    """torch's strides of a fresh contiguous tensor of this shape."""
+    st, acc = [], 1
+    for n in reversed(shape):
+        st.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(st))
+
+
+class _Launcher:
+    """One call signature of nsa_decode_triton (decode_signature: shapes but the caches' lengths, strides,
+    dtypes, device) with its hyper-parameters and knobs: checks, knobs, strides and constexprs worked out
+    once. Per capacity reduction (plan_caps) a _Geometry; per (stream, thread) one set of split-K scratch,
+    reused while the geometry stays (kernels on one stream run in order; every element a kernel reads, an
+    earlier one of the same call wrote). Inside a CUDA-graph capture the scratch is fresh and not kept."""
+
+    def __init__(self, t: tuple, *, l: int, d: int, l_sel: int, n_sel: int, w: int, win_ring: int, tuning,
+                 target_programs: int | None, cmp_tile: int | None, pos_ptr: bool) -> None:
+        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates = t
+        check_supported(q, v_slc, gates)
+        B, Tq, HQ, dk = q.shape
+        H, dv = k_slc.shape[2], v_slc.shape[3]
+        for name, x in zip(("q", "k_cmp", "v_cmp", "k_slc", "v_slc", "k_win", "v_win"), t):
+            if x.shape[1] > 0 and x.stride(-1) != 1:
+                raise ValueError(f"{name} needs a unit stride in its last dim, got strides {x.stride()}")
+        dev = q.device
+        self.tuning = tuning       # held: the signature names it by id
+        self.rows_h, self.cuda, self.dev = B * Tq * H, q.is_cuda, dev
+        tn = (tuning or DecodeTuning()).knobs(self.rows_h)
+        self.sms = _sm_count(dev.index or 0) if dev.type == "cuda" else CPU_SMS
+        if target_programs is not None:
+            per_sm = max(1, target_programs) / self.sms
+            tn = dataclasses.replace(tn, cmp_per_sm=per_sm, sw_per_sm=per_sm)
+        if cmp_tile is not None:
+            tn = dataclasses.replace(tn, cmp_tile=cmp_tile)
+        self.tn, self.hp, self.win_ring, self.pos_ptr = tn, (l, d, l_sel, n_sel, w), int(win_ring), pos_ptr
+        self.has_cmp = k_cmp.shape[1] > 0   # else any valid pointer stands in: every load is masked off
+        kc, vc = (k_cmp, v_cmp) if self.has_cmp else (k_slc, v_slc)
+        self.shape = (B, Tq, HQ, H, dk, dv, HQ // H, max(16, next_pow2(HQ // H)))
+        self.o_shape, self.bi_shape = (B, Tq, HQ, dv), (B, Tq, H, n_sel)
+        s3 = [x.stride()[:3] for x in (q, kc, vc, k_slc, v_slc, k_win, v_win)]
+        self.cmp_strides = s3[0] + s3[1] + s3[2]
+        self.sw_strides = s3[0] + s3[3] + s3[4] + s3[5] + s3[6]
+        self.bi_strides = _contiguous_strides(self.bi_shape)[:3]
+        self.comb_strides = gates.stride() + _contiguous_strides(self.o_shape)[:3]
+        self.pdl = bool(tn.pdl) and q.is_cuda
+        self.bd = (max(16, next_pow2(dk)), max(16, next_pow2(dv)))
+        self.prec = dot_precision(q.dtype, q.is_cuda)
+        self._caps = self._geo = None
+        self._geos: dict = {}
+        self._scr: dict = {}
+
+    def geometry(self, n_cap: int, s_cap: int) -> _Geometry:
+        l, d, l_sel, n_sel, w = self.hp
+        caps = plan_caps(n_cap, s_cap, l=l, d=d, l_sel=l_sel, w=w)
+        geo = self._geos.get(caps)
+        if geo is None:
+            if len(self._geos) >= 64:   # a cache grown far: the old geometries are not needed again
+                self._geos.clear()
+            geo = self._geos[caps] = self._build(plan_of_caps(self.rows_h, caps, l, d, l_sel, n_sel, self.sms,
+                                                              self.tn))
+        self._caps, self._geo = (n_cap, s_cap), geo
+        return geo
+
+    def _build(self, plan) -> _Geometry:
+        B, Tq, HQ, H, dk, dv, G, GP = self.shape
+        l, d, l_sel, n_sel, w = self.hp
+        tn, R, (bdk, bdv) = self.tn, B * Tq, self.bd
+        NCH, NP2, NSUB, SL, NSL = plan["NCH"], plan["NP2"], plan["NSUB"], plan["SL"], plan["NSL"]
+        geo = dict(L_CMP=l, STRIDE=d, LSEL=l_sel, POS_PTR=self.pos_ptr)
+        nch_p2, np2_p2 = max(2, next_pow2(NCH)), max(2, next_pow2(NP2))
+        gc = GP
+        while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
+            gc //= 2
+        log2 = {k: plan[k].bit_length() - 1 for k in ("SL", "NSL", "NSEL_P2", "NCP")}
+        kws = (dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
+                    NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=self.prec, SPLIT=self.cuda, num_warps=tn.cmp_warps,
+                    num_stages=tn.cmp_stages, **geo),
+               dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=log2["SL"], NSL=NSL, LOGNSL=log2["NSL"],
+                    NSEL=n_sel, KR=plan["NSEL_P2"], LOGKR=log2["NSEL_P2"], CK=plan["CK"], NCAND=plan["NCAND"],
+                    NCP=plan["NCP"], LOGNCP=log2["NCP"], NB_P2=plan["NB_P2"], NCH_P2=nch_p2, FSTEP=FORCED_STEP,
+                    num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo),
+               dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
+                    SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=self.pos_ptr,
+                    DOT_PREC=self.prec, num_warps=tn.slc_warps, num_stages=tn.slc_stages),
+               dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
+                    num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv)))
+        f32, i64 = torch.float32, torch.int64
+        # split-K partials of the cmp chunks and of the selection/window programs: (m, l, unnormalised o)
+        scratch = (((R * HQ, plan["NBCAP"]), f32), ((R * H, NSUB, GP), f32),
+                   ((R, NCH, HQ), f32), ((R, NCH, HQ), f32), ((R, NCH, HQ, dv), f32),
+                   ((R, NP2, HQ), f32), ((R, NP2, HQ), f32), ((R, NP2, HQ, dv), f32),
+                   ((R * H, plan["NCAND"]), i64),      # per-slice best keys
+                   ((R * H, plan["NSEL_P2"]), i64))    # slot (rank) -> block
+        ints = ((NCH, NSUB, plan["NBCAP"], plan["SUBS"]), (NCH, NSUB, plan["NBCAP"]), (plan["NSS"], NP2),
+                (NCH, plan["NSS"], NP2))
+        return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R)), kws, scratch, ints)
+
+    def _scratch(self, geo: _Geometry) -> tuple:
+        if self.cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return self._allocate(geo)   # replays with the graph, from its pool: not shared with eager calls
+            where = (_raw_stream(self.dev), threading.get_ident())
+        else:
+            where = (0, threading.get_ident())
+        got = self._scr.get(where)
+        if got is None or got[0] is not geo:
+            got = self._scr[where] = (geo, self._allocate(geo))
+        return got[1]
+
+    def _allocate(self, geo: _Geometry) -> tuple:
+        return tuple(torch.empty(s, device=self.dev, dtype=dt) for s, dt in geo.scratch) + \
+            (_counters(self.dev, self.rows_h),)     # zeros, left at zero
+
+    def __call__(self, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, pos0, win_pos0, scale: float,
+                 launch_info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launches of one call with these tensors (of this launcher's signature) and positions."""
+        n_cap, s_cap = k_cmp.shape[1], k_slc.shape[1]
+        geo = self._geo if self._caps == (n_cap, s_cap) else self.geometry(n_cap, s_cap)
+        if not self.has_cmp:
+            k_cmp, v_cmp = k_slc, v_slc
+        if self.pos_ptr:
+            pos_t, win_t = pos0, win_pos0
+            if not isinstance(win_t, torch.Tensor):
+                if not self.win_ring:
+                    raise ValueError("win_pos0 must be a tensor when pos0 is one (both device-side)")
+                win_t = pos_t
+            spos = pos_t.stride(0) if pos_t.numel() > 1 else 0
+            swin = win_t.stride(0) if win_t.numel() > 1 else 0
+            pos_base = win_base = 0
+        else:
+            pos_t = win_t = q  # unused pointers
+            spos = swin = 0
+            pos_base, win_base = int(pos0), (0 if self.win_ring else int(win_pos0))
+        sp, ms, cm, cl, co, xm, xl, xo, cand, sel, cnt = self._scratch(geo)
+        bi = torch.empty(self.bi_shape, device=self.dev, dtype=torch.int64)
+        o = torch.empty(self.o_shape, device=self.dev, dtype=q.dtype)
+        Tq, H = self.shape[1], self.shape[3]
+        sl2 = scale * LOG2E
+        ci, si, wi, ki = geo.ints
+        cmp_args = (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co) + self.cmp_strides + (spos, pos_base, Tq, H, n_cap) \
+            + ci + (sl2,)
+        score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base) + self.bi_strides + (Tq, H, n_cap) + si
+        sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo) + self.sw_strides + \
+            (spos, swin, pos_base, win_base, self.win_ring, Tq, H) + wi + (sl2,)
+        comb_args = (gates, o, cm, cl, co, xm, xl, xo) + self.comb_strides + (Tq,) + ki
+        g, k = geo.grids, geo.kws
+        _launch_with_pdl_fallback([("cmp", _cmp_kernel, g[0], cmp_args, k[0]),
+                                   ("score", _score_kernel, g[1], score_args, k[1]),
+                                   ("slc_win", _slc_win_kernel, g[2], sw_args, k[2]),
+                                   ("combine", _combine_kernel, g[3], comb_args, k[3])], self.pdl, launch_info)
+        return o, bi
+
+
+def _raw_stream(dev: torch.device) -> int:
+    """The current CUDA stream's handle on dev (what Triton launches on), without building a Stream object."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev.index) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+_LAUNCHERS: dict[tuple, _Launcher] = {}
+MAX_LAUNCHERS = 64   # signatures kept (a few per layer shape); more: start over
+
+
+def decode_launcher(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
+                    v_slc: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, gates: torch.Tensor, *,
+                    l: int, d: int, l_sel: int, n_sel: int, w: int, win_ring: int = 0, tuning=None,
+                    target_programs: int | None = None, cmp_tile: int | None = None,
+                    pos_ptr: bool = False) -> _Launcher:
+    """The launcher of these tensors' signature (nsa.ops.decode.decode_signature) and arguments, made on its
+    first call (NotImplementedError / ValueError as nsa_decode_triton) and kept."""
+    t = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
+    sig = decode_signature(t)
+    key = None if sig is None else (sig, l, d, l_sel, n_sel, w, win_ring, id(tuning), target_programs, cmp_tile,
+                                    pos_ptr, CPU_SMS)
+    la = _LAUNCHERS.get(key) if key is not None else None
+    if la is None:
+        la = _Launcher(t, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, win_ring=win_ring, tuning=tuning,
+                       target_programs=target_programs, cmp_tile=cmp_tile, pos_ptr=pos_ptr)
+        if key is not None:
+            if len(_LAUNCHERS) >= MAX_LAUNCHERS:
+                _LAUNCHERS.clear()
+            _LAUNCHERS[key] = la
+    return la
 
 
 def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc: torch.Tensor,
@@ -443,94 +643,7 @@ def nsa_decode_triton(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
     compiled kernel (register / spill diagnostics). Returns (o [B,Tq,HQ,dv] in q.dtype,
     block_idx [B,Tq,H,n_sel] int64 ascending, -1 padded).
     """
-    check_supported(q, v_slc, gates)
-    B, Tq, HQ, dk = q.shape
-    H, dv = k_slc.shape[2], v_slc.shape[3]
-    G = HQ // H
-    for name, x in (("q", q), ("k_cmp", k_cmp), ("v_cmp", v_cmp), ("k_slc", k_slc), ("v_slc", v_slc),
-                    ("k_win", k_win), ("v_win", v_win)):
-        if x.shape[1] > 0 and x.stride(-1) != 1:
-            raise ValueError(f"{name} needs a unit stride in its last dim, got strides {x.stride()}")
-    dev = q.device
-    R = B * Tq
-    tn = (tuning or DecodeTuning()).knobs(R * H)
-    sms = _sm_count(dev.index or 0) if dev.type == "cuda" else CPU_SMS
-    if target_programs is not None:
-        per_sm = max(1, target_programs) / sms
-        tn = dataclasses.replace(tn, cmp_per_sm=per_sm, sw_per_sm=per_sm)
-    if cmp_tile is not None:
-        tn = dataclasses.replace(tn, cmp_tile=cmp_tile)
-    n_cap = k_cmp.shape[1]
-    plan = decode_plan(rows_h=R * H, n_cap=n_cap, s_cap=k_slc.shape[1], l=l, d=d, l_sel=l_sel,
-                       n_sel=n_sel, w=w, sms=sms, knobs=tn)
-    if n_cap == 0:  # nothing compressed yet: any valid pointer, every load is masked off
-        k_cmp, v_cmp = k_slc, v_slc
-    pos_ptr = isinstance(pos0, torch.Tensor)
-    if pos_ptr:
-        pos_t, win_t = pos0, win_pos0
-        if not isinstance(win_t, torch.Tensor):
-            if not win_ring:
-                raise ValueError("win_pos0 must be a tensor when pos0 is one (both device-side)")
-            win_t = pos_t
-        spos = pos_t.stride(0) if pos_t.numel() > 1 else 0
-        swin = win_t.stride(0) if win_t.numel() > 1 else 0
-        pos_base = win_base = 0
-    else:
-        pos_t = win_t = q  # unused pointers
-        spos = swin = 0
-        pos_base, win_base = int(pos0), (0 if win_ring else int(win_pos0))
-    f32 = dict(device=dev, dtype=torch.float32)
-    NCH, NP2, NSUB = plan["NCH"], plan["NP2"], plan["NSUB"]
-    GP = max(16, next_pow2(G))
-    sp = torch.empty(R * HQ, plan["NBCAP"], **f32)
-    ms = torch.empty(R * H, NSUB, GP, **f32)
-    # softmax partials (m, l, unnormalised o) of the cmp chunks and of the selection/window programs
-    cm, cl, co = (torch.empty(R, NCH, HQ, *e, **f32) for e in ((), (), (dv,)))
-    xm, xl, xo = (torch.empty(R, NP2, HQ, *e, **f32) for e in ((), (), (dv,)))
-    cand = torch.empty(R * H, plan["NCAND"], device=dev, dtype=torch.int64)   # per-slice best keys
-    sel = torch.empty(R * H, plan["NSEL_P2"], device=dev, dtype=torch.int64)   # slot (rank) -> block
-    cnt = _counters(dev, R * H)                                                # zeros, left at zero
-    bi = torch.empty(B, Tq, H, n_sel, device=dev, dtype=torch.int64)
-    o = torch.empty(B, Tq, HQ, dv, device=dev, dtype=q.dtype)
-    bdk, bdv = max(16, next_pow2(dk)), max(16, next_pow2(dv))
-    prec = dot_precision(q.dtype, q.is_cuda)
-    sl2 = scale * LOG2E
-    geo = dict(L_CMP=l, STRIDE=d, LSEL=l_sel, POS_PTR=pos_ptr)
-    nch_p2 = max(2, next_pow2(NCH))
-    cmp_args = (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co, q.stride(0), q.stride(1), q.stride(2),
-                k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), v_cmp.stride(0), v_cmp.stride(1),
-                v_cmp.stride(2), spos, pos_base, Tq, H, n_cap, NCH, NSUB, plan["NBCAP"], plan["SUBS"], sl2)
-    cmp_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, BN=plan["BN"], NBJ=plan["NBJ"],
-                  NBJ_PAD=plan["NBJ_PAD"], DOT_PREC=prec, SPLIT=q.is_cuda, num_warps=tn.cmp_warps,
-                  num_stages=tn.cmp_stages, **geo)
-    SL, NB_P2 = plan["SL"], plan["NB_P2"]
-    gc = GP
-    while gc > 1 and gc * max(SL, nch_p2) > 4096:   # [GC, SL] / [NCH_P2, GC] tiles stay small
-        gc //= 2
-    score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base, bi.stride(0), bi.stride(1),
-                  bi.stride(2), Tq, H, n_cap, NCH, NSUB, plan["NBCAP"])
-    score_kw = dict(G=G, GP=GP, GC=gc, NBJ=plan["NBJ"], SL=SL, LOGSL=SL.bit_length() - 1, NSL=plan["NSL"],
-                    LOGNSL=plan["NSL"].bit_length() - 1, NSEL=n_sel, KR=plan["NSEL_P2"],
-                    LOGKR=plan["NSEL_P2"].bit_length() - 1, CK=plan["CK"], NCAND=plan["NCAND"], NCP=plan["NCP"],
-                    LOGNCP=plan["NCP"].bit_length() - 1, NB_P2=NB_P2, NCH_P2=nch_p2, FSTEP=FORCED_STEP,
-                    num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo)
-    sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo,
-               q.stride(0), q.stride(1), q.stride(2), k_slc.stride(0), k_slc.stride(1), k_slc.stride(2),
-               v_slc.stride(0), v_slc.stride(1), v_slc.stride(2), k_win.stride(0), k_win.stride(1),
-               k_win.stride(2), v_win.stride(0), v_win.stride(1), v_win.stride(2), spos, swin, pos_base,
-               win_base, int(win_ring), Tq, H, plan["NSS"], NP2,
-               sl2)
-    sw_kw = dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
-                 SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=pos_ptr, DOT_PREC=prec,
-                 num_warps=tn.slc_warps, num_stages=tn.slc_stages)
-    comb_args = (gates, o, cm, cl, co, xm, xl, xo, gates.stride(0), gates.stride(1), gates.stride(2),
-                 gates.stride(3), o.stride(0), o.stride(1), o.stride(2), Tq, NCH, plan["NSS"], NP2)
-    np2_p2 = max(2, next_pow2(NP2))
-    comb_kw = dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
-                   num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv))
-    _launch_with_pdl_fallback([("cmp", _cmp_kernel, (H, NCH, R), cmp_args, cmp_kw),
-                               ("score", _score_kernel, (plan["NSL"], H, R), score_args, score_kw),
-                               ("slc_win", _slc_win_kernel, (H, NP2, R), sw_args, sw_kw),
-                               ("combine", _combine_kernel, (HQ, R), comb_args, comb_kw)],
-                              bool(tn.pdl) and q.is_cuda, launch_info)
-    return o, bi
+    la = decode_launcher(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel, n_sel=n_sel,
+                         w=w, win_ring=win_ring, tuning=tuning, target_programs=target_programs, cmp_tile=cmp_tile,
+                         pos_ptr=isinstance(pos0, torch.Tensor))
+    return la(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, pos0, win_pos0, scale, launch_info)

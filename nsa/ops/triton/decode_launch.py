@@ -3,9 +3,9 @@ capacities, the split-K semaphores, and launching with or without programmatic d
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
-import triton
 
 from ..tuning import DecodeKnobs, Warps
 from ._utils import next_pow2
@@ -42,7 +42,21 @@ def _warps(knob: Warps, elems: int) -> int:
     """num_warps: the knob, or for "auto" about 32 elements of the largest tile per thread (1..8)."""
     if knob != "auto":
         return int(knob)
-    return max(1, min(8, next_pow2(triton.cdiv(elems, 32 * 32))))
+    return max(1, min(8, next_pow2(_cdiv(elems, 32 * 32))))
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for b > 0: triton.cdiv's value without its constexpr-function wrapper (host Python)."""
+    return -(-a // b)
+
+
+def plan_caps(n_cap: int, s_cap: int, *, l: int, d: int, l_sel: int, w: int) -> tuple[int, int, int]:
+    """What of the capacities the launch geometry depends on: (selection blocks the compressed tokens
+    reach, the next power of two of the raw blocks, the window's token count). They change every
+    l_sel compressed tokens at most, so a cache that grows by one token per step re-plans rarely."""
+    u = l_sel // d
+    nb_vis_cap = (n_cap + l // d - 1 + u - 1) // u if n_cap > 0 else 0
+    return nb_vis_cap, max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1)), min(w, max(s_cap, 1))
 
 
 def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: int, n_sel: int,
@@ -52,16 +66,23 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     rows_h = B*Tq*H (row, kv head) pairs; n_cap compressed-token slots; s_cap raw-token slots;
     sms = multiprocessors; knobs = DecodeTuning.knobs(rows_h).
     """
+    caps = plan_caps(n_cap, s_cap, l=l, d=d, l_sel=l_sel, w=w)
+    return dict(plan_of_caps(rows_h, caps, l, d, l_sel, n_sel, sms, knobs))
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_of_caps(rows_h: int, caps: tuple[int, int, int], l: int, d: int, l_sel: int, n_sel: int, sms: int,
+                 knobs: DecodeKnobs) -> MappingProxyType:
+    """decode_plan from plan_caps' reduction of the capacities (cached: read-only)."""
+    nb_vis_cap, nb_p2, s_win = caps
     r, u = l // d, l_sel // d
     bn = max(16, next_pow2(max(knobs.cmp_tile, r + u)))
     nbj = (bn - (r - 1)) // u                       # selection blocks a sub-tile owns
-    nb_vis_cap = (n_cap + r - 1 + u - 1) // u if n_cap > 0 else 0
-    nsub = max(1, triton.cdiv(nb_vis_cap, nbj))
+    nsub = max(1, _cdiv(nb_vis_cap, nbj))
     # split-K: about cmp_per_sm programs per multiprocessor in all (one resident wave)
     want = max(1, int(knobs.cmp_per_sm * sms) // rows_h)
-    subs = triton.cdiv(nsub, min(want, nsub))
-    nch = triton.cdiv(nsub, subs)
-    nb_p2 = max(2, next_pow2((max(s_cap, 1) - 1) // l_sel + 1))
+    subs = _cdiv(nsub, min(want, nsub))
+    nch = _cdiv(nsub, subs)
     kr = max(2, next_pow2(n_sel))
     sl = min(nb_p2, max(2, next_pow2(knobs.score_slice), nb_p2 // 16))
     ck = min(sl, kr)                                # candidates per scoring slice
@@ -69,17 +90,18 @@ def decode_plan(*, rows_h: int, n_cap: int, s_cap: int, l: int, d: int, l_sel: i
     # selection + window: key tiles (a selected block = nbs tiles of bs, the window nwt tiles of bw)
     # dealt evenly, tpp per program, about sw_per_sm programs per multiprocessor in all
     tw = min(max(16, next_pow2(l_sel)), knobs.tile)      # key tile (tokens) of both kinds
-    nbs = triton.cdiv(l_sel, tw)
-    nwt = triton.cdiv(min(w, max(s_cap, 1)), tw)
+    nbs = _cdiv(l_sel, tw)
+    nwt = _cdiv(s_win, tw)
     p2 = max(2, int(knobs.sw_per_sm * sms) // rows_h)
-    tpp = max(1, triton.cdiv(n_sel * nbs + nwt, p2))
-    spb = triton.cdiv(n_sel, triton.cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
-    nss = triton.cdiv(n_sel, spb)
-    wsub = triton.cdiv(nwt, triton.cdiv(nwt, tpp))            # window tiles per window program
-    nwc = triton.cdiv(nwt, wsub)
-    return dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj, SUBS=subs,
-                NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
-                NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss, NP2=nss + nwc)
+    tpp = max(1, _cdiv(n_sel * nbs + nwt, p2))
+    spb = _cdiv(n_sel, _cdiv(n_sel * nbs, tpp))   # blocks per selection program, balanced
+    nss = _cdiv(n_sel, spb)
+    wsub = _cdiv(nwt, _cdiv(nwt, tpp))            # window tiles per window program
+    nwc = _cdiv(nwt, wsub)
+    return MappingProxyType(dict(BN=bn, NBJ=nbj, NBJ_PAD=max(16, next_pow2(nbj)), NSUB=nsub, NBCAP=nsub * nbj,
+                                 SUBS=subs, NCH=nch, NB_P2=nb_p2, NSEL_P2=kr, SL=sl, NSL=nb_p2 // sl, CK=ck,
+                                 NCAND=ncand, NCP=max(ncand, kr), TW=tw, WSUB=wsub, NWC=nwc, SPB=spb, NSS=nss,
+                                 NP2=nss + nwc))
 
 
 def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
