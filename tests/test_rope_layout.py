@@ -2,6 +2,11 @@
 against the layer's torch path (apply_rope and the permute copies): the same bits forward and backward;
 also BlockCompressor's copy-free flatten (add_pos). On CUDA where present, else on CPU through Triton's
 interpreter (TRITON_INTERPRET=1, tests/conftest.py); the gpu test adds production head shapes."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -178,6 +183,37 @@ def test_compressor_contiguous_pos_add_same_bits(kind, dtype, monkeypatch):
     y0, dx0, dp0, one0 = run()
     assert torch.equal(y, y0) and torch.equal(dx, dx0) and torch.equal(one, one0)
     assert dp.keys() == dp0.keys() and all(torch.equal(dp[n], dp0[n]) for n in dp)
+
+
+_PTX_PROBE = """
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from nsa.ops.triton import rope_layout as R
+out = {}
+for bwd in (False, True):
+    sig = {n: "*bf16" for n in ("Y", "Q", "K0", "K1", "K2", "V0", "V1", "V2")}
+    sig.update(COS="*fp32", SIN="*fp32", n_rows="i32", T="i32")
+    consts = dict(HQ=12, H=2, DK=64, DV=64, HALF_P=32, DV_P=64, BLOCK=R.block_rows(64, 64), BWD=bwd, INTERP=False)
+    sig.update({k: "constexpr" for k in consts})
+    k = triton.compile(ASTSource(fn=R._rope_layout, signature=sig, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, enable_fp_fusion=False))
+    ptx = k.asm["ptx"]
+    out[str(bwd)] = [len(re.findall(p, ptx)) for p in (r"\\bfma\\.", r"mul\\.rn\\.f32", r"cvt\\.rn\\.bf16\\.f32")]
+print(json.dumps(out))
+"""
+
+
+def test_compiled_kernel_rounds_every_product_like_torch():
+    """The bits above hold on a GPU only if the compiled kernel does what the interpreter does: compiled for
+    sm90 (no device needed; a process without TRITON_INTERPRET), forward and backward have no FMA (every
+    product rounded, enable_fp_fusion=False) and round to bf16 to nearest even (cvt.rn). This compile also
+    catches what the interpreter lets through (e.g. if/else branches binding one name to two shapes)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for bwd, (fma, mul_rn, cvt_rn) in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        assert fma == 0 and mul_rn > 0 and cvt_rn > 0, (bwd, fma, mul_rn, cvt_rn)
 
 
 @pytest.mark.gpu

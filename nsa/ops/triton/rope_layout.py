@@ -93,15 +93,15 @@ def _rope_layout(Y, COS, SIN, Q, K0, K1, K2, V0, V1, V2, n_rows, T, HQ: tl.const
         x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
         tl.store(dst, _cast(x1 * cs - x2 * sn, Y.dtype.element_ty, INTERP), mask=m)
         tl.store(dst + HALF, _cast(x2 * cs + x1 * sn, Y.dtype.element_ty, INTERP), mask=m)
-    else:
-        c = tl.arange(0, DV_P)
-        m = ok[:, None] & (c[None, :] < DV)
-        packed = Y + r[:, None] * C + NROT * DK + (j - NROT) * DV + c[None, :]
-        split = _branch_rows(V0, V1, V2, r, j - NROT, H, DV)[:, None] + c[None, :]
+    else:   # names of their own: a compiled if/else merges same-named values, whose shapes differ here
+        cv = tl.arange(0, DV_P)
+        mv = ok[:, None] & (cv[None, :] < DV)
+        packed_v = Y + r[:, None] * C + NROT * DK + (j - NROT) * DV + cv[None, :]
+        split_v = _branch_rows(V0, V1, V2, r, j - NROT, H, DV)[:, None] + cv[None, :]
         if BWD:
-            tl.store(packed, tl.load(split, mask=m, other=0.0), mask=m)
+            tl.store(packed_v, tl.load(split_v, mask=mv, other=0.0), mask=mv)
         else:
-            tl.store(split, tl.load(packed, mask=m, other=0.0), mask=m)
+            tl.store(split_v, tl.load(packed_v, mask=mv, other=0.0), mask=mv)
 
 
 def _launch(y, cos, sin, q, ks, vs, hq: int, h: int, bwd: bool) -> None:
