@@ -11,7 +11,8 @@ each rank's backward has to reach the collective.
 Communication (the simplest correct version): the raw per-branch keys/values (and in the layer the
 raw k_cmp/v_cmp the compression reads) are all-gathered once per call into the full [B, T, ...]
 sequence; each rank then runs the op for its own queries at their absolute positions (the op's
-query-offset path, nsa_torch / nsa_reference with pos0, the same arithmetic as prefill). Backward
+query-offset path: the Triton kernels' offset route (nsa/ops/route.py offset_route) on the triton backend,
+nsa_torch / nsa_reference with pos0 otherwise; the same arithmetic as prefill). Backward
 sends each rank's K/V gradient rows to their owner (all_to_all) and the owner sums the N
 contributions in rank order 0..N-1, so the result does not depend on the backend's reduction order.
 """
@@ -32,7 +33,7 @@ from nsa.ops.common import NSAParams, num_cmp_tokens, safe_scale, validate_input
 from nsa.ops.dispatch import KernelPolicy, _check_requested, cached_policy
 from nsa.ops.fallbacks import count_fallback
 from nsa.ops.reference import nsa_reference
-from nsa.ops.tuning import TorchTuning
+from nsa.ops.tuning import KernelTuning
 
 __all__ = ["chunk_len", "check_cp_length", "chunk_starts", "local_positions", "shard_sequence",
            "unshard_sequence", "gather_outputs", "gather_sequence", "cp_nsa_attention", "cp_nsa_layer",
@@ -159,17 +160,22 @@ def gather_sequence(xs: list[torch.Tensor], seq_len: int, group=None) -> list[to
 
 
 # ------------------------------------------------------------------------------------------- op
-def _resolve(backend, device: torch.device, dtype: torch.dtype) -> tuple[str, TorchTuning]:
-    """("reference" | "torch", the policy's torch tuning, as nsa_attention uses): the Triton training
-    kernels take no query offset yet, so a triton choice runs the torch path ("cp:triton->torch")."""
+def _resolve(backend, q: torch.Tensor, v: torch.Tensor, gates: torch.Tensor) -> tuple[str, KernelTuning]:
+    """("reference" | "torch" | "triton", the policy's tuning), as nsa_attention resolves them. A triton choice
+    runs the Triton kernels with the query offset; a dtype or head size they do not take runs the torch path
+    (counted as "cp:triton->torch")."""
     if not isinstance(backend, KernelPolicy):
         _check_requested(backend)
-        backend = cached_policy(backend, device, dtype)
+        backend = cached_policy(backend, q.device, q.dtype)
     used = backend.backend
     if used == "triton":
-        count_fallback("cp:triton->torch")
-        used = "torch"
-    return used, backend.tuning.torch
+        from nsa.ops.triton import check_supported
+        try:
+            check_supported(q, v, gates)
+        except NotImplementedError:
+            count_fallback("cp:triton->torch")
+            used = "torch"
+    return used, backend.tuning
 
 
 def _local_attention(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor,
@@ -184,7 +190,7 @@ def _local_attention(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, 
     H, dv = k_slc.shape[2], v_slc.shape[3]
     c = chunk_len(seq_len, world)
     sc = safe_scale(scale, dk)
-    used, tuning = _resolve(backend, q.device, q.dtype)
+    used, tuning = _resolve(backend, q, v_slc, gates)
     # Traffic to cut later (the issue's refined plan): the window of a chunk starting at s reads only
     # keys [s-w+1, s), i.e. the previous chunk owner's last w-1 tokens; the selection branch reads only
     # the n_sel blocks it picks; the compressed branch only the T/d compressed tokens. Gathering just
@@ -203,9 +209,13 @@ def _local_attention(q: torch.Tensor, gates: torch.Tensor, k_cmp: torch.Tensor, 
             if used == "reference":
                 o, idx = nsa_reference(*args, l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, w=p.w,
                                        scale=sc, pos0=s, win_pos0=lo)
+            elif used == "triton":   # s > 0: the offset route (route.offset_route); s = 0: plain prefill
+                from nsa.ops.triton.function import nsa_triton_apply
+                o, idx = nsa_triton_apply(*args, l=p.l, d=p.d, l_sel=p.l_sel, n_sel=p.n_sel, w=p.w, scale=sc,
+                                          tuning=tuning, pos0=s, win_pos0=lo)
             else:
                 o, idx = nsa_torch(*args, p=p, scale=sc, pos0=s, win_pos0=lo, tile=tile,
-                                 checkpoint=recompute, tuning=tuning)
+                                 checkpoint=recompute, tuning=tuning.torch)
             outs.append(o)
             idxs.append(idx)
         if m < c:   # padding rows past seq_len: zero output, no selected block
@@ -236,8 +246,9 @@ def cp_nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, 
     this rank's positions; padded rows are 0 / -1. Gradients: q, gates and the raw k/v get exactly
     their rows' gradient (K/V gradients summed on their owner in rank order); k_cmp/v_cmp get this
     rank's queries' share, whose sum over ranks (an all-reduce, as for replicated parameters) is the
-    single-process gradient. backend "reference" | "torch" | "auto" (triton runs the torch path: the
-    Triton training kernels take no query offset yet). Every rank must run backward through `o`.
+    single-process gradient. backend "reference" | "torch" | "triton" | "auto" or a KernelPolicy (triton: the
+    Triton kernels' query-offset route, nsa/ops/route.py offset_route; tile / recompute are the torch path's).
+    Every rank must run backward through `o`.
     """
     p = NSAParams(l, d, l_sel, n_sel, w)
     rank, world = _group_info(group)

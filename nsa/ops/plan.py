@@ -20,8 +20,8 @@ from types import MappingProxyType
 
 from . import fallbacks
 from .tuning import FAMILY_PRESET, PRESETS, KernelTuning, tuning_for  # noqa: F401 - re-exported
-from .route import (PairPlan, WalkPlan, by_block, chunk_for, dq_by_block, dq_stages_for, m_for, pair_plan, t_ok,
-                    walk_plan)
+from .route import (PairPlan, WalkPlan, by_block, chunk_for, dq_by_block, dq_stages_for, m_for, offset_route,
+                    pair_plan, t_ok, walk_plan)
 from .tuning_checks import family_of
 
 UNKNOWN = "?"   # a probe outcome not known yet: the plan asks for it (OpPlan.needs)
@@ -81,6 +81,7 @@ class PlanInputs:
     dense: str = UNKNOWN        # flash.choose_dense_backend's pick (fa4 / fa2 / sdpa_*)
     sdpa: str | None = UNKNOWN  # cmp_dense.probe's backend (cudnn / flash / None)
     chunk: int | None = None    # dK/dV chunk forced by the caller
+    q_off: bool = False         # queries at an offset (pos0 > 0: context parallelism): route.offset_route
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class OpPlan:
     tuning: KernelTuning = field(repr=False, compare=False, default=None)
     why: tuple = ()             # ((choice, reason), ...)
     needs: str | None = None    # a probe outcome to fill in before this plan holds ("dense" / "sdpa")
+    q_off: bool = False         # the query-offset route (route.offset_route): the steps get the call's offset
 
     def reason(self, name: str) -> str:
         return dict(self.why).get(name, "")
@@ -134,9 +136,8 @@ FLASH_UNMEASURED = MappingProxyType({"ampere": "ampere preset: not measured on a
 
 def _flash_note(tn: KernelTuning) -> str | None:
     """None where tn.flash is the measured (hopper) preset's, else why its values are not measurements."""
-    if tn.flash == PRESETS["hopper"].flash:
-        return None
-    return FLASH_UNMEASURED.get(tn.name, f"{tn.name} preset: not the measured hopper values")
+    return None if tn.flash == PRESETS["hopper"].flash else \
+        FLASH_UNMEASURED.get(tn.name, f"{tn.name} preset: not the measured hopper values")
 
 
 def _flash(branch: str, inp: PlanInputs, tn: KernelTuning, arch: Arch) -> tuple[str | None, str]:
@@ -227,6 +228,8 @@ def _chunk(inp: PlanInputs, tn: KernelTuning) -> int:
 @functools.lru_cache(maxsize=512)
 def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
     """The call's route (module doc). Pure: the same inputs give the same plan."""
+    if inp.q_off:   # queries at an offset: the one route whose kernels all take one, whatever else holds
+        return OpPlan(inp.arch, **offset_route(tn, inp.HQ // inp.H, max(inp.d_k, inp.d_v), _chunk(inp, tn)))
     arch = ARCHS[inp.arch]
     cmp, r_cmp = _cmp(inp, tn, arch)
     win, r_win = ("triton", "flash-attn refused this shape here") if "win_flash" in inp.refused else \
@@ -274,8 +277,6 @@ def select_plan(inp: PlanInputs, tn: KernelTuning) -> OpPlan:
 
 
 # ---------------------------------------------------------------------------------------- at the call
-
-
 def _rows_2d(x) -> bool:
     """x [B, T, H, d] addressable as 2-D [B*T, H*d] rows with 16-byte aligned strides and base (TMA)."""
     B, T, H, d = x.shape
@@ -311,9 +312,9 @@ def _installed(cuda: bool) -> frozenset:
 
 
 def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_sel: int, w: int,
-              tuning: KernelTuning | None = None, chunk: int | None = None) -> OpPlan:
-    """The plan of one op call from its (unit-stride) tensors: shapes and layout facts only, no sync. A
-    probe the plan asks for (the dense backend, the dense-SDPA check) runs once here, then it plans again."""
+              tuning: KernelTuning | None = None, chunk: int | None = None, q_off: bool = False) -> OpPlan:
+    """The plan of one op call from its unit-stride tensors (q_off: queries at an offset): shapes and layout facts,
+    no sync. A probe the plan asks for (the dense backend, the dense-SDPA check) runs once here, then it plans again."""
     import torch
     from .flash import device_capability
     B, T, HQ, dk = q.shape
@@ -328,7 +329,7 @@ def plan_call(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_se
                      k_slc.shape[2], dk, dv, k_cmp.shape[1], l, d, l_sel, n_sel, w, grad, grad and q.requires_grad,
                      torch.are_deterministic_algorithms_enabled(), capturing, _installed(q.is_cuda),
                      frozenset(k for k, v in layout.items() if v), _refused(dev, q.dtype, dk, dv), sdpa=sdpa,
-                     chunk=chunk)
+                     chunk=chunk, q_off=q_off)
     return _probed_plan(inp, tuning, q.device, q.dtype)
 
 

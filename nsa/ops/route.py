@@ -3,7 +3,7 @@ tile, block order or per token, the dK/dV walk's rows / stages / prefetch and ch
 
 Pure rules over one sub-config and G (no call, device or tensor): nsa/ops/plan.py's select_plan applies them
 to a call (with the eligibility checks only it makes), and the launchers take the WalkPlan / PairPlan it
-names. No torch or triton import.
+names; offset_route is the whole route of a call whose queries sit at an offset. No torch or triton import.
 """
 from __future__ import annotations
 
@@ -102,3 +102,19 @@ def walk_plan(s, G: int, big: bool, dq_pairs: bool, gluon_ok=lambda rows: False)
 def t_ok(min_t: int | None, T: int) -> bool:
     """Whether a switch that holds from min_t tokens on (None: never) holds at T."""
     return min_t is not None and T >= min_t
+
+
+OFFSET_WHY = "queries at an offset (context parallelism): the per-token route, whose Triton kernels all take one"
+
+
+def offset_route(tn, G: int, d_max: int, chunk: int) -> dict:
+    """OpPlan's fields (all but arch) for a call whose queries sit at positions pos0.. > 0 of the keys (KernelTuning
+    tn, G query heads per KV head, the larger head dim): both attention branches and the fused score pass on their
+    Triton kernels, the per-token selection forward and dq, the Triton dK/dV walk without pair partials. Those
+    kernels take the offset; the flash / dense / Gluon / block-order / tile paths do not."""
+    s = tn.select
+    why = tuple((c, OFFSET_WHY) for c in ("cmp", "win", "scores", "fwd", "bwd")) + (("win_entry", "own kernel"),)
+    return dict(cmp="triton", win="triton", win_entry="plain", win_gate_lse=False, scores="triton", m=1, fwd="token",
+                fwd_gluon=0, combine=False, bwd="token", dq_gluon=0, walk=walk_plan(s, G, d_max > 128, False),
+                chunk=chunk, dq_fold=False, row_sums=False, fa4_accum=False, pairs=pair_plan(s, G),
+                relayout=tn.scores.relayout, tile_group=0, tuning=tn, why=why, q_off=True)

@@ -85,7 +85,7 @@ def load_group(X, b, t64, hq, row_ok, offs, sxb, sxt, sxh, D: tl.constexpr):
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, O, LSE,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh,
-                     T, N, H, scale_log2,
+                     T, N, H, QOFF, scale_log2,
                      G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                      WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                      BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -96,8 +96,8 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
     offs_dk = tl.arange(0, BDK)
     offs_dv = tl.arange(0, BDV)
     q = load_group(Q, b, tok64[:, None], hq, row_ok, offs_dk, sqb, sqt, sqh, DK)  # [R, BDK]
-    t_first = pid_m * BT
-    t_last = tl.minimum(t_first + BT - 1, T - 1)
+    t_first = QOFF + pid_m * BT                         # query positions: row token + QOFF
+    t_last = QOFF + tl.minimum(pid_m * BT + BT - 1, T - 1)
     lo, hi = _key_range(t_first, t_last, N, STRIDE, OFFSET, WINDOW)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -111,7 +111,7 @@ def _attn_fwd_kernel(Q, K, V, O, LSE,
         k = tl.load(k_base + ki64[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)  # [BN, BDK]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2          # [R, BN], log2 units
-        vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
+        vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None] + QOFF, STRIDE, WINDOW) & k_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
         v = tl.load(v_base + ki64[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
@@ -147,7 +147,7 @@ def _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk, offs_
 @triton.jit
 def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
-                        T, N, H, scale_log2, scale,
+                        T, N, H, QOFF, scale_log2, scale,
                         G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                         WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                         BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -160,8 +160,8 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
     q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, tok64, hq, row_ok, offs_dk,
                                              offs_dv, sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV,
                                              HAS_GATE)
-    t_first = pid_m * BT
-    t_last = tl.minimum(t_first + BT - 1, T - 1)
+    t_first = QOFF + pid_m * BT                         # query positions: row token + QOFF
+    t_last = QOFF + tl.minimum(pid_m * BT + BT - 1, T - 1)
     lo, hi = _key_range(t_first, t_last, N, STRIDE, OFFSET, WINDOW)
     dq = tl.zeros([BLOCK_R, BDK], tl.float32)
     k_base = K + b * skb + h * skh
@@ -175,7 +175,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
         v = tl.load(v_base + ki64[:, None] * svt + offs_dv[None, :],
                     mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None], STRIDE, WINDOW) & k_ok[None, :]
+        vis = _visible((ki * STRIDE + OFFSET)[None, :], tok[:, None] + QOFF, STRIDE, WINDOW) & k_ok[None, :]
         p = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0) * gate[:, None]   # [R, BN], g p
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)                          # [R, BN]
         ds = p * (dp - delta[:, None])
@@ -192,7 +192,7 @@ def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, DQ, DQ_IN,
 @triton.jit
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_, DV_,
                           sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
-                          T, N, H, B, TPS, scale_log2, scale,
+                          T, N, H, B, TPS, QOFF, scale_log2, scale,
                           G: tl.constexpr, GP: tl.constexpr, STRIDE: tl.constexpr, OFFSET: tl.constexpr,
                           WINDOW: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                           BDK: tl.constexpr, BDV: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -216,19 +216,19 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, DK_, DV_,
                 mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)   # [BN, BDK]
     v = tl.load(V + b * svb + h * svh + ki64[:, None] * svt + offs_dv[None, :],
                 mask=k_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)   # [BN, BDV]
-    pos = ki * STRIDE + OFFSET                                             # [BN]
-    t_lo = pid_n * BLOCK_N * STRIDE + OFFSET
+    pos = ki * STRIDE + OFFSET - QOFF                                      # [BN], in query rows
+    t_lo = tl.maximum(pid_n * BLOCK_N * STRIDE + OFFSET - QOFF, 0)
     n_last = tl.minimum(pid_n * BLOCK_N + BLOCK_N, N) - 1
     t_hi = T - 1
-    if WINDOW > 0:
-        t_hi = tl.minimum(n_last * STRIDE + OFFSET + WINDOW - 1, T - 1)
+    if WINDOW > 0:   # may be < 0 (keys before the window of every query): no row tile
+        t_hi = tl.minimum(n_last * STRIDE + OFFSET - QOFF + WINDOW - 1, T - 1)
     dk = tl.zeros([BLOCK_N, BDK], tl.float32)
     dv = tl.zeros([BLOCK_N, BDV], tl.float32)
     rows = tl.arange(0, BLOCK_R)
     g = rows % GP
     hq = (h * G + g).to(tl.int64)
     m_lo = t_lo // BT
-    m_hi = t_hi // BT + 1
+    m_hi = (tl.maximum(t_hi, -1) + BT) // BT
     if SPLIT:
         pid_s = tl.program_id(2)
         m_lo = tl.maximum(m_lo, pid_s * TPS)
@@ -278,9 +278,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, offset: int,
-             window: int, scale: float, tuning: AttnTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             window: int, scale: float, tuning: AttnTuning | None = None,
+             q_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B,T,HQ,dk], k [B,N,H,dk], v [B,N,H,dv] (unit stride in dim) -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
-    tuning: the tiles (None: the preset of q's device)."""
+    tuning: the tiles (None: the preset of q's device). q_off: query row t sits at position t + q_off
+    (the keys' positions stay i * stride + offset)."""
     tuning = tuning or AttnTuning()
     B, T, HQ, dk, N, H, dv, G = _geometry(q, k, v)
     o = torch.empty(B, T, HQ, dv, device=q.device, dtype=q.dtype)
@@ -294,7 +296,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, stride: int, 
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        T, N, H, scale * LOG2E, G=G, GP=GP, STRIDE=stride, OFFSET=offset, WINDOW=window, DK=dk, DV=dv,
+        T, N, H, q_off, scale * LOG2E, G=G, GP=GP, STRIDE=stride, OFFSET=offset, WINDOW=window, DK=dk, DV=dv,
         BDK=bdk, BDV=bdv, BLOCK_R=block_r, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype, q.is_cuda),
         num_warps=warps, num_stages=stages)
     return o, lse
@@ -304,12 +306,12 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
              delta: torch.Tensor, gate: torch.Tensor | None, *, stride: int, offset: int, window: int,
              scale: float, dq_in: torch.Tensor | None = None,
              dq_dtype: torch.dtype | None = None,
-             tuning: AttnTuning | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             tuning: AttnTuning | None = None, q_off: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of attn_fwd. do [B,T,HQ,dv] (unit stride in dim); delta fp32 [B,T,HQ] = rowsum(dO*O)
     with dO the branch's own output gradient; gate: optional [B,T,HQ] view (any last stride) scaling
     do per row (dO_branch = gate * do), in which case delta must be rowsum(do*O) and is scaled too.
     dq_in: optional contiguous fp32 [B,T,HQ,dk] added to dq (accumulation across branches).
-    tuning: the tiles (None: the preset of q's device).
+    tuning: the tiles (None: the preset of q's device). q_off: as in attn_fwd.
     Returns (dq contiguous in dq_dtype (default q's), dk, dv in k's/v's dtypes)."""
     # dK/dV are written with k's/v's strides, so k/v must be dense (a strided view of a larger
     # buffer would make torch.empty_like allocate a different layout and the kernel write out of bounds)
@@ -326,7 +328,9 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     g_arg = gate if has_gate else lse
     sgt = gate.stride(2) if has_gate else 1
     if has_gate:
-        assert gate.stride(1) == HQ * sgt and gate.stride(0) == T * HQ * sgt, "gate must be a [B,T,HQ,c] slice"
+        # (a batch of one may be a slice of a longer sequence: its batch stride is never read)
+        assert gate.stride(1) == HQ * sgt and (B == 1 or gate.stride(0) == T * HQ * sgt), \
+            "gate must be a [B,T,HQ,c] slice"
     lse = lse.contiguous()
     delta = delta.contiguous()
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -337,7 +341,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     block_r = row_block(GP, br)
     _attn_bwd_dq_kernel[(triton.cdiv(T, block_r // GP), B * H)](
         q, k, v, do, lse, delta, g_arg, dq, dq if dq_in is None else dq_in, *strides,
-        T, N, H, scale * LOG2E, scale, BLOCK_R=block_r, BLOCK_N=bn, ACC_DQ=dq_in is not None,
+        T, N, H, q_off, scale * LOG2E, scale, BLOCK_R=block_r, BLOCK_N=bn, ACC_DQ=dq_in is not None,
         num_warps=warps, num_stages=stages, **meta)
     dkk, dvv = torch.empty_like(k), torch.empty_like(v)
     if N == 0:
@@ -357,7 +361,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
     else:
         pk, pv = dkk, dvv
     _attn_bwd_dkdv_kernel[(n_tiles, B * H, n_split)](
-        q, k, v, do, lse, delta, g_arg, pk, pv, *strides, T, N, H, B, tps, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, g_arg, pk, pv, *strides, T, N, H, B, tps, q_off, scale * LOG2E, scale,
         BLOCK_R=block_r, BLOCK_N=block_n, SPLIT=n_split > 1, num_warps=warps, num_stages=stages, **meta)
     if n_split > 1:  # fixed-order reduction over the splits (deterministic)
         dkk.copy_(pk.sum(0))

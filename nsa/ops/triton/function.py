@@ -70,7 +70,7 @@ class NSATritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp_in, lse_cmp_in, o_win_in, cmp_rows,
-                l, d, l_sel, n_sel, w, scale, plan: OpPlan, sums, deferred):
+                l, d, l_sel, n_sel, w, scale, plan: OpPlan, sums, deferred, pos0: int = 0, win_pos0: int = 0):
         ctx.run = run = steps_for(plan)
         ctx.set_materialize_grads(False)   # block_idx has no gradient: no zero tensor made for it
         ctx.sums = sums   # the branches' RowSums (branch_sums.py), filled by the backward
@@ -79,19 +79,20 @@ class NSATritonFunction(torch.autograd.Function):
         tn = plan.tuning
         # outside: computed by dense SDPA / flash-attn, whose own autograd nodes own their inputs' grads (k_cmp
         # then only feeds the block scores); the window runs before the selection, which may write the output
+        # pos0 > 0 (plan.q_off): query row t sits at position pos0 + t, the window's keys start at win_pos0
         o_cmp, lse_cmp = run.cmp_fwd(q, k_cmp, v_cmp, o_cmp_in, lse_cmp_in, stride=d, offset=l - 1, window=0,
-                                     scale=scale, tuning=tn.attn)
+                                     scale=scale, tuning=tn.attn, q_off=pos0)
         o_win, lse_win = run.win_fwd(q, k_win, v_win, o_win_in, None, stride=1, offset=0, window=w, scale=scale,
-                                     tuning=tn.attn)
+                                     tuning=tn.attn, q_off=pos0 - win_pos0)
         # also for T < l (no compressed token): lse_cmp is -inf there, every score is 0
         block_idx = select_blocks(q, k_cmp, lse_cmp, l=l, d=d, l_sel=l_sel, n_sel=n_sel, scale=scale,
                                   tuning=tn.scores, gluon=plan.scores == "gluon",
-                                  relayout=plan.relayout)
+                                  relayout=plan.relayout, q_off=pos0)
         o, o_slc, lse_slc, ctx.inv, union = run.slc_fwd(q, k_slc, v_slc, block_idx, o_cmp, o_win, gates, cmp_rows,
-                                                        l_sel=l_sel, scale=scale, plan=plan)
+                                                        l_sel=l_sel, scale=scale, plan=plan, q_off=pos0)
         ctx.save_for_backward(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
                               lse_cmp, lse_slc, lse_win, block_idx, *union)
-        ctx.hp = (l, d, l_sel, w, scale, plan)
+        ctx.hp = (l, d, l_sel, w, scale, plan, pos0, win_pos0)
         ctx.mark_non_differentiable(block_idx)
         return o, block_idx
 
@@ -99,7 +100,7 @@ class NSATritonFunction(torch.autograd.Function):
     def backward(ctx, do, _dbi):
         (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, o_cmp, o_slc, o_win,
          lse_cmp, lse_slc, lse_win, block_idx, *union) = ctx.saved_tensors
-        l, d, l_sel, w, scale, plan = ctx.hp
+        l, d, l_sel, w, scale, plan, pos0, win_pos0 = ctx.hp
         run, tn = ctx.run, plan.tuning
         do = do.contiguous()
         if do.data_ptr() % 16:   # the TMA walks read dO by rows: an aligned copy (same values)
@@ -108,7 +109,7 @@ class NSATritonFunction(torch.autograd.Function):
         dg, do_cmp, do_win = gate_grads(do, o_cmp, o_slc, o_win, gates, run.ext_cmp, run.ext_win, ctx.cmp_rows,
                                         ctx.sums)
         dq, dkc, dvc = run.cmp_bwd(q, k_cmp, v_cmp, do, lse_cmp, dg, gates, 0, stride=d, offset=l - 1, window=0,
-                                   scale=scale, dq_dtype=torch.float32, tuning=tn.attn)
+                                   scale=scale, dq_dtype=torch.float32, tuning=tn.attn, q_off=pos0)
         # dq accumulates in fp32 over the branches run here; the last of them writes q's dtype. With both
         # flash branches outside, the selection's dq kernels may wait for their gradients of q (QFork's
         # backward adds them in those kernels' epilogue): they go to the call's DeferredDq (dq is then None)
@@ -116,11 +117,11 @@ class NSATritonFunction(torch.autograd.Function):
         dq, dks, dvs = run.slc_bwd(q, k_slc, v_slc, block_idx, do, lse_slc, dg[..., 1].contiguous(), gates[..., 1],
                                    l_sel=l_sel, scale=scale, chunk=plan.chunk, dq_in=dq, walk=plan.walk,
                                    dq_dtype=q.dtype if run.ext_win else torch.float32, plan=plan, later=later,
-                                   inv=ctx.inv, union=union)
+                                   inv=ctx.inv, union=union, q_off=pos0)
         dq, dkw, dvw = run.win_bwd(q, k_win, v_win, do, lse_win, dg, gates, 2, stride=1, offset=0, window=w,
-                                   scale=scale, dq_in=dq, dq_dtype=q.dtype, tuning=tn.attn)
+                                   scale=scale, dq_in=dq, dq_dtype=q.dtype, tuning=tn.attn, q_off=pos0 - win_pos0)
         return (dq, dkc, dvc, dks, dvs, dkw, dvw, dg.to(gates.dtype), do_cmp, None, do_win,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 # ------------------------------------------------------------------------- the steps, and the plan's tables of them
@@ -149,12 +150,13 @@ def _outside_bwd(q, *args, dq_in=None, **_):
     return dq_in, None, None
 
 
-def _fwd_token(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
-    o_slc, lse_slc = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=plan.tuning.select)
+def _fwd_token(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan, q_off):
+    """One program per token; q_off: its rows' position offset (the query-offset route's selection forward)."""
+    o_slc, lse_slc = slc_fwd(q, k, v, block_idx, l_sel=l_sel, scale=scale, tuning=plan.tuning.select, q_off=q_off)
     return combine(o_cmp, o_slc, o_win, gates, cmp_rows), o_slc, lse_slc, None, ()
 
 
-def _fwd_block(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+def _fwd_block(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan, q_off=0):
     """Block order: the pair inversion it walks is the one the dK/dV walk takes, kept for it."""
     inv = invert_selection(block_idx, l_sel, plan.chunk, ranks=True)
     o_slc, lse_slc = slc_fwd_pairs(q, k, v, block_idx, inv, l_sel=l_sel, scale=scale, chunk=plan.chunk,
@@ -171,12 +173,12 @@ def _tile_slc(q, k, v, block_idx, l_sel, scale, plan, fused):
     return o_slc, lse_slc, union
 
 
-def _fwd_tile(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+def _fwd_tile(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan, q_off=0):
     o_slc, lse_slc, union = _tile_slc(q, k, v, block_idx, l_sel, scale, plan, None)
     return combine(o_cmp, o_slc, o_win, gates, cmp_rows), o_slc, lse_slc, None, union
 
 
-def _fwd_tile_fused(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan):
+def _fwd_tile_fused(q, k, v, block_idx, o_cmp, o_win, gates, cmp_rows, *, l_sel, scale, plan, q_off=0):
     """The tile forward also writes the op's gated sum (plan.combine): no combine pass."""
     fused = Combine.of(o_cmp, o_win, gates, cmp_rows)
     o_slc, lse_slc, union = _tile_slc(q, k, v, block_idx, l_sel, scale, plan, fused)
@@ -188,14 +190,14 @@ def _bwd_token(q, k, v, block_idx, do, lse, delta, gate, *, plan, later, inv, un
     return slc_bwd(q, k, v, block_idx, do, lse, delta, gate, tuning=plan.tuning.select, inv=inv, **kw)
 
 
-def _bwd_tile(q, k, v, block_idx, do, lse, delta, gate, *, plan, later, inv, union, **kw):
+def _bwd_tile(q, k, v, block_idx, do, lse, delta, gate, *, plan, later, inv, union, q_off=0, **kw):
     """The tile dq kernel (Gluon with plan.dq_gluon slots) on the forward's unions + the dK/dV walk without dq."""
     return slc_bwd_tile(q, k, v, block_idx, do, lse, delta, gate, m=plan.m, union=TileUnion(*union),
                         tuning=plan.tuning.tile, select=plan.tuning.select, later=later, dq_gluon=plan.dq_gluon, **kw)
 
 
 def _bwd_pairs(q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: float, chunk: int, dq_in, dq_dtype,
-               walk, plan, later: list | None, inv, union):
+               walk, plan, later: list | None, inv, union, q_off=0):
     """(dq, dK, dV) of the selection block by block: one dK/dV walk that also writes each (token, block)
     pair's dq partial, then their per-token sum by ranks (+ dq_in) into a dq_buffer; with `later` that sum is
     appended there as a task (qsum.DeferredDq) and dq is None. inv: the block-order forward's pair inversion,
@@ -211,6 +213,8 @@ def _bwd_pairs(q, k, v, block_idx, do, lse, delta, gate, *, l_sel: int, scale: f
     return pair_dq(q, dqp, inv, n_sel, H, dq=dq_buffer(q, dq_in, dq_dtype), dq_in=dq_in), dks, dvs
 
 
+# q_off: only the query-offset plan (route.offset_route) passes one, and only to _attn_fwd / _attn_bwd / the token
+# steps; the block and tile steps (and the branches computed outside) are never planned with it and take 0
 _CMP_FWD = MappingProxyType({False: _attn_fwd, True: _given})            # keyed by "computed outside"
 _WIN_FWD = MappingProxyType({False: _attn_fwd, True: _given_win})
 _ATTN_BWD = MappingProxyType({False: _attn_bwd, True: _outside_bwd})
@@ -259,17 +263,18 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def call_plan(q, k_cmp, v_cmp, k_slc, v_slc, *, l: int, d: int, l_sel: int, n_sel: int, w: int,
-              tuning: KernelTuning | None = None, chunk: int | None = None) -> OpPlan:
+              tuning: KernelTuning | None = None, chunk: int | None = None, q_off: bool = False) -> OpPlan:
     """The plan nsa_triton_apply makes for these tensors (after their unit-stride copies): what a caller may keep
-    for later calls with the same shapes, strides, alignment and grad state (eager.py does, per call signature)."""
+    for later calls with the same shapes, strides, alignment, grad state and q_off (pos0 > 0; eager.py keeps one
+    per call signature)."""
     q, k_cmp, v_cmp, k_slc, v_slc = map(_unit, (q, k_cmp, v_cmp, k_slc, v_slc))
     return plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
-                     chunk=chunk)
+                     chunk=chunk, q_off=q_off)
 
 
 def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: int, d: int, l_sel: int,
                      n_sel: int, w: int, scale: float, dkdv_chunk: int | None = None,
-                     tuning: KernelTuning | None = None, plan: OpPlan | None = None):
+                     tuning: KernelTuning | None = None, plan: OpPlan | None = None, pos0: int = 0, win_pos0: int = 0):
     """Make layouts kernel-friendly, plan the call (nsa/ops/plan.py), run the branches computed outside
     and the autograd.Function (inputs already validated). A branch the backend refuses at run time is
     planned away (plan.refuse_branch: the Triton kernel for this call and, through the registry, the next).
@@ -277,10 +282,14 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     tuning: launch parameters of every kernel (None: the preset of q's device).
     dkdv_chunk: queries per program in the selection dK/dV kernel (long lists are split and their
     fp32 partials added in a fixed order; None: the plan's); small values exercise that path in tests.
-    plan: call_plan's for tensors of this signature, kept by the caller (None: planned here)."""
+    plan: call_plan's for tensors of this signature, kept by the caller (None: planned here).
+    pos0 / win_pos0: queries at positions pos0.. (context parallelism), as nsa_reference's: q/gates [B,T,...],
+    k_slc/v_slc [B,pos0+T,...], k_win/v_win [B,pos0+T-win_pos0,...] (win_pos0 <= max(0, pos0-w+1)), k_cmp/v_cmp
+    the compressed tokens before pos0+T (validate_inputs(decode=True) checks this); planned on the offset route."""
     q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win = map(_unit, (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win))
     plan = plan or plan_call(q, k_cmp, v_cmp, k_slc, v_slc, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, tuning=tuning,
-                             chunk=dkdv_chunk)
+                             chunk=dkdv_chunk, q_off=pos0 > 0)
+    assert plan.q_off or not pos0, "queries at an offset need the offset plan (call_plan(q_off=True))"
     ext_cmp, ext_win = plan.cmp != "triton", plan.win != "triton"
     bnhd = ext_cmp and cmp_dense.bnhd_layout(plan.cmp)
     maps = cmp_dense.cmp_maps(q, k_cmp, l=l, d=d, bnhd=bnhd) if ext_cmp else None
@@ -300,4 +309,5 @@ def nsa_triton_apply(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, *, l: i
     except (RuntimeError, AssertionError, ValueError) as exc:   # a shape flash-attn refuses
         plan, o_win = refuse_branch("win", q, v_win, plan, exc), None
     return NSATritonFunction.apply(q_slc, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates.contiguous(), o_cmp,
-                                   lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale, plan, sums, deferred)
+                                   lse_cmp, o_win, cmp_rows, l, d, l_sel, n_sel, w, scale, plan, sums, deferred, pos0,
+                                   win_pos0)

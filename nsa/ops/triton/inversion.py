@@ -28,15 +28,17 @@ def _toks_rank_kernel(ORDER, SKEY, TOKS, RANK, P, S, T, NSEG, RANKS: tl.constexp
         tl.store(RANK + o, tl.where(listed, i, -1), mask=ok)
 
 
-def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False):
+def invert_selection(block_idx: torch.Tensor, l_sel: int, chunk: int, ranks: bool = False,
+                     n_keys: int | None = None):
     """For each segment (b, h, block j): the tokens t that selected j, split in chunks of <= chunk.
 
     Device-only (sort + searchsorted, no host sync). Returns segment_lists' dict plus toks [P]
     (tokens, grouped by segment, ascending t within one); with ranks also rank [B,H,T,S] (the position
-    of slot (b, h, t, s) in toks, -1 for an empty slot).
+    of slot (b, h, t, s) in toks, -1 for an empty slot). n_keys: the keys the blocks cut (None: T; more
+    for queries at an offset, whose blocks reach position offset + T - 1).
     """
     B, T, H, S = block_idx.shape
-    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(T, l_sel), chunk)   # [B, H, T, S]
+    inv = segment_lists(block_idx.permute(0, 2, 1, 3), triton.cdiv(n_keys or T, l_sel), chunk)   # [B, H, T, S]
     order, skey = inv.pop("order"), inv.pop("skey")
     P = order.numel()
     inv["toks"] = torch.empty_like(order)

@@ -222,7 +222,7 @@ def store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL: tl.constexpr,
 
 @triton.jit
 def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, sbt, sbh,
-                   T, N, H, n_tiles, scale_log2,
+                   T, N, H, n_tiles, QOFF, scale_log2,
                    G: tl.constexpr, GP: tl.constexpr, L_CMP: tl.constexpr, STRIDE: tl.constexpr,
                    LSEL: tl.constexpr, NSEL: tl.constexpr, DK: tl.constexpr, BDK: tl.constexpr,
                    BLOCK_R: tl.constexpr, BN: tl.constexpr, NBJ: tl.constexpr, NBJ_PAD: tl.constexpr,
@@ -241,10 +241,11 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
     # takes 2**12 p: its lo part then needs no scaling, and p >= 2**-26 stays normal in fp16
     lse2 = tl.where(row_ok & (lse > float("-inf")), lse * 1.4426950408889634 - (MAP_SHIFT if MAP == 2 else 0.0),
                     float("inf"))
-    ttok = pid_m * BT + tl.arange(0, BT)                                     # [BT]
-    cur = ttok // LSEL                                                       # block of each token
-    t_first = pid_m * BT
-    t_last = tl.minimum(t_first + BT - 1, T - 1)
+    tpos = tok + QOFF                                                        # [BLOCK_R] query positions
+    ttok = pid_m * BT + tl.arange(0, BT)                                     # [BT] query rows
+    cur = (ttok + QOFF) // LSEL                                              # block of each token's position
+    t_first = QOFF + pid_m * BT                                              # positions: row + QOFF
+    t_last = QOFF + tl.minimum(pid_m * BT + BT - 1, T - 1)
     n_ch = tl.cdiv(tl.maximum(t_last // LSEL - 1, 0), NBJ)   # candidates are blocks <= cur - 2
     nv_first = tl.where(t_first >= L_CMP - 1, (t_first - (L_CMP - 1)) // STRIDE + 1, 0)
     c_full = tl.minimum(tl.cdiv(tl.maximum(nv_first - BN + LC, 0), NBJ * R), n_ch)
@@ -260,13 +261,13 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
         run = tl.full([BT, KR], -1, tl.int64)
     else:
         run = tl.full([BT, KR], -1, tl.int32)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
+    run = _scan(run, q, lse2, tpos, cur, cnt, kc_base, skt, 0, tl.minimum(C_LO, n_ch), N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
                 MAP, P_PREC, DOT_PREC, True, scr, RELAY)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
+    run = _scan(run, q, lse2, tpos, cur, cnt, kc_base, skt, C_LO, c_full, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
                 MAP, P_PREC, DOT_PREC, False, scr, RELAY)
-    run = _scan(run, q, lse2, tok, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
+    run = _scan(run, q, lse2, tpos, cur, cnt, kc_base, skt, tl.maximum(C_LO, c_full), n_ch, N, scale_log2,
                 G, GP, L_CMP, STRIDE, R, LC, DK, BDK, BT, BN, NBJ, NBJ_PAD, KR, LOGKR, LOGNB, IB, KEY64,
                 MAP, P_PREC, DOT_PREC, True, scr, RELAY)
     store_blocks(run, cur, ttok, BI, b, h, sbb, sbt, sbh, T, NSEL, BT, KR, LOGKR, IB)
@@ -278,14 +279,17 @@ def _select_kernel(Q, KC, LSE, BI, SCRATCH, sqb, sqt, sqh, skb, skt, skh, sbb, s
 
 def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *, l: int, d: int,
                   l_sel: int, n_sel: int, scale: float, tuning: ScoreTuning = EXACT_SCORES,
-                  wide_keys: bool | None = None, gluon: bool = False, relayout: bool = False) -> torch.Tensor:
+                  wide_keys: bool | None = None, gluon: bool = False, relayout: bool = False,
+                  q_off: int = 0) -> torch.Tensor:
     """q [B,T,HQ,dk], k_cmp [B,N,H,dk] (N may be 0), lse_cmp fp32 [B,T,HQ] (natural log, -inf where no
     compressed token is visible) -> block_idx int64 [B,T,H,n_sel], ascending, -1 padded.
 
     tuning: the tiles (default: the exact fp32 maps); wide_keys forces int64 (True) or int32 (False, only if the
     block count fits) ranking keys (tests and benchmarks). gluon (the plan's choice, nsa/ops/plan.py): the
     score pass in Gluon (scores_gluon.py: the same blocks), the Triton kernel if it fails to launch. relayout
-    (the plan's): rank each chunk's scores from a scratch copy, not the replicated head-sum layout."""
+    (the plan's): rank each chunk's scores from a scratch copy, not the replicated head-sum layout. q_off: query
+    row t sits at position t + q_off (k_cmp holds the compressed tokens before q_off + T; the plan keeps such
+    calls off the Gluon pass)."""
     B, T, HQ, dk = q.shape
     N, H = k_cmp.shape[1], k_cmp.shape[2]
     if gluon and wide_keys is None:
@@ -298,7 +302,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     G = HQ // H
     GP = next_pow2(G)
     R, LC = l_sel // d, l // d
-    nsb = triton.cdiv(T, l_sel)
+    nsb = triton.cdiv(T + q_off, l_sel)
     bdk = max(16, next_pow2(dk))
     tile = tuning.tile_for(bdk > 128)
     rows, bn_min, warps, stages = tile.rows, tile.min_keys, tile.warps, tile.stages
@@ -324,7 +328,7 @@ def select_blocks(q: torch.Tensor, k_cmp: torch.Tensor, lse_cmp: torch.Tensor, *
     _select_kernel[(n_tiles, B * H)](
         q, k_cmp, lse_cmp.contiguous(), bi, scratch, q.stride(0), q.stride(1), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2), bi.stride(0), bi.stride(1), bi.stride(2),
-        T, N, H, n_tiles, scale * LOG2E, G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, DK=dk,
+        T, N, H, n_tiles, q_off, scale * LOG2E, G=G, GP=GP, L_CMP=l, STRIDE=d, LSEL=l_sel, NSEL=n_sel, DK=dk,
         BDK=bdk, BLOCK_R=block_r, BN=bn, NBJ=nbj, NBJ_PAD=nbj_pad, KR=kr, LOGKR=kr.bit_length() - 1,
         LOGNB=nbj_pad.bit_length() - 1, IB=ib, KEY64=key64, MAP=mode,
         P_PREC="tf32x3" if q.is_cuda else "ieee", DOT_PREC=dot_precision(q.dtype, q.is_cuda),

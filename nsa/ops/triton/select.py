@@ -30,7 +30,7 @@ from .walk_gluon import gwalk_dkdv
 
 @triton.jit
 def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                    sob, sot, soh, sbb, sbt, sbh, T, H, scale_log2,
+                    sob, sot, soh, sbb, sbt, sbh, T, H, QOFF, scale_log2,
                     G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                     BS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -56,7 +56,7 @@ def _slc_fwd_kernel(Q, K, V, BI, O, LSE, sqb, sqt, sqh, skb, skt, skh, svb, svt,
         j = tl.load(bi_base + it // NSUB)
         kk = (it % NSUB) * BS + tl.arange(0, BS)
         kp = j * LSEL + kk                                                  # [BS] int64 positions
-        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t + QOFF)   # j = -1 gives kp < 0; row t at position t + QOFF
         k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
@@ -91,7 +91,7 @@ def _slc_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
 @triton.jit
 def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt, sbb, sbt, sbh,
-                       T, H, scale_log2, scale,
+                       T, H, QOFF, scale_log2, scale,
                        G: tl.constexpr, GR: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                        DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr, BDV: tl.constexpr,
                        BS: tl.constexpr, HAS_GATE: tl.constexpr, ACC_DQ: tl.constexpr,
@@ -117,7 +117,7 @@ def _slc_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, GATE, BI, DQ, DQ_IN,
         j = tl.load(bi_base + it // NSUB)
         kk = (it % NSUB) * BS + tl.arange(0, BS)
         kp = j * LSEL + kk
-        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t)   # j = -1 gives kp < 0
+        k_ok = (kp >= 0) & (kk < LSEL) & (kp <= t + QOFF)   # j = -1 gives kp < 0; row t at position t + QOFF
         k = tl.load(k_base + kp[:, None] * skt + offs_dk[None, :],
                     mask=k_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         v = tl.load(v_base + kp[:, None] * svt + offs_dv[None, :],
@@ -258,7 +258,7 @@ def _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok,
 def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHUNK, XOFF,
                          DKO, DVO, XDK, XDV, DQP,
                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sdb, sdt, sdh, sgt,
-                         T, H, NSB, NSEG, scale_log2, scale,
+                         T, TK, H, NSB, NSEG, QOFF, scale_log2, scale,
                          G: tl.constexpr, GP: tl.constexpr, ROWS: tl.constexpr, LSEL: tl.constexpr,
                          CH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BDK: tl.constexpr,
                          BDV: tl.constexpr, BS: tl.constexpr, HAS_GATE: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -267,14 +267,16 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
     """One program per work item (segment = (b, h, block j), chunk c of its query list). Each step
     takes ROWS // GP queries of the list at once: row r is head r % GP of query r // GP. DQ_PAIRS:
     also each (query, block) pair's dq partial [G, dk] at the pair's list position (DQP; summed per
-    token by select_block.pair_dq).
+    token by select_block.pair_dq). T query rows at positions QOFF.., TK keys (TK = T, QOFF = 0 without an
+    offset): the token ids of the lists are rows, the dK/dV rows are keys.
     PREFETCH: each step's token ids are loaded two steps before (Triton pipelines the gathers they address
     one step ahead, and without this each of them first waits for its token-id load). LOOP_STAGES > 0:
     the step loop is tl.range(num_stages=LOOP_STAGES), which pipelines every load of a step (token ids,
     lse / delta / gate, the gathers), not only the dot operands as the kernel's num_stages does."""
     seg, chunk, ok, j, b, h, start, end = work_item(WSEG, WCHUNK, SEGOFF, NSEG, NSB, H, CH)
-    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, T, skb, skt, skh, svb, svt, svh, LSEL, BS,
+    kk, _, _, offs_dk, offs_dv, k, v = block_kv(K, V, b, h, j, TK, skb, skt, skh, svb, svt, svh, LSEL, BS,
                                                 DK, DV, BDK, BDV)
+    j0 = j * LSEL - QOFF   # the block's first key in query-row units (row t sits at position t + QOFF)
     QB: tl.constexpr = ROWS // GP                                           # queries per step
     rows = tl.arange(0, ROWS)
     g = rows % GP
@@ -288,7 +290,7 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
             qi_c, t_c, ok_c = walk_rows(TOKS, idx + 2 * QB, end, rows, G, GP, QB)
             q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t_a, hq, ok_a, offs_dk, offs_dv,
                                                      sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
-            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qi_a, t_a, ok_a, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
             qi_a, t_a, ok_a = qi_b, t_b, ok_b
             qi_b, t_b, ok_b = qi_c, t_c, ok_c
@@ -297,15 +299,15 @@ def _slc_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, GATE, TOKS, SEGOFF, WSEG, WCHU
             qidx, t64, row_ok = walk_rows(TOKS, idx, end, rows, G, GP, QB)
             q, do, lse, delta, gate = _load_rows_bwd(Q, DO, LSE, DELTA, GATE, b, t64, hq, row_ok, offs_dk, offs_dv,
                                                      sqb, sqt, sqh, sdb, sdt, sdh, T, H * G, sgt, DK, DV, HAS_GATE)
-            dk, dv = _dkdv_step(dk, dv, k, v, kk, j * LSEL, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
+            dk, dv = _dkdv_step(dk, dv, k, v, kk, j0, q, do, lse, delta, gate, qidx, t64, row_ok, g, offs_dk,
                                 DQP, scale_log2, scale, G, LSEL, DK, DOT_PREC, DQ_PAIRS)
     dk = dk * scale
     # scalar conditions as vectors (Triton's interpreter mishandles scalar-bool & vector-bool masks)
     # the block's rows from scalars (j, T) rather than block_kv's int64 kp / k_ok vectors; on sm_90 this
     # compiled to the same registers, it only keeps the loop free of them in the source
     first = (tl.zeros([BS], tl.int32) + (ok & (chunk == 0)).to(tl.int32)) > 0
-    first = first & (kk < tl.minimum(T - j * LSEL, LSEL))
-    o_row = ((b * T + j * LSEL) * H + h) + kk.to(tl.int64) * H              # rows of [B,T,H,*] fp32
+    first = first & (kk < tl.minimum(TK - j * LSEL, LSEL))
+    o_row = ((b * TK + j * LSEL) * H + h) + kk.to(tl.int64) * H             # rows of [B,TK,H,*] fp32
     tl.store(DKO + o_row[:, None] * DK + offs_dk[None, :], dk,
              mask=first[:, None] & (offs_dk[None, :] < DK))
     tl.store(DVO + o_row[:, None] * DV + offs_dv[None, :], dv,
@@ -363,9 +365,10 @@ def _slc_meta(q: torch.Tensor, G: int, dk: int, dv: int, l_sel: int) -> dict:
 
 def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, *,
             l_sel: int, scale: float, tuning: SelectTuning | None = None,
-            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B,T,HQ,dk], k/v [B,T,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
-    tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous)."""
+            out: tuple[torch.Tensor, torch.Tensor] | None = None, q_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B,T,HQ,dk], k/v [B,TK,H,*], block_idx [B,T,H,n_sel] -> (o [B,T,HQ,dv], lse fp32 [B,T,HQ]).
+    tuning: launch parameters (None: the preset of q's device). out: (o, lse) to write (contiguous).
+    q_off: query row t sits at position t + q_off (TK >= q_off + T; 0: TK = T)."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
@@ -375,7 +378,7 @@ def slc_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
     _slc_fwd_kernel[(T, B * H)](
         q, k, v, block_idx, o, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, q_off, scale * LOG2E,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.fwd_keys), num_stages=tn.fwd_stages,
         num_warps=tn.fwd_warps, **meta)
     return o, lse
@@ -401,9 +404,9 @@ def dq_buffer(q: torch.Tensor, dq_in: torch.Tensor | None, dq_dtype: torch.dtype
 def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, do: torch.Tensor,
            lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
            dq_in: torch.Tensor | None = None, dq_dtype: torch.dtype | None = None,
-           tuning: SelectTuning | None = None, dq_out: torch.Tensor | None = None) -> torch.Tensor:
+           tuning: SelectTuning | None = None, dq_out: torch.Tensor | None = None, q_off: int = 0) -> torch.Tensor:
     """dq of slc_fwd (plus dq_in), per (token, kv head) program; dq_out: the buffer to write
-    (dq_buffer's)."""
+    (dq_buffer's); q_off as in slc_fwd."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
     H, dv, n_sel = k.shape[2], v.shape[3], block_idx.shape[3]
@@ -411,7 +414,7 @@ def slc_dq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.T
     dq = dq_out if dq_out is not None else dq_buffer(q, dq_in, dq_dtype)
     _slc_bwd_dq_kernel[(T, B * H)](
         q, k, v, do, lse, delta, g_arg, block_idx, dq, dq if dq_in is None else dq_in, *strides,
-        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, scale * LOG2E, scale,
+        block_idx.stride(0), block_idx.stride(1), block_idx.stride(2), T, H, q_off, scale * LOG2E, scale,
         NSEL=n_sel, BS=min(max(16, next_pow2(l_sel)), tn.dq_keys), HAS_GATE=gate is not None,
         ACC_DQ=dq_in is not None, num_stages=tn.dq_stages, num_warps=tn.dq_warps,
         **_slc_meta(q, HQ // H, dk, dv, l_sel))
@@ -422,21 +425,22 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
              lse: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor | None, *, l_sel: int, scale: float,
              chunk: int = 1024, tuning: SelectTuning | None = None,
              inv: dict | None = None, dq_pairs: torch.Tensor | None = None,
-             walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             walk: WalkPlan | None = None, q_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """dK, dV of slc_fwd: per selected block, a walk over the tokens that selected it (chunks of
     <= chunk, fp32 partials reduced in a fixed order: deterministic, no atomics). inv: the forward's
     invert_selection(block_idx, l_sel, chunk) when it made one. dq_pairs [P*G, dk]: also write every
     (token, block) pair's dq partial there (select_block.pair_dq sums them; needs inv). walk: the plan's
-    (nsa/ops/plan.py: rows, Gluon or Triton, prefetch, loop stages); None: the Triton walk under tuning."""
+    (nsa/ops/plan.py: rows, Gluon or Triton, prefetch, loop stages); None: the Triton walk under tuning.
+    q_off: as in slc_fwd (the Triton walk only: the plan gives such calls no Gluon walk); dK/dV are [B,TK,H,*]."""
     tn = tuning or SelectTuning()
     B, T, HQ, dk = q.shape
-    H, dv = k.shape[2], v.shape[3]
+    TK, H, dv = k.shape[1], k.shape[2], v.shape[3]
     meta = _slc_meta(q, HQ // H, dk, dv, l_sel)
     g_arg, lse, delta, strides = _bwd_args(q, k, v, do, lse, delta, gate)
     if inv is None or inv["chunk"] != chunk:
-        inv = invert_selection(block_idx, l_sel, chunk)
-    dk32 = torch.empty(B, T, H, dk, device=q.device, dtype=torch.float32)
-    dv32 = torch.empty(B, T, H, dv, device=q.device, dtype=torch.float32)
+        inv = invert_selection(block_idx, l_sel, chunk, n_keys=TK)
+    dk32 = torch.empty(B, TK, H, dk, device=q.device, dtype=torch.float32)
+    dv32 = torch.empty(B, TK, H, dv, device=q.device, dtype=torch.float32)
     xdk = torch.empty(inv["n_slots"], l_sel, dk, device=q.device, dtype=torch.float32)
     xdv = torch.empty(inv["n_slots"], l_sel, dv, device=q.device, dtype=torch.float32)
     bs = max(16, next_pow2(l_sel))
@@ -447,8 +451,8 @@ def slc_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch
                                     dq_pairs=dq_pairs)):
         _slc_bwd_dkdv_kernel[(inv["w_max"],)](
             q, k, v, do, lse, delta, g_arg, inv["toks"], inv["segoff"], inv["wseg"], inv["wchunk"], inv["xoff"],
-            dk32, dv32, xdk, xdv, dk32 if dq_pairs is None else dq_pairs, *strides, T, H, inv["nsb"],
-            inv["nseg"], scale * LOG2E, scale, DQ_PAIRS=dq_pairs is not None,
+            dk32, dv32, xdk, xdv, dk32 if dq_pairs is None else dq_pairs, *strides, T, TK, H, inv["nsb"],
+            inv["nseg"], q_off, scale * LOG2E, scale, DQ_PAIRS=dq_pairs is not None,
             PREFETCH=wk.prefetch, LOOP_STAGES=wk.loop_stages,
             CH=chunk, BS=bs, HAS_GATE=gate is not None, num_stages=tn.dkdv_stages, num_warps=tn.dkdv_warps,
             GP=wk.group, ROWS=wk.rows,
@@ -475,9 +479,10 @@ def slc_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.
             chunk: int = 1024, dq_in: torch.Tensor | None = None,
             dq_dtype: torch.dtype | None = None,
             tuning: SelectTuning | None = None,
-            inv: dict | None = None, walk: WalkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd; inv and walk as in
-    slc_dkdv)."""
-    kw = dict(l_sel=l_sel, scale=scale, tuning=tuning)
+            inv: dict | None = None, walk: WalkPlan | None = None,
+            q_off: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of slc_fwd (same conventions for do/delta/gate/dq_in as attn.attn_bwd; inv, walk and q_off as
+    in slc_dkdv)."""
+    kw = dict(l_sel=l_sel, scale=scale, tuning=tuning, q_off=q_off)
     dq = slc_dq(q, k, v, block_idx, do, lse, delta, gate, dq_in=dq_in, dq_dtype=dq_dtype, **kw)
     return (dq, *slc_dkdv(q, k, v, block_idx, do, lse, delta, gate, chunk=chunk, inv=inv, walk=walk, **kw))
