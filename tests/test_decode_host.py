@@ -88,13 +88,36 @@ def test_reused_scratch_is_written_before_it_is_read(decisions):
     o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
     (la,) = tdec._LAUNCHERS.values()
     ((_, scratch),) = la._scr.values()
-    for x in scratch[:-1]:   # the semaphores stay: the kernels leave them at zero
-        x.fill_(float("nan") if x.is_floating_point() else -7)
+    sems = [x for x in scratch if x.dtype == torch.int32]
+    assert len(sems) == 2   # the scoring slices' and the merging tail's semaphores: the kernels leave them at zero
+    for x in scratch:
+        if x.dtype != torch.int32:
+            x.fill_(float("nan") if x.is_floating_point() else -7)
     o2, bi2 = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
     ((_, again),) = la._scr.values()
     assert all(a is b for a, b in zip(scratch, again))   # the same buffers served the second call
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
-    assert int(scratch[-1].abs().sum()) == 0
+    assert all(int(x.abs().sum()) == 0 for x in sems)
+
+
+@pytest.mark.parametrize("tq", [1, 2])
+def test_the_merging_tail_equals_the_combine_launch(decisions, monkeypatch, tq):
+    """FUSED_COMBINE: the selection/window kernel's last program per (row, kv head) merges the branches; off, the
+    fourth launch does: the same o (the interpreter's sums run in one order), block_idx untouched."""
+    xs = inputs(B=3)
+    for t in (5, 47, 88 - tq):
+        views, pos0, win_pos0 = decode_views(xs, t, tq, HP["w"], HP["l"], HP["d"])
+        info: dict = {}
+        o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON, launch_info=info)
+        assert sorted(info) == ["cmp", "score", "slc_win"]
+        monkeypatch.setattr(tdec, "FUSED_COMBINE", False)
+        info4: dict = {}
+        o4, bi4 = fresh(views, pos0, win_pos0, backend=TRITON, launch_info=info4)
+        monkeypatch.setattr(tdec, "FUSED_COMBINE", True)
+        decode._CALLS.clear()   # the flag is read when a launcher is made: the next call makes a fused one
+        tdec._LAUNCHERS.clear()
+        assert sorted(info4) == ["cmp", "combine", "score", "slc_win"]
+        assert torch.equal(o, o4) and torch.equal(bi, bi4), t
 
 
 @pytest.mark.parametrize("change", ["batch", "heads", "dtype", "scale", "policy"])
