@@ -39,6 +39,7 @@ class _AppendBuffer:
         self.capacity = max(1, int(capacity))
         self.length = 0
         self.bufs: list[torch.Tensor] = []
+        self._views: tuple = (-1, None, [])   # (length, bufs, their views): kept while neither changes
 
     def _allocate(self, like: list[torch.Tensor], capacity: int) -> list[torch.Tensor]:
         return [x.new_empty(x.shape[0], capacity, *x.shape[2:]) for x in like]
@@ -55,6 +56,7 @@ class _AppendBuffer:
         for dst, src in zip(new, self.bufs):
             dst[:, : self.length].copy_(src[:, : self.length])
         self.bufs, self.capacity = new, new_cap
+        self._views = (-1, None, [])   # not holding the old buffers
 
     def append(self, xs: list[torch.Tensor]) -> None:
         n = xs[0].shape[1]
@@ -66,7 +68,13 @@ class _AppendBuffer:
         self.length = at + n
 
     def views(self) -> list[torch.Tensor]:
-        return [b[:, : self.length] for b in self.bufs]
+        """[:, :length] of each buffer; the same view objects while the length and buffers stay (the compressed
+        tokens' views serve d decode steps; rows moved in place stay visible through them)."""
+        n, bufs, views = self._views
+        if n != self.length or bufs is not self.bufs:
+            views = [b[:, : self.length] for b in self.bufs]
+            self._views = (self.length, self.bufs, views)
+        return views
 
 
 class _TailBuffer(_AppendBuffer):

@@ -110,8 +110,9 @@ def nsa_decode(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_slc:
     on_device = isinstance(pos0, torch.Tensor) or isinstance(win_pos0, torch.Tensor)
     rest = (l, d, l_sel, n_sel, w, scale, win_ring, on_device)
     sig = decode_signature(t)
+    # triton_module by identity: the hook _triton_decode asks (a test's stand-in is another function)
     key = None if sig is None else (sig, backend if isinstance(backend, str) else id(backend), id(tuning), rest,
-                                    tuple(map(type, rest)), triton_module())
+                                    tuple(map(type, rest)), triton_module)
     call = _CALLS.get(key) if key is not None else None
     if call is None or call.policy_key is not None and dispatch._cache.get(call.policy_key) is not call.policy:
         call = _decide(t, backend, tuning, rest, key, pos0, win_pos0)
