@@ -1,7 +1,9 @@
 """Group-centric flash attention with a "strided causal" mask, for the compressed and window branches.
 
 Key ``i`` sits at position ``pos(i) = i * STRIDE + OFFSET`` and is visible to the query at ``t`` iff
-``pos(i) <= t`` and (when ``WINDOW > 0``) ``pos(i) > t - WINDOW``.
+``pos(i) <= t`` and (when ``WINDOW > 0``) ``pos(i) > t - WINDOW``. Query row r sits at ``t = r + QOFF``
+(the launchers' q_off: 0 for prefill; a context-parallel chunk's first position, less the first window
+key's position for the window).
 - compressed branch: STRIDE = d, OFFSET = l - 1, WINDOW = 0 (block i visible iff i*d + l - 1 <= t);
 - sliding window:    STRIDE = 1, OFFSET = 0,     WINDOW = w;
 - plain causal:      STRIDE = 1, OFFSET = 0,     WINDOW = 0.

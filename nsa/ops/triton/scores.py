@@ -29,6 +29,9 @@ bitonic merge. At the end forced blocks are placed by priority, the best n_sel -
 the rest, and the row is sorted ascending and -1 padded: the same block_idx as
 scores_unfused.block_scores + select_topn and nsa.ops.reference (on the GPU up to rounding-level near
 ties of fp32 scores: at T=64k, HQ=64, H=4, 1 row in 262144 differs from the unfused kernels).
+
+Query offset (QOFF, select_blocks' q_off): query row r sits at position r + QOFF (a context-parallel chunk);
+the causal mask, the block of each token and its candidates use that position, the rows stay r.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ tl.dot), looping over the n_sel selected blocks with an online softmax; causal m
 Backward: dq per (token, kv head); dK/dV without atomics by inverting the selection on device
 (sort of (b, h, block) keys), then one program per (block, chunk of <= CH queries) loops over the
 queries that selected it; chunks > 0 write fp32 partials that a last kernel adds in chunk order.
+With a query offset (QOFF, the launchers' q_off) query row t sits at position t + QOFF of the keys
+(a context-parallel chunk): every causal test uses that position, the dK/dV rows are the keys'.
 """
 from __future__ import annotations
 
