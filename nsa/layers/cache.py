@@ -64,7 +64,7 @@ class _AppendBuffer:
             self._ensure(xs, self.length + n)
         at = self.length
         for buf, x in zip(self.bufs, xs):
-            buf[:, at: at + n].copy_(_untracked(x))
+            buf[:, at: at + n] = _untracked(x)   # one call for the slice and its copy
         self.length = at + n
 
     def views(self) -> list[torch.Tensor]:
