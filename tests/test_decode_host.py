@@ -168,3 +168,28 @@ def test_a_stale_policy_is_resolved_again(decisions):
     dispatch._cache.clear()
     nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend="torch")
     assert decisions["decide"] == 2
+
+
+def test_a_stand_in_kernel_hook_is_called_per_call_and_falls_back_per_call(decisions, monkeypatch):
+    """A triton package without this launcher (a stand-in hook) is called as is on every call; where it refuses
+    the shape (NotImplementedError) each call runs torch and counts the fallback, as before the decisions were
+    kept. Swapping the hook is another signature."""
+    from nsa.ops import fallback_counts, reset_fallback_counts
+    calls = []
+
+    class FakeTriton:
+        @staticmethod
+        def nsa_decode_triton(*a, **k):
+            calls.append(k["pos0"])
+            raise NotImplementedError("stand-in: no such shape")
+    monkeypatch.setattr(decode, "triton_module", lambda: FakeTriton)
+    xs = inputs()
+    views, pos0, win_pos0 = decode_views(xs, 60, 1, HP["w"], HP["l"], HP["d"])
+    reset_fallback_counts()
+    for _ in range(2):
+        o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
+    assert calls == [pos0, pos0] and decisions["decide"] == 1
+    assert fallback_counts() == {"decode:triton_unsupported->torch": 2}
+    o_t, bi_t = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend="torch")
+    assert torch.equal(o, o_t) and torch.equal(bi, bi_t)
+    reset_fallback_counts()

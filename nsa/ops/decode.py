@@ -14,8 +14,8 @@ positions against the lengths and goes to the kernels (tests/test_decode_host.py
 """
 from __future__ import annotations
 
-import importlib
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -170,7 +170,7 @@ def _decide(t: tuple, backend, tuning, rest: tuple, key: tuple | None, pos0, win
             counts += ("decode:triton->torch",)
         elif policy.backend == "triton":
             try:
-                run = _triton_run(fn, t, hp, sc, 0, tuning_, False)
+                run = _triton_run(fn, t, hp, sc, 0, tuning_, False, run)
             except NotImplementedError:  # kernel does not cover this shape/dtype
                 counts += ("decode:triton_unsupported->torch",)
     call = _Call(run, counts, policy_key, policy, (backend, tuning))
@@ -182,15 +182,21 @@ def _decide(t: tuple, backend, tuning, rest: tuple, key: tuple | None, pos0, win
 
 
 def _triton_run(fn: Callable, t: tuple, hp: dict, scale: float, win_ring: int, tuning: KernelTuning,
-                pos_ptr: bool) -> Callable:
+                pos_ptr: bool, torch_run: Callable | None = None) -> Callable:
     """run of the Triton backend: the kernel module's launcher for this signature (its checks raise here, on
     the first call: NotImplementedError where the kernels do not cover the shape / dtype), or fn as is where it
-    is no such module's (a test's stand-in)."""
+    is no such module's (a test's stand-in; NotImplementedError from it runs torch_run, counted, when given)."""
     from .triton import decode as tdec
     if fn is not tdec.nsa_decode_triton:
         def run(x, pos0, win_pos0, launch_info):
-            return fn(*x, pos0=pos0, win_pos0=win_pos0, **hp, scale=scale, win_ring=win_ring,
-                      tuning=tuning.decode, launch_info=launch_info)
+            try:
+                return fn(*x, pos0=pos0, win_pos0=win_pos0, **hp, scale=scale, win_ring=win_ring,
+                          tuning=tuning.decode, launch_info=launch_info)
+            except NotImplementedError:
+                if torch_run is None:
+                    raise
+                count_fallback("decode:triton_unsupported->torch")
+                return torch_run(x, pos0, win_pos0, launch_info)
         return run
     launcher = tdec.decode_launcher(*t, **hp, win_ring=win_ring, tuning=tuning.decode, pos_ptr=pos_ptr)
 
