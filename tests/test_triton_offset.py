@@ -175,6 +175,45 @@ def _cp_triton_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
     _close(gather_outputs(o_l.detach(), T, group), o, TOL[torch.float32], f"{tag} gathered o")
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU processes run the kernels through the "
+                    "interpreter (TRITON_INTERPRET=1, set without CUDA)")
 def test_cp_op_on_triton_equals_single_process_triton():
     from test_context_parallel import _spawn
     _spawn(_cp_triton_cases)
+
+
+# ---------------------------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("HQ,H,d", [(12, 2, 64), (64, 4, 128)], ids=["prod", "paper"])
+def test_gpu_bf16_offset_chunk_matches_fp32_torch(HQ, H, d):
+    """A late context-parallel chunk at long context in bf16 (queries 9000 .. 13095 of 16384 keys, the offset inside
+    a selection and a compression block) against nsa_torch(pos0) in fp32, as tests/test_triton_gpu.py bounds the
+    plain route: rows whose blocks differ at near-ties (at most 1 in 1000) get no output gradient in either run."""
+    from nsa.ops.batched import nsa_torch
+    from nsa.ops.common import NSAParams
+    hp = dict(l=32, d=16, l_sel=64, n_sel=16, w=512)
+    T, pos0, tq = 16384, 9000, 4096
+    xs = make_inputs(1, T, HQ, H, d, d, l=32, d=16, dtype=torch.bfloat16, device="cuda", seed=HQ, q_scale=2.0)
+    views, _, w0 = decode_views(xs, pos0, tq, hp["w"], hp["l"], hp["d"])
+    scale = d ** -0.5
+
+    def run(dtype, do, torch_path):
+        args = [v.detach().to(dtype).requires_grad_() for v in views]
+        if torch_path:
+            o, bi = nsa_torch(*args, p=NSAParams(**hp), scale=scale, pos0=pos0, win_pos0=w0)
+        else:
+            o, bi = fn.nsa_triton_apply(*args, **hp, scale=scale, pos0=pos0, win_pos0=w0)
+        return o, bi, torch.autograd.grad(o, args, do.to(dtype)) if do is not None else None
+
+    with torch.no_grad():
+        _, bi0, _ = run(torch.bfloat16, None, False)
+        _, rbi0, _ = run(torch.float32, None, True)
+    same = (bi0 == rbi0).all(-1)                                             # [1, tq, H]
+    keep = same.repeat_interleave(HQ // H, dim=2)[..., None]
+    do = torch.randn(1, tq, HQ, d, device="cuda", generator=torch.Generator("cuda").manual_seed(3)) * keep
+    o, bi, g = run(torch.bfloat16, do, False)
+    ro, rbi, rg = run(torch.float32, do, True)
+    assert torch.equal(bi, bi0) and same.float().mean().item() >= 0.999
+    errs = {"o": rel_rms(o * keep, ro * keep), **{f"d{n}": rel_rms(a, b) for n, a, b in zip(INPUT_NAMES, g, rg)}}
+    assert all(v <= 5e-3 for v in errs.values()), errs
