@@ -109,6 +109,7 @@ def test_every_offset_call_is_planned_on_the_offset_route():
                         assert p.q_off and p.m == 1 and not (p.dq_fold or p.row_sums or p.fa4_accum or p.combine)
                         assert not p.walk.dq_pairs and p.needs is None and p.tuning is tn
                         assert "offset" in p.reason("fwd") and p.chunk == select_plan(inp, tn).chunk
+                        assert p.line().endswith(" q_off=1") and "q_off" not in select_plan(inp, tn).line()
                         s = fn.steps_for(p)
                         assert (s.cmp_fwd, s.win_fwd, s.slc_fwd, s.slc_bwd) == (
                             fn._attn_fwd, fn._attn_fwd, fn._fwd_token, fn._bwd_token) and not s.fold

@@ -123,7 +123,7 @@ class OpPlan:
         return (f"plan[{self.arch}] cmp={self.cmp} win={self.win}/{self.win_entry} scores={self.scores} "
                 f"slc fwd={self.fwd}{'/m' + str(self.m) if self.m > 1 else ''} bwd={self.bwd}"
                 f"{'/dq-gluon' if self.dq_gluon else ''} {walk} chunk={self.chunk} dq_fold={int(self.dq_fold)} "
-                f"row_sums={int(self.row_sums)} fa4_accum={int(self.fa4_accum)}")
+                f"row_sums={int(self.row_sums)} fa4_accum={int(self.fa4_accum)}{' q_off=1' if self.q_off else ''}")
 
 
 def _half(inp: PlanInputs) -> bool:
