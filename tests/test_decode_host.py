@@ -87,14 +87,14 @@ def test_reused_scratch_is_written_before_it_is_read(decisions):
     views, pos0, win_pos0 = decode_views(xs, 70, 2, HP["w"], HP["l"], HP["d"])
     o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
     (la,) = tdec._LAUNCHERS.values()
-    ((_, scratch),) = la._scr.values()
+    ((_, scratch, _),) = la._scr.values()
     sems = [x for x in scratch if x.dtype == torch.int32]
     assert len(sems) == 2   # the scoring slices' and the merging tail's semaphores: the kernels leave them at zero
     for x in scratch:
         if x.dtype != torch.int32:
             x.fill_(float("nan") if x.is_floating_point() else -7)
     o2, bi2 = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
-    ((_, again),) = la._scr.values()
+    ((_, again, _),) = la._scr.values()
     assert all(a is b for a, b in zip(scratch, again))   # the same buffers served the second call
     assert torch.equal(o, o2) and torch.equal(bi, bi2)
     assert all(int(x.abs().sum()) == 0 for x in sems)
@@ -193,3 +193,86 @@ def test_a_stand_in_kernel_hook_is_called_per_call_and_falls_back_per_call(decis
     o_t, bi_t = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend="torch")
     assert torch.equal(o, o_t) and torch.equal(bi, bi_t)
     reset_fallback_counts()
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel on CPU: [grid](*every parameter in declaration order, stream=)
+    runs the kernel through the interpreter, the constexprs taken from their positions (a compiled kernel's
+    launcher skips them), and logs the launch. refuse: raise as a Triton with another launcher would."""
+
+    def __init__(self, kernel, n_args: int, log: list, refuse: bool = False) -> None:
+        self.kernel, self.n, self.log, self.refuse = kernel, n_args, log, refuse
+
+    def __getitem__(self, grid):
+        def run(*params, stream=None):
+            if self.refuse:
+                raise TypeError("launcher takes other arguments")
+            names = self.kernel.arg_names
+            assert len(params) == len(names) and stream is None
+            self.log.append(names[0])
+            self.kernel[grid](*params[:self.n], **dict(zip(names[self.n:], params[self.n:])))
+        return run
+
+
+@pytest.fixture
+def compiled_launches(monkeypatch):
+    """Launches return _Compiled handles (as on CUDA); the learnt direct-launch state starts afresh."""
+    from nsa.ops.triton import decode_launch as dl
+    log: list = []
+    mode = {"refuse": False}
+    real = dl._launch_all
+
+    def launch_all(specs, pdl, info):
+        real(specs, pdl, info)
+        if info is not None:
+            for name, kernel, _, args, _ in specs:
+                info[name] = _Compiled(kernel, len(args), log, mode["refuse"])
+    monkeypatch.setattr(dl, "_launch_all", launch_all)
+    monkeypatch.setitem(dl._DIRECT, "ok", None)
+    monkeypatch.setitem(dl._DIRECT, "worked", False)
+    return log, mode
+
+
+def misaligned(x: torch.Tensor) -> torch.Tensor:
+    """x's values in storage starting 4 bytes off a 16-byte boundary (same shape and strides)."""
+    span = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+    flat = torch.empty(span + 1, dtype=x.dtype, device=x.device)[1:]
+    y = flat.as_strided(x.shape, x.stride()).copy_(x)
+    assert y.data_ptr() % 16 == 4
+    return y
+
+
+def test_kept_compiled_kernels_launch_the_same_step(decisions, compiled_launches):
+    """A signature's repeated call launches its kept compiled kernels with every parameter in declaration order
+    (no argument binding): the fresh call's bits. What Triton specialises on -- here q's alignment, the
+    geometry -- changing launches the ordinary way once, then keeps those handles too."""
+    log, _ = compiled_launches
+    xs = inputs()
+    runs = []
+    for t, mis in ((40, False), (41, False), (41, True), (42, True), (42, False), (89, False), (88, False)):
+        views, pos0, win_pos0 = decode_views(xs, t, 1, HP["w"], HP["l"], HP["d"])
+        if mis:
+            views = [misaligned(views[0])] + views[1:]
+        n = len(log)
+        o, bi = nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON)
+        runs.append((len(log) - n, views, pos0, win_pos0, o, bi))
+    # direct launches (3 kernels) where the specialisation was seen before; 0 on a first sight
+    assert [r[0] for r in runs] == [0, 3, 0, 3, 3, 0, 3]
+    assert decisions == {"decide": 1, "launcher": 1}
+    for _, views, pos0, win_pos0, o, bi in runs:
+        o_f, bi_f = fresh(views, pos0, win_pos0, backend=TRITON)
+        assert torch.equal(o, o_f) and torch.equal(bi, bi_f), pos0
+
+
+def test_a_refused_direct_launch_is_learnt(decisions, compiled_launches):
+    """A Triton whose compiled kernels take other arguments refuses the first direct launch: that call and
+    every later one launch the ordinary way, with the same results."""
+    from nsa.ops.triton import decode_launch as dl
+    log, mode = compiled_launches
+    mode["refuse"] = True
+    xs = inputs()
+    views, pos0, win_pos0 = decode_views(xs, 50, 1, HP["w"], HP["l"], HP["d"])
+    outs = [nsa_decode(*views, pos0=pos0, win_pos0=win_pos0, **HP, backend=TRITON) for _ in range(3)]
+    assert dl._DIRECT["ok"] is False and log == []
+    o_f, bi_f = fresh(views, pos0, win_pos0, backend=TRITON)
+    assert all(torch.equal(o, o_f) and torch.equal(bi, bi_f) for o, bi in outs)

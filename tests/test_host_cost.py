@@ -130,6 +130,8 @@ def test_a_decode_call_launches_three_kernels_and_allocates_its_outputs(decode_m
     views and, every d steps, one compression (unfold and the stand-in phi per k / v)."""
     assert decode_measured["kernels"] == {k: 1 for k in ("_cmp_kernel", "_score_kernel", "_slc_win_kernel")}
     assert decode_measured["launches_timed"] == 3
+    if decode_measured["form"] == "op":   # through the kept compiled kernels, no argument binding
+        assert decode_measured["direct"] == decode_measured["kernels"]
     d = host_cost.DECODE_HP["d"]
     if decode_measured["form"] == "op":
         assert decode_measured["ops"] == {"aten.empty": 2}

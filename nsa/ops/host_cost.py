@@ -44,6 +44,7 @@ class Tally:
     flash: Counter = field(default_factory=Counter)       # flash-attn stand-in ("fwd" / "bwd") -> calls
     ops: Counter = field(default_factory=Counter)         # aten op -> dispatches
     planning: Counter = field(default_factory=Counter)    # select_plan misses, policies resolved, probes run
+    direct: Counter = field(default_factory=Counter)      # kernel name -> launches of a kept compiled handle
     plan: object = None                                   # the OpPlan of the last call planned
 
     def compute_ops(self) -> Counter:
@@ -85,6 +86,24 @@ def _flash_bwd(tally: Tally):
     return bwd
 
 
+_ACTIVE: list = []   # the tallies of the no_kernels blocks entered, innermost last
+
+
+class _NoOpCompiled:
+    """A compiled kernel's stand-in: [grid](*params, stream=) counts a launch (the direct launch of a kept
+    handle, nsa/ops/triton/decode_launch.py launch_kept) in the innermost no_kernels block's tally."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getitem__(self, grid):
+        def run(*params, stream=None):
+            if _ACTIVE:
+                _ACTIVE[-1].launches[self.name] += 1
+                _ACTIVE[-1].direct[self.name] += 1
+        return run
+
+
 @contextlib.contextmanager
 def no_kernels(tally: Tally, family: str = "sm90"):
     """Triton launches and flash-attn calls as counted no-ops; the op planned as on `family` ("sm90": a Hopper
@@ -103,6 +122,8 @@ def no_kernels(tally: Tally, family: str = "sm90"):
 
     def launch(self, *args, grid, warmup, **kwargs):
         tally.launches[self.fn.__name__] += 1
+        if self.fn.__module__ == tdec.__name__:   # the decode launcher keeps compiled kernels: a counted stand-in
+            return _NoOpCompiled(self.fn.__name__)
 
     def counted(key, fn):
         def wrapped(*a, **k):
@@ -110,6 +131,7 @@ def no_kernels(tally: Tally, family: str = "sm90"):
             return fn(*a, **k)
         return wrapped
 
+    tdec.direct_launch_ok()   # read from Triton's own JITFunction.run, before it is stood in for
     for cls in (JITFunction, InterpretedFunction):
         patch(cls, "run", launch)
     for mod in (branch_sums, window_split):
@@ -135,9 +157,11 @@ def no_kernels(tally: Tally, family: str = "sm90"):
         patch(plan, "_installed", lambda cuda: frozenset({"fa4"}))
         patch(flash, "choose_dense_backend", counted("dense_choice", lambda *a, **k: ("fa4", "host-cost stand-in")))
     misses = plan.select_plan.cache_info().misses
+    _ACTIVE.append(tally)
     try:
         yield tally
     finally:
+        _ACTIVE.remove(tally)
         tally.planning["select_plan_miss"] += plan.select_plan.cache_info().misses - misses
         for obj, name, value in reversed(saved):
             setattr(obj, name, value)
@@ -318,6 +342,7 @@ def measure_decode(S: int = 65536, B: int = 1, *, HQ: int = PROD["HQ"], H: int =
             launches = sum(tally.launches.values()) // calls
             own = _own_python(call, calls)
             tally.launches.clear()
+            tally.direct.clear()
             with _OpCounter(tally):
                 for _ in range(hp["d"] if form == "layer" else 1):   # a whole compression period
                     call()
@@ -329,7 +354,8 @@ def measure_decode(S: int = 65536, B: int = 1, *, HQ: int = PROD["HQ"], H: int =
                 mean_ms=1e3 * statistics.fmean(times), min_ms=1e3 * min(times), own_ms=own,
                 launches=sum(tally.launches.values()) / per,
                 launches_timed=launches, kernels={k: v / per for k, v in tally.launches.items()},
-                torch_ops=sum(ops.values()), ops=dict(ops), compute_ops=dict(tally.compute_ops()),
+                direct={k: v / per for k, v in tally.direct.items()}, torch_ops=sum(ops.values()), ops=dict(ops),
+                compute_ops=dict(tally.compute_ops()),
                 planning=planning, first_planning=dict(first.planning))
 
 
@@ -374,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = measure_decode(S, B, family=a.family, calls=a.calls, form=a.decode)
                 print(f"decode {a.decode} S={S} B={B} {a.family}: {1e3 * r['ms']:.1f} us host per call (min "
                       f"{1e3 * r['min_ms']:.1f}, mean {1e3 * r['mean_ms']:.1f}, own Python {1e3 * r['own_ms']:.1f}); "
-                      f"{r['launches']:g} launches, "
+                      f"{r['launches']:g} launches ({sum(r['direct'].values()):g} of kept compiled kernels), "
                       f"{r['torch_ops']:g} torch ops ({sum(r['compute_ops'].values()):g} running a kernel); "
                       f"planning on repeat {r['planning'] or 'none'}")
                 if a.ops:

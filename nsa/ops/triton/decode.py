@@ -59,8 +59,9 @@ from ._utils import dot_precision, next_pow2
 from .attn import online_softmax_step
 # _COUNTERS / CPU_SMS / decode_plan stay reachable here for tests and benchmarks, and bench_decode.py swaps
 # this module's _launch_with_pdl_fallback to time the first n launches
-from .decode_launch import (CPU_SMS, _COUNTERS, _counters, _launch_with_pdl_fallback, _sm_count,  # noqa: F401
-                            _warps, decode_plan, plan_caps, plan_of_caps)
+from .decode_launch import (_COUNTERS, _DIRECT, _PDL, CPU_SMS, _counters,  # noqa: F401
+                            _launch_with_pdl_fallback, _sm_count, _warps, decode_plan, direct_launch_ok,
+                            kept_handles, launch_kept, plan_caps, plan_of_caps)
 from .scores import SCORE_GRID, _bitonic_sort, _merge_rows
 
 
@@ -465,6 +466,7 @@ class _Geometry(NamedTuple):
     kws: tuple                 # cmp, score, slc_win, combine constexprs and launch options
     scratch: tuple             # (shape, dtype) of sp, ms, cm, cl, co, xm, xl, xo, cand, sel
     ints: tuple                # cmp, score, slc_win, combine: the plan's integer arguments
+    caps: tuple                # the plan_caps it was planned for (names it in keys: hashable)
 
 
 def _contiguous_strides(shape: tuple) -> tuple:
@@ -514,6 +516,9 @@ class _Launcher:
         self.comb_strides = gates.stride() + _contiguous_strides(self.o_shape)[:3]
         self.pdl = bool(tn.pdl) and q.is_cuda
         self.fused = FUSED_COMBINE
+        self.names = ("cmp", "score", "slc_win") + (() if self.fused else ("combine",))
+        self.kernels = (_cmp_kernel, _score_kernel, _slc_win_kernel) + (() if self.fused else (_combine_kernel,))
+        self._direct: dict = {}   # specialisation (see __call__) -> kept compiled-kernel handles
         self.bd = (max(16, next_pow2(dk)), max(16, next_pow2(dv)))
         self.prec = dot_precision(q.dtype, q.is_cuda)
         self._caps = self._geo = None
@@ -528,11 +533,11 @@ class _Launcher:
             if len(self._geos) >= 64:   # a cache grown far: the old geometries are not needed again
                 self._geos.clear()
             geo = self._geos[caps] = self._build(plan_of_caps(self.rows_h, caps, l, d, l_sel, n_sel, self.sms,
-                                                              self.tn))
+                                                              self.tn), caps)
         self._caps, self._geo = (n_cap, s_cap), geo
         return geo
 
-    def _build(self, plan) -> _Geometry:
+    def _build(self, plan, caps: tuple) -> _Geometry:
         B, Tq, HQ, H, dk, dv, G, GP = self.shape
         l, d, l_sel, n_sel, w = self.hp
         tn, R, (bdk, bdv) = self.tn, B * Tq, self.bd
@@ -565,19 +570,19 @@ class _Launcher:
                    ((R * H, plan["NSEL_P2"]), i64))    # slot (rank) -> block
         ints = ((NCH, NSUB, plan["NBCAP"], plan["SUBS"]), (NCH, NSUB, plan["NBCAP"]), (plan["NSS"], NP2),
                 (NCH, plan["NSS"], NP2))   # combine's: the selection/window kernel's tail takes NCH after them
-        return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R)), kws, scratch, ints)
+        return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R)), kws, scratch, ints, caps)
 
-    def _scratch(self, geo: _Geometry) -> tuple:
-        if self.cuda:
-            if torch.cuda.is_current_stream_capturing():
-                return self._allocate(geo)   # replays with the graph, from its pool: not shared with eager calls
-            where = (_raw_stream(self.dev), threading.get_ident())
-        else:
-            where = (0, threading.get_ident())
+    def _scratch(self, geo: _Geometry, stream, capturing: bool) -> tuple:
+        """(split-K scratch, its tensors' 16-byte alignment) for a launch on stream from this thread."""
+        if capturing:
+            scr = self._allocate(geo)   # replays with the graph, from its pool: not shared with eager calls
+            return scr, _aligned(scr)
+        where = (stream, threading.get_ident())
         got = self._scr.get(where)
         if got is None or got[0] is not geo:
-            got = self._scr[where] = (geo, self._allocate(geo))
-        return got[1]
+            scr = self._allocate(geo)
+            got = self._scr[where] = (geo, scr, _aligned(scr))
+        return got[1], got[2]
 
     def _allocate(self, geo: _Geometry) -> tuple:
         # semaphores (zeros, left at zero): [0, rows_h) the scoring slices', [rows_h, 2 rows_h) the merging tail's
@@ -604,26 +609,52 @@ class _Launcher:
             pos_t = win_t = q  # unused pointers
             spos = swin = 0
             pos_base, win_base = int(pos0), (0 if self.win_ring else int(win_pos0))
-        sp, ms, cm, cl, co, xm, xl, xo, cand, sel, cnt, cnt_sw = self._scratch(geo)
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        stream = _raw_stream(self.dev) if self.cuda else None
+        (sp, ms, cm, cl, co, xm, xl, xo, cand, sel, cnt, cnt_sw), scr_aligned = self._scratch(geo, stream, capturing)
         bi = torch.empty(self.bi_shape, device=self.dev, dtype=torch.int64)
         o = torch.empty(self.o_shape, device=self.dev, dtype=q.dtype)
         Tq, H = self.shape[1], self.shape[3]
         sl2 = scale * LOG2E
         ci, si, wi, ki = geo.ints
-        cmp_args = (q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co) + self.cmp_strides + (spos, pos_base, Tq, H, n_cap) \
-            + ci + (sl2,)
-        score_args = (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base) + self.bi_strides + (Tq, H, n_cap) + si
-        sw_args = (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo, gates, o, cm, cl, co, cnt_sw) + \
-            self.sw_strides + (spos, swin, pos_base, win_base, self.win_ring, Tq, H) + wi + (sl2,) + \
-            self.comb_strides + ki[:1]
-        g, k = geo.grids, geo.kws
-        specs = [("cmp", _cmp_kernel, g[0], cmp_args, k[0]), ("score", _score_kernel, g[1], score_args, k[1]),
-                 ("slc_win", _slc_win_kernel, g[2], sw_args, k[2])]
+        argsets = ((q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co) + self.cmp_strides + (spos, pos_base, Tq, H, n_cap)
+                   + ci + (sl2,),
+                   (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base) + self.bi_strides + (Tq, H, n_cap) + si,
+                   (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo, gates, o, cm, cl, co, cnt_sw)
+                   + self.sw_strides + (spos, swin, pos_base, win_base, self.win_ring, Tq, H) + wi + (sl2,)
+                   + self.comb_strides + ki[:1])
         if not self.fused:
-            comb_args = (gates, o, cm, cl, co, xm, xl, xo) + self.comb_strides + (Tq,) + ki
-            specs.append(("combine", _combine_kernel, g[3], comb_args, k[3]))
-        _launch_with_pdl_fallback(specs, self.pdl, launch_info)
+            argsets += ((gates, o, cm, cl, co, xm, xl, xo) + self.comb_strides + (Tq,) + ki,)
+        # what Triton specialises on and may differ between calls of this signature: 16-byte alignment of the
+        # tensors, the compressed count (== 1, % 16), the positions' width and pointer types
+        spec = None
+        if not capturing and _DIRECT["ok"] is not False and direct_launch_ok():
+            ptrs = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, pos_t, win_t, o, bi)
+            spec = (geo.caps, scr_aligned, _aligned(ptrs), n_cap == 1, n_cap % 16 == 0,
+                    max(pos_base, win_base, n_cap) >= 1 << 31, spos, swin, pos_t.dtype, win_t.dtype,
+                    self.pdl and _PDL["ok"] is True)
+            handles = self._direct.get(spec)
+            if handles is not None and launch_kept(handles, geo.grids, argsets, stream):
+                if launch_info is not None:
+                    launch_info.update(zip(self.names, (h for h, _ in handles)))
+                return o, bi
+        specs = list(zip(self.names, self.kernels, geo.grids, argsets, geo.kws))
+        compiled: dict = {}
+        pdl = _launch_with_pdl_fallback(specs, self.pdl, compiled)
+        if launch_info is not None:
+            launch_info.update(compiled)
+        if spec is not None and pdl is not None:
+            handles = kept_handles(specs, compiled, pdl)
+            if handles is not None:
+                if len(self._direct) >= 64:
+                    self._direct.clear()
+                self._direct[spec[:-1] + (pdl,)] = handles
         return o, bi
+
+
+def _aligned(xs) -> tuple:
+    """Per tensor of xs whether it is 16-byte aligned (Triton's pointer specialisation)."""
+    return tuple(x.data_ptr() % 16 == 0 for x in xs)
 
 
 def _raw_stream(dev: torch.device) -> int:

@@ -115,15 +115,16 @@ def _launch_all(specs: list, pdl: bool, info: dict | None) -> None:
             info[name] = compiled
 
 
-def _launch_with_pdl_fallback(specs: list, want_pdl: bool, info: dict | None = None) -> None:
+def _launch_with_pdl_fallback(specs: list, want_pdl: bool, info: dict | None = None) -> bool:
     """Programmatic dependent launch when wanted and this Triton/driver takes it; learnt once, on the
-    first try outside a CUDA-graph capture (a failed launch must not happen inside one)."""
+    first try outside a CUDA-graph capture (a failed launch must not happen inside one). Returns
+    whether the launches were programmatic (the PDL constexpr they were compiled with)."""
     pdl = want_pdl and _PDL["ok"] is not False
     if pdl and _PDL["ok"] is None and torch.cuda.is_current_stream_capturing():
         pdl = False
     if not pdl:
         _launch_all(specs, False, info)
-        return
+        return False
     try:
         _launch_all(specs, True, info)
         _PDL["ok"] = True
@@ -132,3 +133,63 @@ def _launch_with_pdl_fallback(specs: list, want_pdl: bool, info: dict | None = N
             raise
         _PDL["ok"] = False
         _launch_all(specs, False, info)
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- kept compiled-kernel handles
+# learnt once per process: whether a kept compiled kernel may be launched directly (None: not checked yet;
+# "worked": a direct launch went through, so a later failure is a real error, not this Triton's refusal)
+_DIRECT: dict = {"ok": None, "worked": False}
+
+
+def direct_launch_ok() -> bool:
+    """Whether this Triton's JITFunction.run hands a compiled kernel every parameter in declaration order
+    (`*bound_args.values()`), so that compiled[grid](*args, *constexprs) is the same launch without the per-call
+    argument binding and specialisation (Triton's host cost of a launch): read once from its source."""
+    if _DIRECT["ok"] is None:
+        try:
+            import inspect
+
+            from triton.compiler.compiler import CompiledKernel
+            from triton.runtime.jit import JITFunction
+            _DIRECT["ok"] = ("*bound_args.values()" in inspect.getsource(JITFunction.run)
+                             and callable(getattr(CompiledKernel, "__getitem__", None)))
+        except Exception:  # noqa: BLE001 - another Triton layout: launch through JITFunction only
+            _DIRECT["ok"] = False
+    return _DIRECT["ok"]
+
+
+def kept_handles(specs: list, compiled: dict, pdl: bool) -> tuple | None:
+    """Per spec (name, kernel, grid, args, constexprs) the compiled kernel its launch returned and the values of
+    the parameters after its runtime arguments, in declaration order (PDL included); None where a launch returned
+    no compiled kernel (the interpreter, a stand-in) or a parameter has no value here."""
+    out = []
+    for name, kernel, _, args, kw in specs:
+        h = compiled.get(name)
+        names = getattr(kernel, "arg_names", None)
+        if h is None or names is None or not callable(getattr(h, "__getitem__", None)):
+            return None
+        kw = dict(kw, PDL=pdl)
+        try:
+            out.append((h, tuple(kw[n] for n in names[len(args):])))
+        except KeyError:
+            return None
+    return tuple(out)
+
+
+def launch_kept(handles: tuple, grids: tuple, argsets: tuple, stream) -> bool:
+    """Launch kept handles (kept_handles) with these runtime arguments on stream (None: the current one).
+    False where this Triton refused the first such launch (learnt: every later call binds through
+    JITFunction); the launches are then to be made the ordinary way (any enqueued ones rerun harmlessly:
+    every kernel rewrites what it writes and leaves its semaphores at zero)."""
+    try:
+        for (h, tail), grid, args in zip(handles, grids, argsets):
+            h[grid](*args, *tail, stream=stream)
+    except Exception:  # noqa: BLE001 - e.g. another launcher arity in this Triton
+        if _DIRECT["worked"]:
+            raise
+        _DIRECT["ok"] = False
+        return False
+    _DIRECT["worked"] = True
+    return True
