@@ -1,5 +1,6 @@
 """Host side of the Triton decode step (nsa/ops/triton/decode.py): launch geometry from buffer
-capacities, the split-K semaphores, and launching with or without programmatic dependent launch."""
+capacities, the split-K semaphores, launching with or without programmatic dependent launch, and
+launching kept compiled kernels directly (no per-call argument binding: most of a launch's host cost)."""
 from __future__ import annotations
 
 import functools
