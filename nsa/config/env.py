@@ -28,6 +28,18 @@ def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:
     return env.get("TRITON_INTERPRET") == "1"
 
 
+EAGER_GRAPHS_VALUES = ("off", "auto")
+
+
+def eager_graphs(env: Mapping[str, str] | None = None) -> str:
+    """``$NSA_EAGER_GRAPHS`` (off | auto; empty = off): auto serves an eager NSA op call on CUDA whose call signature
+    was seen before from CUDA graphs of its forward and backward (nsa/ops/eager_graph.py). Read once, at import."""
+    value = ((os.environ if env is None else env).get("NSA_EAGER_GRAPHS") or "off").strip().lower()
+    if value not in EAGER_GRAPHS_VALUES:
+        raise ValueError(f"NSA_EAGER_GRAPHS={value!r}: must be one of {EAGER_GRAPHS_VALUES} (unset = off)")
+    return value
+
+
 # Process environment that other libraries read (Ray, cuBLAS), each set only where the user has not set it.
 # Ray's driver-side switches: no print patching of workers' stdout, no token auth on a local instance.
 RAY_DRIVER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_AUTH_MODE": "disabled"}

@@ -53,4 +53,4 @@ def nsa_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k_s
                                 flash_branches=flash_branches)
     return eager_attention(q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, l=l, d=d, l_sel=l_sel,
                            n_sel=n_sel, w=w, scale=scale, backend=backend, tile=tile, recompute=recompute,
-                           tuning=tuning, allow_flash=allow_flash, flash_branches=flash_branches)
+                           tuning=tuning, allow_flash=allow_flash, flash_branches=flash_branches, graphs=True)

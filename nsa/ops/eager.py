@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import dispatch, fallbacks
+from . import dispatch, eager_graph, fallbacks
 from .batched import nsa_torch
 from .common import _NAMES, NSAParams, safe_scale, validate_inputs
 from .dispatch import KernelPolicy, _check_requested, cached_policy
@@ -73,16 +73,20 @@ def eager_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k
                     scale: float | None = None, backend: str | KernelPolicy = "auto",
                     tile: int | None = None, recompute: bool | None = None,
                     tuning: KernelTuning | None = None, allow_flash: bool = True,
-                    flash_branches: str = "preset") -> tuple[torch.Tensor, torch.Tensor]:
-    """nsa.ops.nsa_attention's contract (see there), run as is."""
+                    flash_branches: str = "preset", graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """nsa.ops.nsa_attention's contract (see there), run as is. graphs: a signature's repeated call may replay its
+    CUDA graphs (eager_graph.py, NSA_EAGER_GRAPHS); nsa_attention's eager calls only, not the custom op's kernels."""
     tensors = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     rest = (l, d, l_sel, n_sel, w, scale, tile, recompute, allow_flash, flash_branches)
     key = _signature(tensors, backend, tuning, rest)
     call = _CALLS.get(key) if key is not None else None
-    if call is None or call.policy_key is not None and dispatch._cache.get(call.policy_key) is not call.policy:
+    fresh = call is None or call.policy_key is not None and dispatch._cache.get(call.policy_key) is not call.policy
+    if fresh:
         call = _decide(tensors, backend, tuning, rest, key)
     for name in call.counts:
         count_fallback(name)
+    if graphs and eager_graph.ON and not fresh:
+        return eager_graph.graphed_call(call, key, tensors)
     return call.run(*tensors)
 
 

@@ -1,0 +1,281 @@
+"""Eager NSA op calls replayed from per-signature CUDA graphs (issue 45 item 3: an eager call's host work, its
+Triton launches, FA4 entries and autograd, costs several times the kernels at 8k; a replay launches them at once).
+
+With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; off by default) an eager nsa_attention call on CUDA on the Triton
+route, outside any capture, whose call signature (eager.py's key, plus the autocast and inference-mode state) was
+seen before is served by graphs captured for that signature on its second call: the op's forward and, where a
+gradient is wanted, its backward, both in one private memory pool. A call
+
+- copies its eight inputs into the graphs' static inputs (same shapes, strides and 16-byte alignment), replays the
+  forward and returns copies of the outputs (the next layer's call replays the same graph);
+- copies what the backward reads into one buffer of its own: every storage the forward made that is still alive
+  after it (the tensors autograd saved, a Function's ctx attributes, the outputs), found while capturing;
+- in backward puts its inputs and that buffer back, copies dO in, replays the backward and returns copies of the
+  gradients.
+
+The same kernels run on the same values, so results are bitwise the eager path's. A capture that fails serves the
+signature eagerly from then on, each call counted as FALLBACK. Graphs are kept for MAX_GRAPHS signatures (least
+recently used dropped; one still awaiting a backward lives until then). Capture and replay sit behind a backend
+object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph reads (per-shape maps held in
+lru caches) are held while the graph lives when a torch op or a Triton launch reads them during the capture.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from typing import Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from nsa.config.env import eager_graphs
+
+from .fallbacks import count_fallback
+
+ON = eager_graphs() == "auto"   # read once; tests set it
+MAX_GRAPHS = 8                  # signatures with graphs (each holds a pool of its fwd + bwd peak memory)
+FALLBACK = "eager_graph->eager"
+UNSUPPORTED = "triton_unsupported->torch"   # eager._triton_run's: such a call runs the torch backend
+log = logging.getLogger(__name__)
+
+
+def _sid(t: torch.Tensor) -> int | None:
+    """The identity of t's storage (its StorageImpl), None for a tensor without one."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _flat(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole storage, with a version counter of its own."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class Made(TorchDispatchMode):
+    """While active: the storages torch ops create, in creation order and held weakly (a temporary still dies), and
+    the tensors they read that were made before (held strongly: a kept constant stays allocated). own: tensors that
+    are neither (the static inputs)."""
+
+    def __init__(self, own=()):
+        super().__init__()
+        self.order: dict[int, StorageWeakRef] = {}
+        self.reads: dict[int, torch.Tensor] = {}
+        self.own = {_sid(t) for t in own}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {s: t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and (s := _sid(t)) is not None}
+        self.read(ins)
+        for t in tree_leaves(out):   # in-place ops and views return an input's storage: not made here
+            s = _sid(t) if isinstance(t, torch.Tensor) else None
+            if s is not None and s not in ins and s not in self.order and t.untyped_storage().nbytes():
+                self.order[s] = StorageWeakRef(t.untyped_storage())
+        return out
+
+    def read(self, ins: dict) -> None:
+        for s, t in ins.items():
+            if s not in self.order and s not in self.own and s not in self.reads:
+                self.reads[s] = t
+
+    def alive(self) -> list[torch.Tensor]:
+        """uint8 views of the made storages still alive, in creation order."""
+        out = []
+        for ref in self.order.values():
+            st = None if ref.expired() else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+            if st is not None:
+                out.append(_flat(st))
+        return out
+
+
+@contextlib.contextmanager
+def _triton_reads(made: Made):
+    """Tensors passed to Triton launches count as reads too (a kernel may take a kept map no torch op touches)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
+    orig = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        made.read({s: t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and (s := _sid(t))})
+        return orig(self, *args, **kwargs)
+    JITFunction.run = run
+    try:
+        yield
+    finally:
+        JITFunction.run = orig
+
+
+class CudaGraphs:
+    """The capture backend: torch.cuda graphs in one private pool per signature."""
+
+    device_type = "cuda"
+
+    def pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def warm(self, fn: Callable) -> None:
+        """Run fn once on a side stream (what torch asks before a capture)."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+
+    def capture(self, fn: Callable, pool) -> tuple[Callable, object]:
+        """(replay, what fn returned while captured)."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = fn()
+        return g.replay, out
+
+
+BACKEND = CudaGraphs()
+
+
+def _twin(x: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of x's shape, strides, dtype and data_ptr() % 16 (the signature's alignment)."""
+    es = x.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()) if n > 0)
+    base = torch.empty(extent + max(1, 16 // es), dtype=x.dtype, device=x.device)
+    return base.as_strided(x.shape, x.stride(), (x.data_ptr() - base.data_ptr()) % 16 // es)
+
+
+def _leaf(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor on x's memory with a version counter of its own (copies into x do not bump it), requiring grad as
+    `like` does: what the captured op is called on."""
+    t = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), x.storage_offset(), x.shape,
+                                                             x.stride())
+    return t.requires_grad_(like.requires_grad)
+
+
+def _autocast_no_cache(dev: str):
+    """The caller's autocast, without its cast cache (cached casts made in a capture would outlive it)."""
+    if not torch.is_autocast_enabled(dev):
+        return contextlib.nullcontext()
+    return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False)
+
+
+def _copy(dst: list, src) -> None:
+    if dst:
+        torch._foreach_copy_(dst, list(src))
+
+
+class Graphed:
+    """One signature's captured forward (and backward), their static buffers and what a call keeps for backward."""
+
+    def __init__(self, call, tensors: tuple, backend):
+        self.call = call   # the eager decisions it was captured from (served only to calls of the same)
+        self.static = [_twin(x) for x in tensors]
+        _copy(self.static, tensors)
+        leaves = [_leaf(s, x) for s, x in zip(self.static, tensors)]
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+        self.need = tuple(i for i, x in enumerate(tensors) if x.requires_grad) if grad else ()
+        wrt = [leaves[i] for i in self.need]
+
+        def fwd():
+            return call.run(*leaves)
+
+        def warm():
+            o = fwd()[0]
+            if wrt:
+                torch.autograd.grad(o, wrt, torch.zeros_like(o), allow_unused=True)
+
+        with _autocast_no_cache(tensors[0].device.type):
+            backend.warm(warm)
+            pool = backend.pool()
+            made = Made(own=self.static)
+            with made, _triton_reads(made):
+                self.fwd, self.out = backend.capture(fwd, pool)
+            self.keep = made.reads   # constants read, held while the graph lives
+            self.state = made.alive()
+            self.sizes = [t.numel() for t in self.state]
+            if wrt:   # retain_graph: the captured autograd graph (its ctx objects, kept maps) lives on with it
+                self.dout = torch.zeros_like(self.out[0])
+                self.bwd, self.grads = backend.capture(
+                    lambda: torch.autograd.grad(self.out[0], wrt, self.dout, retain_graph=True, allow_unused=True),
+                    pool)
+
+    def __call__(self, tensors: tuple):
+        if self.need:
+            return _Replay.apply(self, *tensors)
+        return self.forward(None, tensors)
+
+    def forward(self, ctx, xs: tuple):
+        _copy(self.static, xs)
+        self.fwd()
+        o, block_idx = (t.clone() for t in self.out)
+        if ctx is not None:
+            ctx.g = self
+            ctx.save_for_backward(*xs)   # the caller's own tensors (version-checked as the eager op's)
+            ctx.state = torch.empty(sum(self.sizes), dtype=torch.uint8, device=o.device).split(self.sizes)
+            _copy(ctx.state, self.state)
+            ctx.mark_non_differentiable(block_idx)
+        return o, block_idx
+
+    def backward(self, ctx, do: torch.Tensor) -> list:
+        _copy(self.static, ctx.saved_tensors)
+        _copy(self.state, ctx.state)
+        self.dout.copy_(do)
+        self.bwd()
+        grads = [None] * len(self.static)
+        for i, g in zip(self.need, self.grads):
+            grads[i] = None if g is None else g.clone()
+        return grads
+
+
+class _Replay(torch.autograd.Function):
+    """A graphed call under autograd: Graphed.forward / backward."""
+
+    @staticmethod
+    def forward(ctx, g: Graphed, *xs):
+        return g.forward(ctx, xs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, _d_block_idx):
+        return (None, *ctx.g.backward(ctx, do))
+
+
+_GRAPHS: collections.OrderedDict = collections.OrderedDict()   # signature -> Graphed, or None: capture failed
+
+
+def graphed_call(call, key: tuple, tensors: tuple):
+    """eager.py's call `call` (kept under `key`, so seen before) on its graphs where it qualifies, else run as is."""
+    dev = tensors[0].device.type
+    if call.policy.backend != "triton" or UNSUPPORTED in call.counts or dev != BACKEND.device_type:
+        return call.run(*tensors)
+    gkey = (key, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_inference_mode_enabled())
+    g = _GRAPHS.get(gkey, False)
+    if g is False or g is not None and g.call is not call:
+        g = _capture(call, gkey, tensors)
+    else:
+        _GRAPHS.move_to_end(gkey)
+    if g is None:
+        count_fallback(FALLBACK)
+        return call.run(*tensors)
+    return g(tensors)
+
+
+def _capture(call, gkey: tuple, tensors: tuple) -> Graphed | None:
+    try:
+        g = Graphed(call, tensors, BACKEND)
+    except Exception as exc:  # noqa: BLE001 - whatever a capture refuses (a host sync, an op graphs lack): eager
+        log.warning("eager graphs: capture failed (%s: %s); this call signature runs eagerly", type(exc).__name__,
+                    str(exc)[:200])
+        g = None
+    _GRAPHS[gkey] = g
+    while len(_GRAPHS) > MAX_GRAPHS:
+        _GRAPHS.popitem(last=False)
+    return g
+
+
+def clear() -> None:
+    """Forget every kept graph (tests; their pools are freed once no pending backward holds them)."""
+    _GRAPHS.clear()
