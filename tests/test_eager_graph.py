@@ -119,8 +119,9 @@ def test_interleaved_layers_match_eager(fake, monkeypatch, flash):
     first, second = step(xs, pol), step(xs, pol)
     assert fake.captures == 2   # forward and backward, once
     assert fake.replays == 2 * 3 + 2 * 3 - 2   # step 1: layers 2-3, step 2: all three, forward and backward each
-    static = {t.data_ptr() for t in eager_graph._GRAPHS[next(iter(eager_graph._GRAPHS))].out}
-    assert not static & {o.data_ptr() for o, _ in second[0]}   # outputs are the caller's own
+    g = next(iter(eager_graph._GRAPHS.values()))
+    assert not {t.data_ptr() for t in g.out} & {o.data_ptr() for o, _ in second[0]}   # outputs: the caller's own
+    assert not any(s.requires_grad for s in g.static)   # the static inputs joined no caller's autograd graph
     monkeypatch.setattr(eager_graph, "ON", False)
     plain = step(xs, pol)
     check_equal(first, plain)

@@ -163,8 +163,11 @@ def _autocast_no_cache(dev: str):
 
 
 def _copy(dst: list, src) -> None:
+    """dst[i] <- src[i], one foreach launch; never recorded by autograd (a static buffer must not join the
+    caller's graph)."""
     if dst:
-        torch._foreach_copy_(dst, list(src))
+        with torch.no_grad():
+            torch._foreach_copy_(dst, list(src))
 
 
 class Graphed:
