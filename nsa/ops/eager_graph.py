@@ -129,9 +129,10 @@ class CudaGraphs:
         torch.cuda.current_stream().wait_stream(s)
 
     def capture(self, fn: Callable, pool) -> tuple[Callable, object]:
-        """(replay, what fn returned while captured)."""
+        """(replay, what fn returned while captured). thread_local: another thread's CUDA calls (a loader pinning
+        memory) do not break the capture; the autograd engine's own thread captures the backward's kernels."""
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             out = fn()
         return g.replay, out
 
