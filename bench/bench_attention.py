@@ -45,6 +45,7 @@ import torch
 
 import common
 from common import HP
+from nsa.ops import eager_graph
 
 BRANCH_DEFAULTS = {"op": (2, 5), "window": (3, 10), "cmp": (2, 5), "select": (1, 5),
                    "flash": (2, 5)}   # (warmup, iters)
@@ -552,6 +553,7 @@ def main() -> None:
     run = {"op": run_op, "window": run_window, "cmp": run_cmp, "select": run_select, "flash": run_flash}[a.branch]
     result = run(a, dims)
     result["timer"] = a.timer
+    result["eager_graphs"] = eager_graph.ON   # NSA_EAGER_GRAPHS=auto: eager calls replay per-signature CUDA graphs
     # the op's file is named by shape and inputs (attention_paper_random, attention_prod_captured, ...): --save
     # replaces the one current file per variant that bench/RESULTS.md cites
     sh = result.get("shape") or dict(HQ=a.HQ, H=a.H, dk=a.dk, dv=a.dv)   # captured runs: the capture's shape
