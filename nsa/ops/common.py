@@ -239,3 +239,16 @@ def masked_probs(scores: torch.Tensor, scale: float, bias: torch.Tensor,
     if scale != 1.0:
         x = x.mul_(scale)
     return x.add_(bias).softmax(-1)
+
+
+def decode_signature(t: tuple) -> tuple | None:
+    """What a decode call's decisions depend on of its eight tensors (q .. gates): q's and gates' type, shape,
+    strides, dtype, device; the same of the six caches but their lengths (dim 1), of which only whether they are
+    empty. None where a tensor has no such attributes (validation names it)."""
+    q, gates = t[0], t[7]
+    try:
+        return ((type(q), q.shape, q.stride(), q.dtype, q.device),
+                (type(gates), gates.shape, gates.stride(), gates.dtype, gates.device),
+                *((type(x), (s := x.shape)[0], s[2:], s[1] > 0, x.stride(), x.dtype, x.device) for x in t[1:7]))
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        return None

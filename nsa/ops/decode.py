@@ -22,7 +22,7 @@ import torch
 
 from . import dispatch
 from .batched import nsa_torch
-from .common import _NAMES, NSAParams, safe_scale, validate_inputs
+from .common import _NAMES, NSAParams, decode_signature, safe_scale, validate_inputs
 from .dispatch import KernelPolicy, _check_requested, cached_policy, triton_module
 from .eager import _Call
 from .fallbacks import count_fallback
@@ -54,19 +54,6 @@ def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object, win
         if x.device != q.device or x.shape[0] not in (1, q.shape[0]):
             raise ValueError(f"{name}: expected shape [1] or [{q.shape[0]}] on {q.device}, got "
                              f"{tuple(x.shape)} on {x.device}")
-
-
-def decode_signature(t: tuple) -> tuple | None:
-    """What a decode call's decisions depend on of its eight tensors (q .. gates): q's and gates' type, shape,
-    strides, dtype, device; the same of the six caches but their lengths (dim 1), of which only whether they are
-    empty. None where a tensor has no such attributes (validation names it)."""
-    q, gates = t[0], t[7]
-    try:
-        return ((type(q), q.shape, q.stride(), q.dtype, q.device),
-                (type(gates), gates.shape, gates.stride(), gates.dtype, gates.device),
-                *((type(x), (s := x.shape)[0], s[2:], s[1] > 0, x.stride(), x.dtype, x.device) for x in t[1:7]))
-    except (AttributeError, TypeError, IndexError, RuntimeError):
-        return None
 
 
 # a signature's decisions, as eager.py keeps the prefill op's: run(tensors, pos0, win_pos0, launch_info) here

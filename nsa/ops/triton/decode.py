@@ -51,8 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import FORCED_STEP, LOG2E
-from ..decode import decode_signature
+from ..common import FORCED_STEP, LOG2E, decode_signature
 from ..tuning import DecodeTuning
 from . import check_supported
 from ._utils import dot_precision, next_pow2
@@ -676,7 +675,7 @@ def decode_launcher(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k
                     l: int, d: int, l_sel: int, n_sel: int, w: int, win_ring: int = 0, tuning=None,
                     target_programs: int | None = None, cmp_tile: int | None = None,
                     pos_ptr: bool = False) -> _Launcher:
-    """The launcher of these tensors' signature (nsa.ops.decode.decode_signature) and arguments, made on its
+    """The launcher of these tensors' signature (nsa.ops.common.decode_signature) and arguments, made on its
     first call (NotImplementedError / ValueError as nsa_decode_triton) and kept."""
     t = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     sig = decode_signature(t)
