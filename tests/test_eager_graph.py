@@ -166,6 +166,22 @@ def test_a_failed_capture_runs_eagerly_counted(fake, monkeypatch):
     check_equal(again, plain)
 
 
+def test_a_retained_graph_differentiates_twice(fake, monkeypatch):
+    """backward(retain_graph=True) keeps a graphed call's saved state as eager keeps its tensors: a second backward
+    gives the same gradients."""
+    pol, x = policy(), layers(1)[0]
+    nsa_attention(*x, **HP, backend=pol)
+    o, _ = nsa_attention(*x, **HP, backend=pol)   # captured and replayed
+    assert fake.captures == 2
+    do = torch.linspace(-1, 1, o.numel()).view_as(o)
+    g1 = torch.autograd.grad(o, x, do, retain_graph=True, allow_unused=True)
+    g2 = torch.autograd.grad(o, x, do, allow_unused=True)
+    monkeypatch.setattr(eager_graph, "ON", False)
+    o0, _ = nsa_attention(*x, **HP, backend=pol)
+    g0 = torch.autograd.grad(o0, x, do, allow_unused=True)
+    assert all(same(a, c) and same(b, c) for a, b, c in zip(g1, g2, g0))
+
+
 def test_only_nsa_attentions_eager_calls_and_the_triton_route(fake):
     """The custom op's kernels call eager_attention without graphs; the torch backend is not graphed."""
     xs = layers(1)[0]

@@ -1,5 +1,5 @@
-"""Eager NSA op calls replayed from per-signature CUDA graphs (issue 45 item 3: an eager call's host work, its
-Triton launches, FA4 entries and autograd, costs several times the kernels at 8k; a replay launches them at once).
+"""Eager NSA op calls replayed from per-signature CUDA graphs (issue 45 item 3: an eager call is bound by its host
+work, Triton launches, FA4 entries and autograd; a replay launches every kernel at once).
 
 With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; off by default) an eager nsa_attention call on CUDA on the Triton
 route, outside any capture, whose call signature (eager.py's key, plus the autocast and inference-mode state) was
@@ -13,11 +13,14 @@ gradient is wanted, its backward, both in one private memory pool. A call
 - in backward puts its inputs and that buffer back, copies dO in, replays the backward and returns copies of the
   gradients.
 
-The same kernels run on the same values, so results are bitwise the eager path's. A capture that fails serves the
-signature eagerly from then on, each call counted as FALLBACK. Graphs are kept for MAX_GRAPHS signatures (least
-recently used dropped; one still awaiting a backward lives until then). Capture and replay sit behind a backend
-object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph reads (per-shape maps held in
-lru caches) are held while the graph lives when a torch op or a Triton launch reads them during the capture.
+The same kernels run on the same values, so results are bitwise the eager path's (where eager repeats itself: FA4's
+and cuDNN's backwards need not). Switches outside the key that eager kernels read per call (TF32, SDPA backend
+toggles) are the capture's. A signature's capture costs a warm-up call and one device sync (torch.cuda.graph's).
+A capture that fails serves the signature eagerly from then on, each call counted as FALLBACK. Graphs are kept for
+MAX_GRAPHS signatures (least recently used dropped; one still awaiting a backward lives until then). Capture and
+replay sit behind a backend object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph
+reads (per-shape maps in lru caches) are held while it lives when a torch op or a Triton launch read them during
+the capture, or the captured autograd graph holds them.
 """
 from __future__ import annotations
 
@@ -215,17 +218,18 @@ class Graphed:
         _copy(self.static, xs)
         self.fwd()
         o, block_idx = (t.clone() for t in self.out)
-        if ctx is not None:
+        if ctx is not None:   # saved as the eager op's tensors are: freed after a backward without retain_graph
             ctx.g = self
-            ctx.save_for_backward(*xs)   # the caller's own tensors (version-checked as the eager op's)
-            ctx.state = torch.empty(sum(self.sizes), dtype=torch.uint8, device=o.device).split(self.sizes)
-            _copy(ctx.state, self.state)
+            state = torch.empty(sum(self.sizes), dtype=torch.uint8, device=o.device)
+            _copy(state.split(self.sizes), self.state)
+            ctx.save_for_backward(*xs, state)   # xs: the caller's own tensors (version-checked as the eager op's)
             ctx.mark_non_differentiable(block_idx)
         return o, block_idx
 
     def backward(self, ctx, do: torch.Tensor) -> list:
-        _copy(self.static, ctx.saved_tensors)
-        _copy(self.state, ctx.state)
+        *xs, state = ctx.saved_tensors
+        _copy(self.static, xs)
+        _copy(self.state, state.split(self.sizes))
         self.dout.copy_(do)
         self.bwd()
         grads = [None] * len(self.static)
