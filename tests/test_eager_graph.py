@@ -47,10 +47,11 @@ class FakeGraphs:
             out = fn()
         refs = list(made.order.values())
 
-        def replay():   # in the capture's grad mode (a replay inside an autograd.Function's forward has none)
+        def replay():   # in the capture's grad mode and saved-tensor hooks (not those around the replay)
             self.replays += 1
             again = eager_graph.Made()
-            with again, torch.set_grad_enabled(grad):
+            hooks = torch.autograd.graph.saved_tensors_hooks(eager_graph._detached, eager_graph._same)
+            with again, torch.set_grad_enabled(grad), hooks:
                 res = fn()   # held until its storages are copied
             new = list(again.order.values())
             assert len(new) == len(refs), "a replay made other storages than its capture"
@@ -180,6 +181,26 @@ def test_a_retained_graph_differentiates_twice(fake, monkeypatch):
     o0, _ = nsa_attention(*x, **HP, backend=pol)
     g0 = torch.autograd.grad(o0, x, do, allow_unused=True)
     assert all(same(a, c) and same(b, c) for a, b, c in zip(g1, g2, g0))
+
+
+def test_checkpointed_layers_match_eager(fake, monkeypatch):
+    """Layers under non-reentrant activation checkpointing (tinylm's grad_checkpointing): the capture keeps the
+    checkpoint's saved-tensor hooks out of its graphs, the recomputation in backward replays, gradients are eager's."""
+    from torch.utils.checkpoint import checkpoint
+    pol, xs = policy(), layers(2)
+
+    def ckpt_step():
+        outs = [checkpoint(lambda *x: nsa_attention(*x, **HP, backend=pol)[0], *x, use_reentrant=False) for x in xs]
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        return outs, torch.autograd.grad(loss, [t for x in xs for t in x], allow_unused=True)
+
+    got = [ckpt_step() for _ in range(2)]
+    assert fake.captures == 2 and fallbacks.fallback_counts() == {}
+    monkeypatch.setattr(eager_graph, "ON", False)
+    plain = ckpt_step()
+    for outs, gs in got:
+        assert all(torch.equal(o, o0) for o, o0 in zip(outs, plain[0]))
+        assert all(same(a, b) for a, b in zip(gs, plain[1]))
 
 
 def test_only_nsa_attentions_eager_calls_and_the_triton_route(fake):

@@ -85,8 +85,8 @@ def eager_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k
         call = _decide(tensors, backend, tuning, rest, key)
     for name in call.counts:
         count_fallback(name)
-    if graphs and eager_graph.ON and not fresh:
-        return eager_graph.graphed_call(call, key, tensors)
+    if graphs and eager_graph.ON and key is not None and _CALLS.get(key) is call:
+        return eager_graph.graphed_call(call, key, tensors, not fresh)
     return call.run(*tensors)
 
 

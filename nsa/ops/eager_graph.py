@@ -166,6 +166,14 @@ def _autocast_no_cache(dev: str):
     return torch.autocast(dev, dtype=torch.get_autocast_dtype(dev), cache_enabled=False)
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()   # a saved output holds no grad_fn: no reference cycle keeps a dropped graph's pool
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _copy(dst: list, src) -> None:
     """dst[i] <- src[i], one foreach launch; never recorded by autograd (a static buffer must not join the
     caller's graph)."""
@@ -194,7 +202,8 @@ class Graphed:
             if wrt:
                 torch.autograd.grad(o, wrt, torch.zeros_like(o), allow_unused=True)
 
-        with _autocast_no_cache(tensors[0].device.type):
+        # own saved-tensor hooks: a caller's (checkpointing's, which drop what autograd saves) stay out of the graphs
+        with _autocast_no_cache(tensors[0].device.type), torch.autograd.graph.saved_tensors_hooks(_detached, _same):
             backend.warm(warm)
             pool = backend.pool()
             made = Made(own=self.static)
@@ -254,14 +263,25 @@ class _Replay(torch.autograd.Function):
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()   # signature -> Graphed, or None: capture failed
 
 
-def graphed_call(call, key: tuple, tensors: tuple):
-    """eager.py's call `call` (kept under `key`, so seen before) on its graphs where it qualifies, else run as is."""
+def _hooked() -> bool:
+    """Saved-tensor hooks are on (activation checkpointing: it counts what a forward and its recomputation save)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(True) is not None
+
+
+def graphed_call(call, key: tuple, tensors: tuple, seen: bool):
+    """eager.py's call `call` (kept under `key`; seen: not its signature's first) on its graphs where it qualifies,
+    else run as is. Captured at a signature's second call; under saved-tensor hooks at its first, so that a
+    checkpointed forward and its recomputation in backward both replay (the same tensors saved), and never inside a
+    backward (a recomputation whose forward ran eagerly runs eagerly too)."""
     dev = tensors[0].device.type
     if call.policy.backend != "triton" or UNSUPPORTED in call.counts or dev != BACKEND.device_type:
         return call.run(*tensors)
     gkey = (key, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_inference_mode_enabled())
     g = _GRAPHS.get(gkey, False)
     if g is False or g is not None and g.call is not call:
+        if not (seen or _hooked()) or torch._C._current_graph_task_id() != -1:
+            return call.run(*tensors)
         g = _capture(call, gkey, tensors)
     else:
         _GRAPHS.move_to_end(gkey)
