@@ -6,7 +6,8 @@ Everything decided before the kernels (validation, the policy, the effective tun
 plan) depends on the call's signature only: shapes, strides, 16-byte alignment, dtypes, device, grad and
 determinism state, the refusals so far, the hyper-parameters and the tuning / policy objects. It is decided on a
 signature's first call and kept (_Call), so a repeated call of a training loop computes the signature and goes
-to the kernels; tests/test_host_cost.py holds it there."""
+to the kernels; tests/test_host_cost.py holds it there. With NSA_EAGER_GRAPHS=auto nsa_attention's repeated calls
+on CUDA replay per-signature CUDA graphs of the op's forward and backward instead (nsa/ops/eager_graph.py)."""
 from __future__ import annotations
 
 import functools
