@@ -15,7 +15,9 @@
 #                                                hottest host functions of an eager call (what the eager-op target needs)
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
 #   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
-#                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss
+#                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss;
+#                                                VS_EXTRA=runtime.cuda_graph=false: the eager loop (add
+#                                                NSA_EAGER_GRAPHS=auto for the op's own graph replays)
 #   bash bench/gpu.sh capture [T ...]            capture-model then capture-bench (one call if both fit)
 #   bash bench/gpu.sh capture-model [T ...]      train the production TinyLM (SEQ=65536, STEPS=250; reused from
 #                                                bench/captured/model while the machine is warm unless RETRAIN=1;
@@ -200,7 +202,8 @@ run_vs_dense() {
   local seqs=${*:-2048 8192 32768 65536}
   python3 pipelines/prepare_data.py --out data/offline_python --overwrite >/dev/null || exit 1
   timeout "$T_BENCH" python3 bench/bench_train.py --skip-ray --steps "${STEPS:-10}" --warmup "${WARMUP:-4}" \
-    --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/offline_python logging.mlflow=false 2>&1 \
+    --vs-dense $seqs --nsa-flash ${NSA_FLASH:-preset} --out "$OUT" data.path=data/offline_python logging.mlflow=false \
+    ${VS_EXTRA:-} 2>&1 \
     | tee "$OUT/vs_dense.log" | grep -vE "Warning|warn" | tail -16
 }
 
