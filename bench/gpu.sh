@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call per question: the device-side driver of the benchmarks (run from the repository root).
 #
-#   bash bench/gpu.sh tests [pytest args]        gpu-marked tests (default: all of tests/)
+#   bash bench/gpu.sh tests [pytest args]        gpu-marked tests (default: all of tests/, TEST_JOBS=3 groups)
 #   bash bench/gpu.sh attention [T ...]          op speed table + 64k breakdown (fla-core if .whl is carried)
 #   bash bench/gpu.sh sweep [GROUP_PREFIX]       kernel-tuning sweep of the op at 64k (e.g. select.)
 #   bash bench/gpu.sh branch window|cmp|select [T ...]   one branch against its alternative
@@ -86,7 +86,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-bench/out/gpu}
 mkdir -p "$OUT"
 export OUT
-T_TESTS=${T_TESTS:-260}
+T_TESTS=${T_TESTS:-420}
 T_BENCH=${T_BENCH:-500}
 TIMER=${TIMER:-eager}     # bench_attention.py --timer: eager calls, or graph (CUDA-graph replays)
 
@@ -271,12 +271,28 @@ run_ncu() {  # hardware counters of the selection kernels (Firecracker machines;
   head -120 "$OUT/ncu_source.txt"
 }
 
-run_tests() {
-  local args=("$@")
-  [ ${#args[@]} -gt 0 ] || args=(tests/)
-  timeout "$T_TESTS" python3 -m pytest -q -m gpu -p no:cacheprovider -rA "${args[@]}" > "$OUT/pytest_gpu.log" 2>&1
-  echo "pytest rc=$?" >> "$OUT/pytest_gpu.log"
-  grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_gpu.log" | tail -40
+run_tests() {  # no args: every gpu-marked file, in TEST_JOBS parallel pytest groups (one serial run passes 600 s)
+  if [ $# -gt 0 ]; then
+    timeout "$T_TESTS" python3 -m pytest -q -m gpu -p no:cacheprovider -rA "$@" > "$OUT/pytest_gpu.log" 2>&1
+    echo "pytest rc=$?" >> "$OUT/pytest_gpu.log"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$OUT/pytest_gpu.log" | tail -40
+    return
+  fi
+  local jobs=${TEST_JOBS:-3} g files
+  # files by gpu-test count, dealt greedily into the emptiest group (Triton compiles spread over the cores)
+  python3 -m pytest -q -m gpu -p no:cacheprovider --collect-only tests/ 2>/dev/null | grep "::" | cut -d: -f1 \
+    | sort | uniq -c | sort -rn | awk -v n="$jobs" '{m=0; for (i=1;i<n;i++) if (c[i]<c[m]) m=i; c[m]+=$1;
+      f[m]=f[m] " " $2} END {for (i=0;i<n;i++) print f[i]}' > "$OUT/test_groups.txt"
+  g=0
+  while read -r files; do
+    [ -n "$files" ] || continue
+    ( timeout "$T_TESTS" python3 -m pytest -q -m gpu -p no:cacheprovider -rA $files > "$OUT/pytest_gpu_$g.log" 2>&1
+      echo "pytest rc=$?" >> "$OUT/pytest_gpu_$g.log" ) &
+    g=$((g + 1))
+  done < "$OUT/test_groups.txt"
+  wait
+  cat "$OUT"/pytest_gpu_*.log > "$OUT/pytest_gpu.log" && rm -f "$OUT"/pytest_gpu_*.log
+  grep -E "^(FAILED|ERROR)|passed|failed|rc=" "$OUT/pytest_gpu.log" | tail -40
 }
 
 run_attention() {
