@@ -1,8 +1,10 @@
 """Where a training step goes: each kernel's time charged to the part of the model that launched it.
 
-Categories: op (the attention kernel: nsa_attention / the dense flash call, forward and backward),
-attn_rest (the rest of the attention layer: projections, RoPE, compression, gates, copies, o_proj), mlp,
-norms, embed_head (embedding and lm_head), optimizer, other (loss, clipping, scaler, what no label covers).
+Categories: op (the attention kernel: nsa_attention / the dense flash call, forward and backward); the rest
+of the attention layer as attn_proj (the fused q/k/v projection and o_proj), attn_cmp (NSA's block
+compression of k and v), attn_gate (NSA's gate MLP) and attn_rest (RoPE, layout copies, what is left of the
+layer); mlp, norms, embed_head (embedding and lm_head), optimizer, other (loss, clipping, scaler, what no
+label covers). A submodule's range sits inside its layer's, and the innermost range names the category.
 Forward work is labelled by record_function ranges pushed from module hooks (a recompute under gradient
 checkpointing runs the hooks again, so it is charged where it belongs); backward work by the autograd node's
 sequence number, which names the forward op (and so the label) that recorded it. Used by
@@ -14,7 +16,8 @@ import contextlib
 
 import torch
 
-CATS = ("op", "attn_rest", "mlp", "norms", "embed_head", "optimizer", "other")
+CATS = ("op", "attn_proj", "attn_cmp", "attn_gate", "attn_rest", "mlp", "norms", "embed_head", "optimizer",
+        "other")
 PREFIX = "split:"
 
 
@@ -26,8 +29,16 @@ def label_modules(model: torch.nn.Module) -> list:
     kinds = ((NSAAttention, "attn_rest"), (DenseAttention, "attn_rest"), (SwiGLU, "mlp"), (RMSNorm, "norms"),
              (torch.nn.Embedding, "embed_head"))
     handles, head = [], getattr(model, "lm_head", None)
+    parts = {}   # the attention layers' own submodules -> their category
     for mod in model.modules():
-        cat = next((c for k, c in kinds if isinstance(mod, k)), "embed_head" if mod is head else None)
+        if isinstance(mod, (NSAAttention, DenseAttention)):
+            for name, cat in (("qkv_proj", "attn_proj"), ("o_proj", "attn_proj"), ("phi_k", "attn_cmp"),
+                              ("phi_v", "attn_cmp"), ("gate_mlp", "attn_gate")):
+                if isinstance(getattr(mod, name, None), torch.nn.Module):
+                    parts[id(getattr(mod, name))] = cat
+    for mod in model.modules():
+        cat = parts.get(id(mod)) or next((c for k, c in kinds if isinstance(mod, k)),
+                                          "embed_head" if mod is head else None)
         if cat is None:
             continue
         stack: list = []
