@@ -197,8 +197,10 @@ def test_many_sorted_scoring_slices():
         ro, ridx = nsa_reference(*views, **hp, pos0=pos0, win_pos0=win_pos0)
         od, id_ = run_kernel(views, pos0, win_pos0, hp, tuning=tn)
         check(od, id_, ro, ridx, 1e-5, (t, tn, zero_q))
-    # the slices' split-K semaphores are back at zero for the next launch
-    assert tdec._COUNTERS and all(int(c.abs().sum()) == 0 for c in tdec._COUNTERS.values())
+    # the slices' split-K semaphores are back at zero for the next launch (this device's: a host-cost test in the
+    # same process may have left meta-device buffers there)
+    mine = [c for c in tdec._COUNTERS.values() if c.device == xs[0].device]
+    assert mine and all(int(c.abs().sum()) == 0 for c in mine)
 
 
 def test_fp16_inputs():
