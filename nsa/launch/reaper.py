@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 SWEEP_S = 10.0        # give up rescanning after this long (a process that cannot be killed)
+REASON_WAIT_S = 3.0   # how long the log line waits to tell a dead driver from an instance that died alone
 
 
 def start_ticks(pid: int) -> Optional[str]:
@@ -185,7 +186,11 @@ def main(argv: list[str]) -> int:
     while not any(w.gone() for w in watches):
         poll.poll(None if all(w.fileno() is not None for w in watches) else 500)
     n = Instance(needle, session_dir).sweep()
-    # after the sweep: a dying driver's children get their death signal before its own pidfd reports it
+    # after the sweep, and then up to REASON_WAIT_S more: a dying driver's children get their death signal before
+    # its own pidfd reports it (a large process takes a while to tear down its address space, longer under load)
+    until = time.monotonic() + REASON_WAIT_S
+    while not watches[0].gone() and time.monotonic() < until:
+        time.sleep(0.05)
     why = "its driver ended" if watches[0].gone() else "the instance ended"
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} nsa reaper: {why}; killed {n} leftover process(es) of "
           f"{needle}", file=sys.stderr, flush=True)
