@@ -253,7 +253,7 @@ def _measure(T: int, family: str, calls: int, x: dict, call) -> dict:
 
 # ------------------------------------------------------------------------------------------------ decode
 DECODE_HP = MappingProxyType(dict(l=32, d=16, l_sel=64, n_sel=16, w=512))   # pipelines/configs/prod_50k.yaml nsa
-H200_SMS = 132   # the multiprocessors the sm90 stand-in plans the decode launch geometry for
+SM90_SMS = 132   # an sm90 part's multiprocessor count (hardware, not a measurement): the stand-in's decode geometry
 LAYER_BACK = 1025   # the layer form's first step sits this many tokens before S
 
 
@@ -329,7 +329,7 @@ def measure_decode(S: int = 65536, B: int = 1, *, HQ: int = PROD["HQ"], H: int =
     else:
         raise ValueError(f"form must be 'op' or 'layer', got {form!r}")
     first, tally = Tally(), Tally()
-    sms = H200_SMS if family == "sm90" else tdec.CPU_SMS
+    sms = SM90_SMS if family == "sm90" else tdec.CPU_SMS
     with kept_apart(), _patched(tdec, "CPU_SMS", sms):
         with no_kernels(first, family), _OpCounter(first):
             call()
