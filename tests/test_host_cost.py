@@ -123,13 +123,13 @@ def test_a_repeated_decode_call_decides_nothing(decode_measured):
         assert set(again) <= {"decode_geometry"} and again.get("decode_geometry", 0) <= 1 + steps // 64, again
 
 
-def test_a_decode_call_launches_three_kernels_and_allocates_its_outputs(decode_measured):
-    """Per call: the three decode kernels (the branches merged in the selection/window kernel's tail), the
-    outputs o and block_idx allocated (the split-K scratch is kept),
+def test_a_decode_call_launches_four_kernels_and_allocates_its_outputs(decode_measured):
+    """Per call: the four decode kernels, the outputs o and block_idx allocated (the split-K scratch is kept),
     no other torch op in the op; the layer adds its cache writes (k, v of three streams: 6 copies), the six
     views and, every d steps, one compression (unfold and the stand-in phi per k / v)."""
-    assert decode_measured["kernels"] == {k: 1 for k in ("_cmp_kernel", "_score_kernel", "_slc_win_kernel")}
-    assert decode_measured["launches_timed"] == 3
+    assert decode_measured["kernels"] == {k: 1 for k in ("_cmp_kernel", "_score_kernel", "_slc_win_kernel",
+                                                          "_combine_kernel")}
+    assert decode_measured["launches_timed"] == 4
     if decode_measured["form"] == "op":   # through the kept compiled kernels, no argument binding
         assert decode_measured["direct"] == decode_measured["kernels"]
     d = host_cost.DECODE_HP["d"]

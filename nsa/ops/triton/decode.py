@@ -1,6 +1,6 @@
 """NSA decode on Triton: a few query tokens per sequence (usually one) against the KV cache.
 
-Three launches (four with FUSED_COMBINE off), every grid sized from buffer capacities (never from the current length),
+Four launches, every grid sized from buffer capacities (never from the current length),
 and the query position read from a device tensor when one is given, so one CUDA graph replays every
 step. R = B*Tq query rows, H kv heads, G = HQ/H query heads per kv head; grids list the fastest
 axis first (the kv heads of one row sit side by side, so they stream the same cache rows together).
@@ -27,13 +27,10 @@ axis first (the kv heads of one row sit side by side, so they stream the same ca
 3. ``_slc_win_kernel`` grid (H, NSS + NWC, R)
    Selection programs read the block ids of their SPB slots and attend over them; window programs
    attend over WSUB*TW window tokens.
-   Key tiles are dealt evenly over the programs. Softmax partials. The last program of a (row, kv head)
-   to finish (a second set of split-K semaphores) merges the three branches' partials of its G query
-   heads and applies the gates (_combine_head), saving a launch of one small kernel.
-4. ``_combine_kernel`` grid (HQ, R), with FUSED_COMBINE off only: the same merge, one program per
-   (row, query head).
+   Key tiles are dealt evenly over the programs. Softmax partials.
+4. ``_combine_kernel`` grid (HQ, R): merges the three branches' partials and applies the gates.
 
-The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2.. programmatic dependent launches
+The `pdl` knob (nsa/ops/tuning.py DecodeKnobs) makes launches 2-4 programmatic dependent launches
 (each kernel lets its dependent start early; the dependent waits with griddepcontrol.wait right before
 reading the previous results): a gain for few rows, a loss for many (bandwidth-bound).
 
@@ -318,24 +315,20 @@ def _score_kernel(POS, SP, MS, CM, CL, CAND, CNT, SEL, BI, spos, pos_base, sbb, 
 
 
 @triton.jit(do_not_specialize=["pos_base", "win_base"])
-def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, CM, CL, CO, CNT,
+def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO,
                     sqb, sqt, sqh, sksb, skst, sksh, svsb, svst, svsh, skwb, skwt, skwh, svwb, svwt, svwh,
                     spos, swin, pos_base, win_base, wmod, Tq, H, NSS, NP2, scale_log2,
-                    sgb, sgt, sgh, sgk, sob, sot, soh, NCH,
                     G: tl.constexpr, GP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                     BDK: tl.constexpr, BDV: tl.constexpr, LSEL: tl.constexpr, NSEL: tl.constexpr,
                     NSEL_P2: tl.constexpr, SPB: tl.constexpr, TW: tl.constexpr, W: tl.constexpr,
-                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr,
-                    COMBINE: tl.constexpr, NCH_P2: tl.constexpr, NP2_P2: tl.constexpr):
+                    WSUB: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr, DOT_PREC: tl.constexpr):
     """p < NSS: attention over the blocks of slots p*SPB ..; else window chunk p - NSS. Both kinds
-    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers). COMBINE: the last
-    program of the (row, kv head) then merges the branches of its G query heads (_combine_kernel's work)."""
+    run one loop of TW-token tiles (one pipeline, one set of shared-memory buffers)."""
     NBS: tl.constexpr = (LSEL + TW - 1) // TW              # key tiles per selected block
     h = tl.program_id(0)
     p = tl.program_id(1)
     row = tl.program_id(2)
-    if not COMBINE:
-        _pdl_launch_dependents(PDL)
+    _pdl_launch_dependents(PDL)
     rh = row * H + h
     b = (row // Tq).to(tl.int64)
     iq = row % Tq
@@ -390,41 +383,17 @@ def _slc_win_kernel(Q, KS, VS, KW, VW, POS, WIN0, SEL, XM, XL, XO, GT, O, CM, CL
     tl.store(XM + part, m_run, mask=g_ok)
     tl.store(XL + part, l_run, mask=g_ok)
     tl.store(XO + part[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & dv_ok)
-    if COMBINE:
-        # the last of the (row, kv head)'s NP2 programs merges: a split-K semaphore as in _score_kernel (every
-        # thread's stores, a CTA barrier, one release-acquire increment; the last resets the counter)
-        tl.debug_barrier()
-        done = tl.atomic_add(CNT + rh, 1, sem="acq_rel", scope="gpu")
-        if done == NP2 - 1:
-            tl.atomic_xchg(CNT + rh, 0, sem="relaxed", scope="gpu")
-            _pdl_wait(PDL)   # the cmp partials, two launches back (a window program has not waited yet)
-            for gi in tl.static_range(G):
-                _combine_head(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, b,
-                              iq.to(tl.int64), row, h * G + gi, HQ, NCH, NSS, NP2, DV, BDV, NCH_P2, NP2_P2,
-                              False, ".cg")
 
 
 @triton.jit
 def _combine_kernel(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, Tq, NCH, NSS, NP2,
                     HQ: tl.constexpr, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr,
                     NP2_P2: tl.constexpr, PDL: tl.constexpr):
-    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for one (row, query head): the fourth launch when
-    the selection/window kernel does not merge (FUSED_COMBINE off)."""
+    """o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win for one (row, query head)."""
     hq = tl.program_id(0)
     row = tl.program_id(1)
     b = (row // Tq).to(tl.int64)
     iq = (row % Tq).to(tl.int64)
-    _combine_head(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, b, iq, row, hq, HQ, NCH, NSS,
-                  NP2, DV, BDV, NCH_P2, NP2_P2, PDL, "")
-
-
-@triton.jit
-def _combine_head(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, soh, b, iq, row, hq, HQ, NCH, NSS,
-                  NP2, DV: tl.constexpr, BDV: tl.constexpr, NCH_P2: tl.constexpr, NP2_P2: tl.constexpr,
-                  WAIT: tl.constexpr, CG: tl.constexpr):
-    """o[b, iq, hq] = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win from the chunks' and the selection / window
-    programs' partials of row; WAIT: griddepcontrol.wait before reading them; CG: their loads' cache modifier
-    (".cg" where other programs of the same launch wrote them)."""
     offs_dv = tl.arange(0, BDV)
     dv_ok = offs_dv[None, :] < DV
     gp = GT + b * sgb + iq * sgt + hq * sgh
@@ -437,14 +406,13 @@ def _combine_head(GT, O, CM, CL, CO, XM, XL, XO, sgb, sgt, sgh, sgk, sob, sot, s
     x_ok = x < NP2
     crow = (row * NCH + c).to(tl.int64) * HQ + hq
     xrow = (row * NP2 + x).to(tl.int64) * HQ + hq
-    _pdl_wait(WAIT)
+    _pdl_wait(PDL)
     cm = tl.load(CM + crow, mask=c_ok, other=float("-inf"))
     cl = tl.load(CL + crow, mask=c_ok, other=0.0)
     co = tl.load(CO + crow[:, None] * DV + offs_dv[None, :], mask=c_ok[:, None] & dv_ok, other=0.0)
-    xm = tl.load(XM + xrow, mask=x_ok, other=float("-inf"), cache_modifier=CG)
-    xl = tl.load(XL + xrow, mask=x_ok, other=0.0, cache_modifier=CG)
-    xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok, other=0.0,
-                 cache_modifier=CG)
+    xm = tl.load(XM + xrow, mask=x_ok, other=float("-inf"))
+    xl = tl.load(XL + xrow, mask=x_ok, other=0.0)
+    xo = tl.load(XO + xrow[:, None] * DV + offs_dv[None, :], mask=x_ok[:, None] & dv_ok, other=0.0)
     o_cmp = _merge(cm, cl, co, c_ok)                       # exactly 0 when no compressed token is visible
     o_slc = _merge(xm, xl, xo, x_ok & (x < NSS))
     o_win = _merge(xm, xl, xo, x_ok & (x >= NSS))
@@ -514,9 +482,8 @@ class _Launcher:
         self.bi_strides = _contiguous_strides(self.bi_shape)[:3]
         self.comb_strides = gates.stride() + _contiguous_strides(self.o_shape)[:3]
         self.pdl = bool(tn.pdl) and q.is_cuda
-        self.fused = FUSED_COMBINE
-        self.names = ("cmp", "score", "slc_win") + (() if self.fused else ("combine",))
-        self.kernels = (_cmp_kernel, _score_kernel, _slc_win_kernel) + (() if self.fused else (_combine_kernel,))
+        self.names = ("cmp", "score", "slc_win", "combine")
+        self.kernels = (_cmp_kernel, _score_kernel, _slc_win_kernel, _combine_kernel)
         self._direct: dict = {}   # specialisation (see __call__) -> kept compiled-kernel handles
         self.bd = (max(16, next_pow2(dk)), max(16, next_pow2(dv)))
         self.prec = dot_precision(q.dtype, q.is_cuda)
@@ -556,8 +523,7 @@ class _Launcher:
                     num_warps=_warps(tn.score_warps, gc * max(SL, nch_p2)), **geo),
                dict(G=G, GP=GP, DK=dk, DV=dv, BDK=bdk, BDV=bdv, LSEL=l_sel, NSEL=n_sel, NSEL_P2=plan["NSEL_P2"],
                     SPB=plan["SPB"], TW=plan["TW"], W=w, WSUB=plan["WSUB"], POS_PTR=self.pos_ptr,
-                    DOT_PREC=self.prec, COMBINE=self.fused, NCH_P2=nch_p2, NP2_P2=np2_p2, num_warps=tn.slc_warps,
-                    num_stages=tn.slc_stages),
+                    DOT_PREC=self.prec, num_warps=tn.slc_warps, num_stages=tn.slc_stages),
                dict(HQ=HQ, DV=dv, BDV=bdv, NCH_P2=nch_p2, NP2_P2=np2_p2,
                     num_warps=_warps(tn.comb_warps, max(nch_p2, np2_p2) * bdv)))
         f32, i64 = torch.float32, torch.int64
@@ -568,7 +534,7 @@ class _Launcher:
                    ((R * H, plan["NCAND"]), i64),      # per-slice best keys
                    ((R * H, plan["NSEL_P2"]), i64))    # slot (rank) -> block
         ints = ((NCH, NSUB, plan["NBCAP"], plan["SUBS"]), (NCH, NSUB, plan["NBCAP"]), (plan["NSS"], NP2),
-                (NCH, plan["NSS"], NP2))   # combine's: the selection/window kernel's tail takes NCH after them
+                (NCH, plan["NSS"], NP2))
         return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R)), kws, scratch, ints, caps)
 
     def _scratch(self, geo: _Geometry, stream, capturing: bool) -> tuple:
@@ -584,9 +550,8 @@ class _Launcher:
         return got[1], got[2]
 
     def _allocate(self, geo: _Geometry) -> tuple:
-        # semaphores (zeros, left at zero): [0, rows_h) the scoring slices', [rows_h, 2 rows_h) the merging tail's
-        cnt = _counters(self.dev, 2 * self.rows_h)
-        return tuple(torch.empty(s, device=self.dev, dtype=dt) for s, dt in geo.scratch) + (cnt, cnt[self.rows_h:])
+        return tuple(torch.empty(s, device=self.dev, dtype=dt) for s, dt in geo.scratch) + \
+            (_counters(self.dev, self.rows_h),)     # zeros, left at zero
 
     def __call__(self, q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, pos0, win_pos0, scale: float,
                  launch_info: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -610,7 +575,7 @@ class _Launcher:
             pos_base, win_base = int(pos0), (0 if self.win_ring else int(win_pos0))
         capturing = self.cuda and torch.cuda.is_current_stream_capturing()
         stream = _raw_stream(self.dev) if self.cuda else None
-        (sp, ms, cm, cl, co, xm, xl, xo, cand, sel, cnt, cnt_sw), scr_aligned = self._scratch(geo, stream, capturing)
+        (sp, ms, cm, cl, co, xm, xl, xo, cand, sel, cnt), scr_aligned = self._scratch(geo, stream, capturing)
         bi = torch.empty(self.bi_shape, device=self.dev, dtype=torch.int64)
         o = torch.empty(self.o_shape, device=self.dev, dtype=q.dtype)
         Tq, H = self.shape[1], self.shape[3]
@@ -619,11 +584,9 @@ class _Launcher:
         argsets = ((q, k_cmp, v_cmp, pos_t, sp, ms, cm, cl, co) + self.cmp_strides + (spos, pos_base, Tq, H, n_cap)
                    + ci + (sl2,),
                    (pos_t, sp, ms, cm, cl, cand, cnt, sel, bi, spos, pos_base) + self.bi_strides + (Tq, H, n_cap) + si,
-                   (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo, gates, o, cm, cl, co, cnt_sw)
-                   + self.sw_strides + (spos, swin, pos_base, win_base, self.win_ring, Tq, H) + wi + (sl2,)
-                   + self.comb_strides + ki[:1])
-        if not self.fused:
-            argsets += ((gates, o, cm, cl, co, xm, xl, xo) + self.comb_strides + (Tq,) + ki,)
+                   (q, k_slc, v_slc, k_win, v_win, pos_t, win_t, sel, xm, xl, xo)
+                   + self.sw_strides + (spos, swin, pos_base, win_base, self.win_ring, Tq, H) + wi + (sl2,))
+        argsets += ((gates, o, cm, cl, co, xm, xl, xo) + self.comb_strides + (Tq,) + ki,)
         # what Triton specialises on and may differ between calls of this signature: 16-byte alignment of the
         # tensors, the compressed count (== 1, % 16), the positions' width and pointer types
         spec = None
@@ -663,10 +626,6 @@ def _raw_stream(dev: torch.device) -> int:
 
 
 _LAUNCHERS: dict[tuple, _Launcher] = {}
-# the selection/window kernel merges the branches in its last program per (row, kv head): three launches a step;
-# False: the separate combine launch (four). Read when a launcher is made (clear _LAUNCHERS and nsa.ops.decode's
-# _CALLS after changing it)
-FUSED_COMBINE = True
 MAX_LAUNCHERS = 64   # signatures kept (a few per layer shape); more: start over
 
 
@@ -680,7 +639,7 @@ def decode_launcher(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, k
     t = (q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates)
     sig = decode_signature(t)
     key = None if sig is None else (sig, l, d, l_sel, n_sel, w, win_ring, id(tuning), target_programs, cmp_tile,
-                                    pos_ptr, CPU_SMS, FUSED_COMBINE)
+                                    pos_ptr, CPU_SMS)
     la = _LAUNCHERS.get(key) if key is not None else None
     if la is None:
         la = _Launcher(t, l=l, d=d, l_sel=l_sel, n_sel=n_sel, w=w, win_ring=win_ring, tuning=tuning,
