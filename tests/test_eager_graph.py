@@ -240,8 +240,8 @@ def gpu_stack(xs, do, graphs: bool, tuning):
 def test_gpu_stack_graphed_matches_eager(route):
     """Three layers of the production shape (B=1, HQ=12, H=2, d=64, bf16) at T=8192, eager against eager-graphed:
     outputs and blocks bitwise; gradients bitwise on the own kernels (no dense or flash-attn branch: their backward
-    repeats bitwise), and on the production route (FA4 and cuDNN backwards need not repeat) no further from eager than
-    eager is from itself. Prints one layer's forward + backward time either way (not asserted)."""
+    repeats bitwise), and on the production route (FA4 and cuDNN backwards need not repeat their order of additions)
+    within one bf16 rounding of eager, as eager is of itself. Prints one layer's forward + backward time either way (not asserted)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from nsa.ops.testing import rel_rms
@@ -264,8 +264,8 @@ def test_gpu_stack_graphed_matches_eager(route):
         for a, b, c in zip(got[1], want[1], again[1]):
             if route == "own_kernels" or b is None:
                 assert same(a, b)
-            else:   # twice eager's own spread (exact where eager repeats itself)
-                assert rel_rms(a, b) <= 2 * rel_rms(c, b)
+            else:   # FA4's and cuDNN's backwards add in an order a replay need not repeat: one bf16 rounding at most
+                assert rel_rms(a, b) <= 2.0 ** -8 and rel_rms(c, b) <= 2.0 ** -8
         for graphs in (False, True):
             for _ in range(3):
                 gpu_stack(xs, do, graphs, tn)
