@@ -146,3 +146,22 @@ def test_bad_ids_rejected():
         model(torch.zeros(2, 3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="ids"):
         model(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_the_fp32_formula_whichever_kernel_runs(dtype):
+    """RMSNorm: x * rsqrt(mean(x^2) + eps) * weight in fp32, cast to x's dtype, forward and both gradients, whether
+    the fused torch kernel (fp32 input and weight) or the elementwise path (bf16 input) runs it."""
+    from nsa.model import RMSNorm
+    torch.manual_seed(0)
+    norm = RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(2, 5, 24) * 3).to(dtype).requires_grad_()
+    y = norm(x)
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight).to(dtype)
+    assert y.dtype == dtype and torch.allclose(y.float(), want.float(), rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(y)
+    got, ref = torch.autograd.grad(y, [x, norm.weight], dy), torch.autograd.grad(want, [x, norm.weight], dy)
+    assert all(torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5) for a, b in zip(got, ref))
