@@ -130,6 +130,20 @@ def test_interleaved_layers_match_eager(fake, monkeypatch, flash):
     assert fallbacks.fallback_counts() == {}
 
 
+def test_paused_calls_run_as_is(fake):
+    """Inside eager_graph.paused() (a whole-step graph's warm-up) calls neither capture nor replay, even repeated and
+    under checkpointing's hooks; outside, the next repeated call captures as before."""
+    pol, xs = policy(), layers(2)
+    with eager_graph.paused():
+        plain = step(xs, pol)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            again = step(xs, pol)
+    assert fake.captures == 0 and fake.replays == 0 and not eager_graph._GRAPHS
+    check_equal(again, plain)
+    check_equal(step(xs, pol), plain)
+    assert fake.captures == 2
+
+
 def test_no_grad_and_other_signatures_capture_their_own(fake, monkeypatch):
     """Another grad mode or T is another signature: captured at its own second call (a no-grad call: the forward
     only); MAX_GRAPHS bounds what is kept (the oldest dropped, captured again when it returns)."""
@@ -213,7 +227,7 @@ def test_only_nsa_attentions_eager_calls_and_the_triton_route(fake):
 
 
 def test_the_switch_is_read_from_the_environment():
-    assert eager_graphs({}) == "off" and eager_graphs({"NSA_EAGER_GRAPHS": " Auto "}) == "auto"
+    assert eager_graphs({}) == "auto" and eager_graphs({"NSA_EAGER_GRAPHS": " Off "}) == "off"
     with pytest.raises(ValueError, match="NSA_EAGER_GRAPHS"):
         eager_graphs({"NSA_EAGER_GRAPHS": "on"})
 

@@ -28,15 +28,15 @@ def triton_interpreter(env: Mapping[str, str] | None = None) -> bool:
     return env.get("TRITON_INTERPRET") == "1"
 
 
-EAGER_GRAPHS_VALUES = ("off", "auto")
+EAGER_GRAPHS_VALUES = ("auto", "off")
 
 
 def eager_graphs(env: Mapping[str, str] | None = None) -> str:
-    """``$NSA_EAGER_GRAPHS`` (off | auto; empty = off): auto serves an eager NSA op call on CUDA whose call signature
+    """``$NSA_EAGER_GRAPHS`` (auto | off; empty = auto): auto serves an eager NSA op call on CUDA whose call signature
     was seen before from CUDA graphs of its forward and backward (nsa/ops/eager_graph.py). Read once, at import."""
-    value = ((os.environ if env is None else env).get("NSA_EAGER_GRAPHS") or "off").strip().lower()
+    value = ((os.environ if env is None else env).get("NSA_EAGER_GRAPHS") or "auto").strip().lower()
     if value not in EAGER_GRAPHS_VALUES:
-        raise ValueError(f"NSA_EAGER_GRAPHS={value!r}: must be one of {EAGER_GRAPHS_VALUES} (unset = off)")
+        raise ValueError(f"NSA_EAGER_GRAPHS={value!r}: must be one of {EAGER_GRAPHS_VALUES} (unset = auto)")
     return value
 
 

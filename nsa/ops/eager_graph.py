@@ -1,7 +1,7 @@
 """Eager NSA op calls replayed from per-signature CUDA graphs (issue 45 item 3: an eager call is bound by its host
 work, Triton launches, FA4 entries and autograd; a replay launches every kernel at once).
 
-With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; off by default) an eager nsa_attention call on CUDA on the Triton
+With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; the default, off turns it off) an eager nsa_attention call on CUDA on the Triton
 route, outside any capture, whose call signature (eager.py's key, plus the autocast and inference-mode state) was
 seen before (under saved-tensor hooks, e.g. checkpointing: from its first call; see graphed_call) is served by
 graphs captured for that signature: the op's forward and, where a gradient is wanted, its backward, both in one
@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -45,6 +46,19 @@ MAX_GRAPHS = 8                  # signatures with graphs (each holds a pool of i
 FALLBACK = "eager_graph->eager"
 UNSUPPORTED = "triton_unsupported->torch"   # eager._triton_run's: such a call runs the torch backend
 log = logging.getLogger(__name__)
+_PAUSE = threading.local()      # paused(): this thread's calls run as is
+
+
+@contextlib.contextmanager
+def paused():
+    """Calls of this thread inside run as is, captured or replayed never: for eager steps of a whole-step graph
+    (its warm-up), whose own capture makes per-call graphs a cost in memory with nothing to win."""
+    before = getattr(_PAUSE, "on", False)
+    _PAUSE.on = True
+    try:
+        yield
+    finally:
+        _PAUSE.on = before
 
 
 def _sid(t: torch.Tensor) -> int | None:
@@ -276,7 +290,8 @@ def graphed_call(call, key: tuple, tensors: tuple, seen: bool):
     checkpointed forward and its recomputation in backward both replay (the same tensors saved), and never inside a
     backward (a recomputation whose forward ran eagerly runs eagerly too)."""
     dev = tensors[0].device.type
-    if call.policy.backend != "triton" or UNSUPPORTED in call.counts or dev != BACKEND.device_type:
+    if (call.policy.backend != "triton" or UNSUPPORTED in call.counts or dev != BACKEND.device_type
+            or getattr(_PAUSE, "on", False)):
         return call.run(*tensors)
     gkey = (key, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_inference_mode_enabled())
     g = _GRAPHS.get(gkey, False)

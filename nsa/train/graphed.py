@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from nsa.ops import eager_graph
 from nsa.train.precision import Precision
 from nsa.train.step import StepResult, train_step
 
@@ -125,7 +126,8 @@ class GraphedStep:
         cur = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(cur)
         self.eager_steps += 1
-        with torch.cuda.stream(self._stream):   # warm-up off the default stream (capture rule)
+        # warm-up off the default stream (capture rule); the op's per-call graphs would only hold memory here
+        with torch.cuda.stream(self._stream), eager_graph.paused():
             res = train_step(self.model, micro, self.opt, self.sched, self.prec, grad_clip=self.grad_clip,
                              poison=poison, grad_sync=self.grad_sync)
         cur.wait_stream(self._stream)
