@@ -16,8 +16,8 @@
 #   bash bench/gpu.sh profile MODE [args]        bench/bench_profile.py MODE (kernels, step, ...)
 #   bash bench/gpu.sh vs-dense [SEQ ...]         the 125M model trained as NSA and as the dense twin (bare
 #                                                loop, bf16, checkpointing, batch 1): tokens/s, memory, loss;
-#                                                VS_EXTRA=runtime.cuda_graph=false: the eager loop (add
-#                                                the op replays its own per-call graphs; NSA_EAGER_GRAPHS=off: not)
+#                                                VS_EXTRA=runtime.cuda_graph=false: the eager loop (the op
+#                                                replays its own per-call graphs; NSA_EAGER_GRAPHS=off: not)
 #   bash bench/gpu.sh capture [T ...]            capture-model then capture-bench (one call if both fit)
 #   bash bench/gpu.sh capture-model [T ...]      train the production TinyLM (SEQ=65536, STEPS=250; reused from
 #                                                bench/captured/model while the machine is warm unless RETRAIN=1;
