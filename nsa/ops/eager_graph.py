@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import threading
 from typing import Callable
 
 import torch
@@ -46,19 +45,19 @@ MAX_GRAPHS = 8                  # signatures with graphs (each holds a pool of i
 FALLBACK = "eager_graph->eager"
 UNSUPPORTED = "triton_unsupported->torch"   # eager._triton_run's: such a call runs the torch backend
 log = logging.getLogger(__name__)
-_PAUSE = threading.local()      # paused(): this thread's calls run as is
+_PAUSED = [0]                   # paused() depth; process-wide: a checkpointed forward's recomputation runs on the
+                                # autograd engine's thread and must decide as its forward did
 
 
 @contextlib.contextmanager
 def paused():
-    """Calls of this thread inside run as is, captured or replayed never: for eager steps of a whole-step graph
-    (its warm-up), whose own capture makes per-call graphs a cost in memory with nothing to win."""
-    before = getattr(_PAUSE, "on", False)
-    _PAUSE.on = True
+    """Calls inside run as is, captured or replayed never: for eager steps of a whole-step graph (its warm-up), whose
+    own capture makes per-call graphs a cost in memory with nothing to win."""
+    _PAUSED[0] += 1
     try:
         yield
     finally:
-        _PAUSE.on = before
+        _PAUSED[0] -= 1
 
 
 def _sid(t: torch.Tensor) -> int | None:
@@ -291,7 +290,7 @@ def graphed_call(call, key: tuple, tensors: tuple, seen: bool):
     backward (a recomputation whose forward ran eagerly runs eagerly too)."""
     dev = tensors[0].device.type
     if (call.policy.backend != "triton" or UNSUPPORTED in call.counts or dev != BACKEND.device_type
-            or getattr(_PAUSE, "on", False)):
+            or _PAUSED[0]):
         return call.run(*tensors)
     gkey = (key, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_inference_mode_enabled())
     g = _GRAPHS.get(gkey, False)
