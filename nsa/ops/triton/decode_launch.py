@@ -4,6 +4,7 @@ launching kept compiled kernels directly (no per-call argument binding: most of 
 from __future__ import annotations
 
 import functools
+import logging
 from types import MappingProxyType
 
 import torch
@@ -187,10 +188,12 @@ def launch_kept(handles: tuple, grids: tuple, argsets: tuple, stream) -> bool:
     try:
         for (h, tail), grid, args in zip(handles, grids, argsets):
             h[grid](*args, *tail, stream=stream)
-    except Exception:  # noqa: BLE001 - e.g. another launcher arity in this Triton
+    except Exception as exc:  # noqa: BLE001 - e.g. another launcher arity in this Triton
         if _DIRECT["worked"]:
             raise
         _DIRECT["ok"] = False
+        _DIRECT["why"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        logging.getLogger(__name__).info("decode: direct launches of kept kernels off (%s)", _DIRECT["why"])
         return False
     _DIRECT["worked"] = True
     return True
