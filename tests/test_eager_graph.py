@@ -217,6 +217,28 @@ def test_checkpointed_layers_match_eager(fake, monkeypatch):
         assert all(same(a, b) for a, b in zip(gs, plain[1]))
 
 
+def test_a_checkpointed_forward_keeps_its_graph_until_recomputed(fake, monkeypatch):
+    """More signatures in one checkpointed forward than MAX_GRAPHS keeps: a graph whose forward replayed is not dropped
+    before its recomputation replays it too (else the recomputation runs eagerly and saves other tensors: torch's
+    CheckpointError); the signature without room runs eagerly in both. Gradients stay eager's."""
+    from torch.utils.checkpoint import checkpoint
+    monkeypatch.setattr(eager_graph, "MAX_GRAPHS", 1)
+    pol, xs = policy(), [layers(1)[0], layers(1, T=40, seed=5)[0]]
+
+    def ckpt_step():
+        outs = [checkpoint(lambda *x: nsa_attention(*x, **HP, backend=pol)[0], *x, use_reentrant=False) for x in xs]
+        loss = sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs)
+        return outs, torch.autograd.grad(loss, [t for x in xs for t in x], allow_unused=True)
+
+    got = [ckpt_step() for _ in range(2)]
+    assert len(eager_graph._GRAPHS) == 1 and all(g.pending == 0 for g in eager_graph._GRAPHS.values())
+    monkeypatch.setattr(eager_graph, "ON", False)
+    plain = ckpt_step()
+    for outs, gs in got:
+        assert all(torch.equal(o, o0) for o, o0 in zip(outs, plain[0]))
+        assert all(same(a, b) for a, b in zip(gs, plain[1]))
+
+
 def test_only_nsa_attentions_eager_calls_and_the_triton_route(fake):
     """The custom op's kernels call eager_attention without graphs; the torch backend is not graphed."""
     xs = layers(1)[0]

@@ -18,8 +18,9 @@ The same kernels run on the same values, so results are bitwise the eager path's
 and cuDNN's backwards need not). Switches outside the key that eager kernels read per call (TF32, SDPA backend
 toggles) are the capture's. A signature's capture costs a warm-up call and one device sync (torch.cuda.graph's).
 A capture that fails serves the signature eagerly from then on, each call counted as FALLBACK. Graphs are kept for
-MAX_GRAPHS signatures (least recently used dropped; one still awaiting a backward lives until then). Capture and
-replay sit behind a backend object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph
+MAX_GRAPHS signatures (least recently used dropped; one still awaiting a backward lives until then; one whose
+checkpointed forward still awaits its recomputation is not dropped, and a new signature runs eagerly while every
+kept one is so held). Capture and replay sit behind a backend object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph
 reads (per-shape maps in lru caches) are held while it lives when a torch op or a Triton launch read them during
 the capture, or the captured autograd graph holds them.
 """
@@ -201,6 +202,7 @@ class Graphed:
 
     def __init__(self, call, tensors: tuple, backend):
         self.call = call   # the eager decisions it was captured from (served only to calls of the same)
+        self.pending = 0   # checkpointed forwards replayed whose recomputation has not replayed yet
         self.static = [_twin(x) for x in tensors]
         _copy(self.static, tensors)
         leaves = [_leaf(s, x) for s, x in zip(self.static, tensors)]
@@ -294,8 +296,9 @@ def graphed_call(call, key: tuple, tensors: tuple, seen: bool):
         return call.run(*tensors)
     gkey = (key, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_inference_mode_enabled())
     g = _GRAPHS.get(gkey, False)
+    hooked, in_backward = _hooked(), torch._C._current_graph_task_id() != -1
     if g is False or g is not None and g.call is not call:
-        if not (seen or _hooked()) or torch._C._current_graph_task_id() != -1:
+        if not (seen or hooked) or in_backward or not _room():
             return call.run(*tensors)
         g = _capture(call, gkey, tensors)
     else:
@@ -303,7 +306,15 @@ def graphed_call(call, key: tuple, tensors: tuple, seen: bool):
     if g is None:
         count_fallback(FALLBACK)
         return call.run(*tensors)
+    if hooked:   # a checkpointed forward (+1) or its recomputation (-1): kept until they pair up
+        g.pending = max(0, g.pending + (-1 if in_backward else 1))
     return g(tensors)
+
+
+def _room() -> bool:
+    """Whether a new signature may be captured: MAX_GRAPHS not reached, or an entry to drop that no checkpointed
+    forward still waits on (its recomputation must replay what the forward replayed: the same tensors saved)."""
+    return len(_GRAPHS) < MAX_GRAPHS or any(g is None or g.pending == 0 for g in _GRAPHS.values())
 
 
 def _capture(call, gkey: tuple, tensors: tuple) -> Graphed | None:
@@ -314,8 +325,9 @@ def _capture(call, gkey: tuple, tensors: tuple) -> Graphed | None:
                     str(exc)[:200])
         g = None
     _GRAPHS[gkey] = g
-    while len(_GRAPHS) > MAX_GRAPHS:
-        _GRAPHS.popitem(last=False)
+    while len(_GRAPHS) > MAX_GRAPHS:   # the least recently used no checkpointed forward waits on (_room)
+        old = next(k for k, v in _GRAPHS.items() if k != gkey and (v is None or v.pending == 0))
+        del _GRAPHS[old]
     return g
 
 
