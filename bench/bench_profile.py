@@ -353,13 +353,15 @@ def run_step(a) -> None:
 def split_row(overrides: list[str], steps: int, warmup: int) -> dict[str, Any]:
     """One eager step of the model split by category (nsa/telemetry/step_split.py), its wall time, host gaps
     (wall minus busy device time) and, on CUDA, the same step's wall time as a CUDA-graph replay."""
+    from nsa.ops import eager_graph
     from nsa.telemetry import step_split as ss
     from nsa.train.graphed import single_device_step
     cfg, dev, prec, model, opt, sched, batch = _build(["runtime.cuda_graph=false"] + overrides)
     cuda = dev.type == "cuda"
     run_step, _ = single_device_step(model, opt, sched, prec, cfg.runtime, grad_clip=cfg.train.grad_clip, device=dev)
     wall = []
-    with ss.labelled(model, opt):
+    # the op's own per-call graphs off: each kernel is charged by its launch (a replay is one launch for many)
+    with ss.labelled(model, opt), eager_graph.paused():
         for i in range(warmup + steps):
             t0 = time.perf_counter()
             run_step([batch])
