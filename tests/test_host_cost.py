@@ -137,3 +137,16 @@ def test_a_decode_call_launches_four_kernels_and_allocates_its_outputs(decode_me
         assert decode_measured["ops"] == {"aten.empty": 2}
     else:
         assert decode_measured["compute_ops"] == {"aten.copy_": 6 + 2 / d, "aten.unfold": 2 / d, "aten.mean": 2 / d}
+
+
+def test_signature_caches_start_over_when_full():
+    """The prefill and decode ops keep decisions in caches of one kind, each its own, dropped whole when full."""
+    from nsa.ops import decode, eager
+    c = eager.SignatureCache(cap=2)
+    c.keep((1,), "a")
+    c.keep((2,), "b")
+    assert dict(c) == {(1,): "a", (2,): "b"}
+    c.keep((3,), "c")
+    assert dict(c) == {(3,): "c"}
+    assert isinstance(eager._CALLS, eager.SignatureCache) and isinstance(decode._CALLS, eager.SignatureCache)
+    assert eager._CALLS is not decode._CALLS

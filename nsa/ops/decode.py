@@ -24,7 +24,7 @@ from . import dispatch
 from .batched import nsa_torch
 from .common import _NAMES, NSAParams, decode_signature, safe_scale, validate_inputs
 from .dispatch import KernelPolicy, _check_requested, cached_policy, triton_module
-from .eager import _Call
+from .eager import SignatureCache, _Call
 from .fallbacks import count_fallback
 from .reference import nsa_reference
 from .tuning import KernelTuning
@@ -57,8 +57,7 @@ def _check_device_positions(q: torch.Tensor, pos0: object, win_pos0: object, win
 
 
 # a signature's decisions, as eager.py keeps the prefill op's: run(tensors, pos0, win_pos0, launch_info) here
-_CALLS: dict[tuple, _Call] = {}
-MAX_CALLS = 256   # signatures kept (a few per layer shape); more: start over
+_CALLS = SignatureCache()
 
 
 def _lengths_ok(t: tuple, pos0, win_pos0, l: int, d: int, w: int) -> bool:
@@ -162,9 +161,7 @@ def _decide(t: tuple, backend, tuning, rest: tuple, key: tuple | None, pos0, win
                 counts += ("decode:triton_unsupported->torch",)
     call = _Call(run, counts, policy_key, policy, (backend, tuning))
     if key is not None:
-        if len(_CALLS) >= MAX_CALLS:
-            _CALLS.clear()
-        _CALLS[key] = call
+        _CALLS.keep(key, call)
     return call
 
 

@@ -49,8 +49,21 @@ class _Call(NamedTuple):
     keep: tuple
 
 
-_CALLS: dict[tuple, _Call] = {}
-MAX_CALLS = 256   # signatures kept (a few per layer shape and grad mode); more: start over
+class SignatureCache(dict):
+    """Call signature -> _Call, for the prefill op here and the decode op (decode.py): at most `cap` kept (a model
+    has a few per layer shape and grad mode); when full, all dropped (shapes that keep changing: deciding is cheap)."""
+
+    def __init__(self, cap: int = 256) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def keep(self, key: tuple, call: _Call) -> None:
+        if len(self) >= self.cap:
+            self.clear()
+        self[key] = call
+
+
+_CALLS = SignatureCache()
 
 
 def _signature(tensors: tuple, backend, tuning, rest: tuple) -> tuple | None:
@@ -119,9 +132,7 @@ def _decide(tensors: tuple, backend, tuning, rest: tuple, key: tuple | None) -> 
         run, final, counts = _triton_run(dispatch.triton_module(), tensors, kw, tn, run, counts)
     call = _Call(run, counts, policy_key, policy, (backend, tuning))
     if key is not None and final:
-        if len(_CALLS) >= MAX_CALLS:
-            _CALLS.clear()
-        _CALLS[key] = call
+        _CALLS.keep(key, call)
     return call
 
 
