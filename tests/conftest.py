@@ -98,6 +98,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _skip_repeated_interpreter_patches()
     _row_invariant_interpreter_dot()
 
+# Every Ray instance a test starts (the session's, a subprocess driver's, a `ray start` head) inherits this
+# environment. Ray runs its workers at nice 15 by default: beside the other xdist worker's CPU-bound kernel tests
+# (nice 0) on 2 cores, the Ray group's train workers, controllers and data tasks then got a fraction of a core and
+# its serial chain of launches took about twice its solo time. Nice 0 shares the cores evenly.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINES = REPO / "pipelines"

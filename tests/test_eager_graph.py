@@ -85,7 +85,7 @@ def policy(flash: dict | None = None) -> KernelPolicy:
 
 
 def layers(n: int, T: int = 24, seed: int = 0) -> list[list[torch.Tensor]]:
-    return [make_inputs(1, T, 4, 2, 16, 16, l=HP["l"], d=HP["d"], seed=seed + i, requires_grad=True)
+    return [make_inputs(1, T, 2, 1, 16, 16, l=HP["l"], d=HP["d"], seed=seed + i, requires_grad=True)
             for i in range(n)]
 
 
@@ -100,6 +100,22 @@ def step(xs: list, pol, grad: bool = True):
     return outs, gs
 
 
+_PLAIN: dict = {}
+
+
+def plain_step(n: int, flash: dict | None = None):
+    """step(layers(n), policy(flash)) with graphs off: the eager results several tests compare with, computed once
+    per module (the inputs are seeded, the eager path is deterministic)."""
+    key = (n, repr(flash))
+    if key not in _PLAIN:
+        on, eager_graph.ON = eager_graph.ON, False
+        try:
+            _PLAIN[key] = step(layers(n), policy(flash))
+        finally:
+            eager_graph.ON = on
+    return _PLAIN[key]
+
+
 def same(a, b) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -112,7 +128,7 @@ def check_equal(got, want):
 
 
 @pytest.mark.parametrize("flash", [None, dict(win="reference", cmp="reference")], ids=["triton", "win+cmp_outside"])
-def test_interleaved_layers_match_eager(fake, monkeypatch, flash):
+def test_interleaved_layers_match_eager(fake, flash):
     """Three layers of one signature: the warm-up step runs the first call eagerly and captures at the second; the
     next step replays for all three (each forward overwriting the static memory the previous one used) and still
     gives every output, block and gradient of plain eager calls bitwise."""
@@ -123,8 +139,7 @@ def test_interleaved_layers_match_eager(fake, monkeypatch, flash):
     g = next(iter(eager_graph._GRAPHS.values()))
     assert not {t.data_ptr() for t in g.out} & {o.data_ptr() for o, _ in second[0]}   # outputs: the caller's own
     assert not any(s.requires_grad for s in g.static)   # the static inputs joined no caller's autograd graph
-    monkeypatch.setattr(eager_graph, "ON", False)
-    plain = step(xs, pol)
+    plain = plain_step(3, flash)
     check_equal(first, plain)
     check_equal(second, plain)
     assert fallbacks.fallback_counts() == {}
@@ -148,12 +163,12 @@ def test_no_grad_and_other_signatures_capture_their_own(fake, monkeypatch):
     """Another grad mode or T is another signature: captured at its own second call (a no-grad call: the forward
     only); MAX_GRAPHS bounds what is kept (the oldest dropped, captured again when it returns)."""
     pol = policy()
-    a, b, c = layers(2), layers(2, T=40, seed=5), layers(2, T=32, seed=9)
+    a, b, c = layers(2), layers(2, T=16, seed=5), layers(2, T=32, seed=9)
     step(a, pol, grad=False)
     assert fake.captures == 1   # forward only
     got_a = step(a, pol, grad=False)
     got_b = step(b, pol)
-    assert fake.captures == 3   # T=40 with grad: forward + backward
+    assert fake.captures == 3   # T=16 with grad: forward + backward
     monkeypatch.setattr(eager_graph, "MAX_GRAPHS", 1)
     step(c, pol, grad=False)    # captured at its second call; the two others dropped
     assert fake.captures == 4 and len(eager_graph._GRAPHS) == 1
@@ -166,7 +181,7 @@ def test_no_grad_and_other_signatures_capture_their_own(fake, monkeypatch):
     check_equal(got_b, step(b, pol))
 
 
-def test_a_failed_capture_runs_eagerly_counted(fake, monkeypatch):
+def test_a_failed_capture_runs_eagerly_counted(fake):
     """A capture that raises: that signature runs eagerly from then on (never captured again), each such call
     counted, with the eager results."""
     fake.fail = True
@@ -175,8 +190,7 @@ def test_a_failed_capture_runs_eagerly_counted(fake, monkeypatch):
     again = step(xs, pol)
     assert fake.captures == 1
     assert fallbacks.fallback_counts() == {eager_graph.FALLBACK: 2 + 3}
-    monkeypatch.setattr(eager_graph, "ON", False)
-    plain = step(xs, pol)
+    plain = plain_step(3)
     check_equal(got, plain)
     check_equal(again, plain)
 

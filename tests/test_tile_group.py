@@ -3,6 +3,7 @@ permutation of each window, the kernel and the torch path agree, the unions shri
 cluster, and the op gives bitwise the results of consecutive tiles (every row attends its own blocks)."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -69,18 +70,39 @@ def test_bad_group_window():
         TileTuning(m=4, group=12)
 
 
+GROUPED_CASE = dict(B=2, T=109, HQ=8, H=2, dk=16, dv=16, hp=dict(l=8, d=4, l_sel=8, n_sel=5, w=8))
+
+
+def _grouped_case_run(args, do, **tile):
+    """The op on GROUPED_CASE's inputs with TileTuning(m=4, **tile) -> (o, block_idx, every input gradient)."""
+    c = GROUPED_CASE
+    tn = tuning_for(DEV).replace(tile=TileTuning(m=4, **tile))
+    o, bi = nsa_triton_apply(*args, **c["hp"], scale=c["dk"] ** -0.5, tuning=tn)
+    return (o, bi) + torch.autograd.grad(o, args, do)
+
+
+def _grouped_case_inputs():
+    c = GROUPED_CASE
+    args = [a.requires_grad_() for a in make_inputs(c["B"], c["T"], c["HQ"], c["H"], c["dk"], c["dv"], l=c["hp"]["l"],
+                                                     d=c["hp"]["d"], dtype=torch.float32, device=DEV, seed=5)]
+    do = torch.randn(c["B"], c["T"], c["HQ"], c["dv"], generator=torch.Generator().manual_seed(6)).to(DEV)
+    return args, do
+
+
+@functools.cache
+def _consecutive_tiles():
+    """m=4 on consecutive tokens: both group widths compare with it, so it is computed once per module."""
+    return tuple(t.detach() for t in _grouped_case_run(*_grouped_case_inputs()))
+
+
 @pytest.mark.parametrize("W", [8, 16], ids=["w8", "w16"])
 def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, monkeypatch):
     """The whole op with TileTuning(m=4, group=W) against m=4 on consecutive tokens: the same block_idx,
     output and every gradient bit for bit (per row the same blocks in the same order; the other rows of a
     tile only change which blocks are masked), with a non-trivial grouping in every (b, h) and the kernels
     reading it (a union of the grouped order with rows read in position order would not match)."""
-    B, T, HQ, H, dk, dv = 2, 109, 8, 2, 16, 16
-    hp = dict(l=8, d=4, l_sel=8, n_sel=5, w=8)
-    args = [a.requires_grad_() for a in make_inputs(B, T, HQ, H, dk, dv, l=hp["l"], d=hp["d"],
-                                                     dtype=torch.float32, device=DEV, seed=5)]
-    do = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(6)).to(DEV)
-    base = tuning_for(DEV)
+    T = GROUPED_CASE["T"]
+    want = _consecutive_tiles()
     seen = []
     real = tt.tile_unions
 
@@ -91,13 +113,8 @@ def test_op_on_grouped_tiles_is_bitwise_consecutive_tiles(W, monkeypatch):
 
     from nsa.ops.triton import function as fn
     monkeypatch.setattr(fn, "tile_unions", spy)
-
-    def run(**kw):
-        o, bi = nsa_triton_apply(*args, **hp, scale=dk ** -0.5, tuning=base.replace(tile=TileTuning(m=4, **kw)))
-        return (o, bi) + torch.autograd.grad(o, args, do)
-
-    want = run()
-    got = run(group=W)
+    args, do = _grouped_case_inputs()
+    got = _grouped_case_run(args, do, group=W)
     perm = seen[-1]
     assert perm is not None and (perm != torch.arange(T, device=DEV, dtype=torch.int32)).any(-1).all()
     for name, a, b in zip(["o", "block_idx"] + [f"d{n}" for n in INPUT_NAMES], got, want):

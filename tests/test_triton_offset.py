@@ -146,19 +146,33 @@ def triton_policy(dtype: str) -> KernelPolicy:
 
 
 # ------------------------------------------------------------------------------- context parallelism
+_ONE_PROCESS: dict = {}
+CP_T, CP_DK, CP_HP = 35, 16, dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
+
+
+def _one_process_triton():
+    """The one-process Triton op on the CP cases' inputs, forward and backward: computed once per spawned process
+    and shared by its CP = 4 and CP = 2 cases (same inputs, same interpreter) instead of once per case.
+    -> (inputs, output gradient, leaves holding the gradients, output, blocks)"""
+    if not _ONE_PROCESS:
+        B, T, HQ, H, dk, dv = 1, CP_T, 4, 2, CP_DK, 16
+        xs = make_inputs(B, T, HQ, H, dk, dv, l=CP_HP["l"], d=CP_HP["d"], seed=11, q_scale=2.0)
+        go = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(1))
+        full = [x.clone().requires_grad_() for x in xs]
+        o, idx = fn.nsa_triton_apply(*full, **CP_HP, scale=dk ** -0.5)
+        o.backward(go)
+        _ONE_PROCESS.update(ref=(xs, go, full, o.detach(), idx))
+    return _ONE_PROCESS["ref"]
+
+
 def _cp_triton_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
     """cp_nsa_attention on the Triton policy (offset route for every chunk but rank 0's first) against the
     one-process Triton op: rows, blocks and every gradient. T = 35 at CP = 4 / 2: chunks of 5 / 9 positions split
     compression (l 8, d 4) and selection (l_sel 8) blocks, the last chunk at CP = 4 is padding only."""
     from nsa.dist import cp_nsa_attention, gather_outputs, shard_sequence
     from test_context_parallel import _close, _summed
-    B, T, HQ, H, dk, dv = 1, 35, 4, 2, 16, 16
-    hp = dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
-    xs = make_inputs(B, T, HQ, H, dk, dv, l=8, d=4, seed=11, q_scale=2.0)
-    go = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(1))
-    full = [x.clone().requires_grad_() for x in xs]
-    o, idx = fn.nsa_triton_apply(*full, **hp, scale=dk ** -0.5)
-    o.backward(go)
+    T, hp = CP_T, CP_HP
+    xs, go, full, o, idx = _one_process_triton()
 
     def shard(x, pad=0):
         return shard_sequence(x.detach(), cp_rank, cp_world, pad_value=pad)
