@@ -103,6 +103,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # (nice 0) on 2 cores, the Ray group's train workers, controllers and data tasks then got a fraction of a core and
 # its serial chain of launches took about twice its solo time. Nice 0 shares the cores evenly.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray Train's controller polls its workers every 2 s by default, so each launch's end and each worker restart was
+# noticed up to 2 s late (some 30 launches and restarts in the Ray group); a missed poll is only retried.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 
 REPO = Path(__file__).resolve().parents[1]
