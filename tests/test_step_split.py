@@ -29,5 +29,7 @@ def test_step_split_labels_every_part_of_the_step(attention, bench_profile):
             assert ms[cat] == 0, (cat, ms)   # the dense layer has no compression or gates
         else:
             assert ms[cat] > 0, (cat, ms)
-    assert row["backward_labelled_ms"] > 0.2 * row["busy_ms"], row   # backward is about 2/3 of the ops
+    # backward is about 1/3 of the CPU-timed ops on a quiet machine (16% seen beside the Ray tests on 2 cores); a
+    # broken backward attribution gives 0
+    assert row["backward_labelled_ms"] > 0.1 * row["busy_ms"], row
     assert ms["other"] < 0.3 * row["busy_ms"], ms
