@@ -1,9 +1,9 @@
 """Eager NSA op calls replayed from per-signature CUDA graphs (issue 45 item 3: an eager call is bound by its host
 work, Triton launches, FA4 entries and autograd; a replay launches every kernel at once).
 
-With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; the default, off turns it off) an eager nsa_attention call on CUDA on the Triton
-route, outside any capture, whose call signature (eager.py's key, plus the autocast and inference-mode state) was
-seen before (under saved-tensor hooks, e.g. checkpointing: from its first call; see graphed_call) is served by
+With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; the default, off turns it off) an eager nsa_attention call on CUDA
+on the Triton route, outside any capture, whose call signature (eager.py's key, plus the autocast and
+inference-mode state) was seen before (under saved-tensor hooks, e.g. checkpointing: from its first call; see graphed_call) is served by
 graphs captured for that signature: the op's forward and, where a gradient is wanted, its backward, both in one
 private memory pool. A call
 
@@ -20,9 +20,9 @@ toggles) are the capture's. A signature's capture costs a warm-up call and one d
 A capture that fails serves the signature eagerly from then on, each call counted as FALLBACK. Graphs are kept for
 MAX_GRAPHS signatures (least recently used dropped; one still awaiting a backward lives until then; one whose
 checkpointed forward still awaits its recomputation is not dropped, and a new signature runs eagerly while every
-kept one is so held). Capture and replay sit behind a backend object (CudaGraphs; tests/test_eager_graph.py fakes it on CPU). Kept constants a graph
-reads (per-shape maps in lru caches) are held while it lives when a torch op or a Triton launch read them during
-the capture, or the captured autograd graph holds them.
+kept one is so held). Capture and replay sit behind a backend object (CudaGraphs; tests/test_eager_graph.py fakes
+it on CPU). Kept constants a graph reads (per-shape maps in lru caches) are held while it lives when a torch op or
+a Triton launch read them during the capture, or the captured autograd graph holds them.
 """
 from __future__ import annotations
 

@@ -535,7 +535,8 @@ class _Launcher:
                    ((R * H, plan["NSEL_P2"]), i64))    # slot (rank) -> block
         ints = ((NCH, NSUB, plan["NBCAP"], plan["SUBS"]), (NCH, NSUB, plan["NBCAP"]), (plan["NSS"], NP2),
                 (NCH, plan["NSS"], NP2))
-        return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R)), kws, scratch, ints, caps)
+        # 3-dim grids throughout: a kept compiled kernel's launcher reads grid[0..2] (decode_launch.launch_kept)
+        return _Geometry(((H, NCH, R), (NSL, H, R), (H, NP2, R), (HQ, R, 1)), kws, scratch, ints, caps)
 
     def _scratch(self, geo: _Geometry, stream, capturing: bool) -> tuple:
         """(split-K scratch, its tensors' 16-byte alignment) for a launch on stream from this thread."""

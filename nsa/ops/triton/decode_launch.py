@@ -187,7 +187,7 @@ def launch_kept(handles: tuple, grids: tuple, argsets: tuple, stream) -> bool:
     every kernel rewrites what it writes and leaves its semaphores at zero)."""
     try:
         for (h, tail), grid, args in zip(handles, grids, argsets):
-            h[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail, stream=stream)   # a compiled kernel takes 3 dims
+            h[grid](*args, *tail, stream=stream)   # grid: 3 dims, as the compiled launcher reads them
     except Exception as exc:  # noqa: BLE001 - e.g. another launcher arity in this Triton
         if _DIRECT["worked"]:
             raise
