@@ -3,9 +3,9 @@ work, Triton launches, FA4 entries and autograd; a replay launches every kernel 
 
 With NSA_EAGER_GRAPHS=auto (nsa/config/env.py; the default, off turns it off) an eager nsa_attention call on CUDA
 on the Triton route, outside any capture, whose call signature (eager.py's key, plus the autocast and
-inference-mode state) was seen before (under saved-tensor hooks, e.g. checkpointing: from its first call; see graphed_call) is served by
-graphs captured for that signature: the op's forward and, where a gradient is wanted, its backward, both in one
-private memory pool. A call
+inference-mode state) was seen before (under saved-tensor hooks, e.g. checkpointing: from its first call; see
+graphed_call) is served by graphs captured for that signature: the op's forward and, where a gradient is wanted,
+its backward, both in one private memory pool. A call
 
 - copies its eight inputs into the graphs' static inputs (same shapes, strides and 16-byte alignment), replays the
   forward and returns copies of the outputs (the next layer's call replays the same graph);
