@@ -1,9 +1,11 @@
-"""The passkey training recipe (issue 48, item 2): rows that start with a whole passkey document in the evaluation's
-format (nsa/data/passkey.py), the same rows after a resume, data.passkey_fraction's validation, the profiles, and
+"""The passkey training recipe (issue 48, item 2): rows that start with whole passkey documents in the evaluation's
+format (nsa/data/passkey.py; one per row, or packed with only the answers scored), the loss skipping what a packed row
+does not score, the same rows after a resume, the data.passkey_* validation, the profiles, and
 pipelines/configs/passkey_cpu.yaml trained a few dozen steps then evaluated into a passkey table."""
 from __future__ import annotations
 
 import json
+import random
 import re
 
 import numpy as np
@@ -27,12 +29,12 @@ def data(tmp_path_factory):
     return write_data(tmp_path_factory.mktemp("passkey") / "data", docs=120)
 
 
-def _epoch(data, *, rank=0, world=1, start=None, seed=7, fraction=0.5):
+def _epoch(data, *, rank=0, world=1, start=None, seed=7, fraction=0.5, mode="one"):
     from nsa.data.shards import check_data_path
     files = check_data_path(data)
     ep = P.rank_epoch(files, P.row_group_rows(files), epoch=0, rank=rank, world=world, seq_len=SEQ,
                       batch_size=BATCH, source=lambda units: P.iter_local_units(files, units, TOK), start=start)
-    return PK.PasskeyEpoch(ep, TOK, fraction, seed, rank)
+    return PK.PasskeyEpoch(ep, TOK, fraction, seed, rank, mode)
 
 
 def _text(ids) -> str:
@@ -77,22 +79,84 @@ def test_rows_start_with_whole_documents_in_the_evaluation_format(data):
             _check_document(rm, rp)
 
 
-def test_same_rows_after_a_resume_and_other_rows_per_seed_and_rank(data):
+def _split_docs(stored: list[int]) -> list[tuple[str, list[int]]]:
+    """A packed head (every document and its EOS) -> (decoded document, its stored ids) per document."""
+    ends = [i for i, t in enumerate(stored) if t == ~TOK.eos_id]
+    docs, start = [], 0
+    for e in ends:
+        ids = stored[start:e]
+        docs.append((_text([~t if t < 0 else t for t in ids]), ids))
+        start = e + 1
+    assert start == len(stored)                                  # the head ends with a document's EOS
+    return docs
+
+
+def _check_packed(doc: str, ids: list[int]) -> None:
+    key = doc[-PK.DIGITS:]
+    assert doc.startswith(core.PREFIX) and doc.endswith(core.QUESTION + key) and re.fullmatch(r"[1-9]\d{4}", key)
+    assert re.findall(r"\d+", doc) == [key, key, key]
+    assert all(t < 0 for t in ids[:-PK.DIGITS]) and ids[-PK.DIGITS:] == list(key.encode())   # only the answer scored
+
+
+def test_packed_rows_hold_several_documents_and_score_only_their_answers(data):
+    lo, counts, lengths = core.passkey_overhead(TOK, PK.DIGITS), [], []
+    for seed in range(6):
+        stored = PK.packed_docs(TOK, 4096, random.Random(seed))
+        assert 4097 - lo < len(stored) <= 4097                   # filled until no further document fits
+        docs = _split_docs(stored)
+        for doc, ids in docs:
+            _check_packed(doc, ids)
+            lengths.append(len(ids))
+        counts.append(len(docs))
+    assert max(counts) > 1 and len(set(lengths)) > 5 and min(lengths) >= lo
+    plain = list(PK.PasskeyEpoch(_epoch(data).inner, TOK, 0.0, 7, 0))
+    for m, p in zip(_epoch(data, fraction=1.0, mode="packed"), plain):   # a 320-token row fits one document
+        for rm, rp in zip(m, p):
+            n = int(np.flatnonzero(rm == ~TOK.eos_id)[-1]) + 1
+            [(doc, ids)] = _split_docs(rm[:n].tolist())
+            _check_packed(doc, ids)
+            np.testing.assert_array_equal(rm[n:], rp[n:])         # the text after it: untouched, scored
+
+
+def test_the_loss_skips_stored_targets_and_nothing_else():
+    """nsa/train/step.py: a negative entry ~id feeds id to the model and drops that target from the token mean."""
+    import torch
+    import torch.nn.functional as F
+    from nsa.model import TinyLM
+    from nsa.train.precision import setup_precision
+    from nsa.train.step import lm_loss
+    torch.manual_seed(0)
+    model = TinyLM(vocab=256, dim=32, n_layers=1, n_heads=2, n_kv_groups=1, d_k=16, d_v=16, l=8, d=4, l_sel=8,
+                   n_sel=2, w=16, attention="dense")
+    prec = setup_precision("fp32", torch.device("cpu"))
+    batch = torch.randint(0, 256, (2, 41))
+    keep = torch.rand(2, 41) < 0.3
+    stored = torch.where(keep, batch, ~batch)
+    logits = model(batch[:, :-1])
+    want = F.cross_entropy(logits[keep[:, 1:]], batch[:, 1:][keep[:, 1:]])
+    torch.testing.assert_close(lm_loss(model, stored, prec), want, rtol=1e-6, atol=1e-6)
+    plain = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    torch.testing.assert_close(lm_loss(model, batch, prec), plain, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(want, plain)
+
+
+@pytest.mark.parametrize("mode", PK.MODES)
+def test_same_rows_after_a_resume_and_other_rows_per_seed_and_rank(data, mode):
     for rank, world in ((0, 1), (1, 2)):
-        full = list(_epoch(data, rank=rank, world=world))
+        full = list(_epoch(data, rank=rank, world=world, mode=mode))
         for k in (1, len(full) // 2):
-            ep = _epoch(data, rank=rank, world=world)
+            ep = _epoch(data, rank=rank, world=world, mode=mode)
             it = iter(ep)
             head = [next(it) for _ in range(k)]
             pos = P.DataPosition.from_state(ep.position().to_state())
             assert pos.batches_in_epoch == k
-            rest = list(_epoch(data, rank=rank, world=world, start=pos))
+            rest = list(_epoch(data, rank=rank, world=world, start=pos, mode=mode))
             assert len(head) + len(rest) == len(full)
             for a, b in zip(head + rest, full):
                 np.testing.assert_array_equal(a, b)
-    base = list(_epoch(data))
-    assert any(not np.array_equal(a, b) for a, b in zip(base, _epoch(data, seed=8)))
-    r0, r1 = list(_epoch(data, rank=0, world=2)), list(_epoch(data, rank=1, world=2))
+    base = list(_epoch(data, mode=mode))
+    assert any(not np.array_equal(a, b) for a, b in zip(base, _epoch(data, seed=8, mode=mode)))
+    r0, r1 = list(_epoch(data, rank=0, world=2, mode=mode)), list(_epoch(data, rank=1, world=2, mode=mode))
     assert any(not np.array_equal(a[:, :40], b[:, :40]) for a, b in zip(r0, r1))
 
 
@@ -100,7 +164,10 @@ def test_passkey_fraction_is_validated_with_one_line_naming_the_field(data, tmp_
     tiny = str(PIPELINES / "configs" / "tiny_cpu.yaml")
     for over, words in ((["data.passkey_fraction=1.5"], "data.passkey_fraction=1.5 must be in [0, 1]"),
                         (["data.passkey_fraction=-0.1"], "data.passkey_fraction=-0.1 must be in [0, 1]"),
-                        (["data.passkey_fraction=0.5", "data.source=synthetic"], "needs data.source=parquet")):
+                        (["data.passkey_fraction=0.5", "data.source=synthetic"], "needs data.source=parquet"),
+                        (["data.passkey_mode=many"], "data.passkey_mode"),
+                        (["data.passkey_fraction=0.5", "data.passkey_mode=packed", "runtime.context_parallel=2",
+                          "runtime.num_workers=2", "train.seq_len=64"], "use passkey_mode=one")):
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             resolve_config(tiny, over, env={})
         assert "\n" not in str(e.value)
@@ -114,6 +181,7 @@ def test_passkey_fraction_is_validated_with_one_line_naming_the_field(data, tmp_
     cfg, src = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), env={})
     assert (cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers, cfg.model.attention) == (32768, 768, 12, "nsa")
     assert 0 < cfg.data.passkey_fraction < 1 and cfg.runtime.use_gpu and src["data.passkey_fraction"].startswith("yaml")
+    assert cfg.data.passkey_mode == "packed" and src["data.passkey_mode"].startswith("yaml")
     dense, _ = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), ["model.attention=dense"], env={})
     assert dense.model.attention == "dense" and dense.data == cfg.data and dense.train == cfg.train
 
@@ -127,7 +195,7 @@ def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tm
 
     def spy(*args, **kw):
         out = mix(*args, **kw)
-        seen.extend(bytes(r[:len(core.PREFIX)].tolist()) == core.PREFIX.encode() for r in out)
+        seen.extend(bytes(np.where(r < 0, ~r, r)[:len(core.PREFIX)].tolist()) == core.PREFIX.encode() for r in out)
         return out
     monkeypatch.setattr(PK, "mix_rows", spy)
     cfg, _ = resolve_config(CPU_PROFILE, [f"data.path={data}", f"logging.root={tmp_path / 'runs'}", "logging.name=pk",

@@ -245,12 +245,14 @@ class DataConfig:
     tiktoken_path: Optional[str] = None
     prefetch_batches: int = 4
     shuffle_seed: Optional[int] = 0
-    # share of training rows that begin with a passkey document (nsa/data/passkey.py; evaluation's format); 0: off
+    # share of training rows that begin with passkey documents (nsa/data/passkey.py; evaluation's format); 0: off
     passkey_fraction: float = 0.0
+    passkey_mode: str = "one"        # one: a document leads the row | packed: documents fill it, answers scored
 
     def __post_init__(self) -> None:
         _one_of("data.source", self.source, ("parquet", "synthetic"))
         _one_of("data.tokenizer", self.tokenizer, ("byte", "gpt2"))
+        _one_of("data.passkey_mode", self.passkey_mode, ("one", "packed"))
         _require(self.prefetch_batches >= 0, "data.prefetch_batches must be >= 0")
         _require(0.0 <= self.passkey_fraction <= 1.0, f"data.passkey_fraction={self.passkey_fraction} must be in "
                  "[0, 1] (the share of training rows that start with a passkey document; 0 turns it off)")
@@ -317,6 +319,8 @@ class RunConfig:
                  f"train.seq_len={self.train.seq_len} is shorter than nsa.l={self.nsa.l}: no compressed "
                  "token (and so no learned selection) would ever be visible; raise seq_len or lower nsa.l")
         cp = self.runtime.context_parallel
+        _require(cp == 1 or self.data.passkey_fraction == 0 or self.data.passkey_mode == "one", f"runtime.context_"
+                 f"parallel={cp} with data.passkey_mode=packed: CP's loss has no skipped targets; use passkey_mode=one")
         _require(cp == 1 or self.model.attention == "nsa", f"runtime.context_parallel={cp} needs model.attention="
                  "nsa: the dense twin has no context-parallel path (set runtime.context_parallel=1)")
         _require(self.train.seq_len >= cp, f"train.seq_len={self.train.seq_len} is shorter than "

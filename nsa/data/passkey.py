@@ -1,8 +1,13 @@
 """Passkey training rows: the retrieval test of nsa/evaluation/core.py, in its exact format, mixed into training.
 
-A share ``data.passkey_fraction`` of the training rows begins with one whole passkey document (core's prompt
-builder: instructions, filler with a random 5-digit key planted at a random depth, the question and the key as
-answer), then EOS, then the rest of the text row it replaces the head of; the other rows are the text stream's.
+A share ``data.passkey_fraction`` of the training rows begins with passkey documents (core's prompt builder:
+instructions, filler with a random 5-digit key planted at a random depth, the question and the key as answer),
+each followed by EOS, then the rest of the text row they replace the head of; the other rows are the text stream's.
+``data.passkey_mode``: ``one`` puts one document of seq_len/8..seq_len tokens at the row's start, every token
+scored; ``packed`` fills the row with documents back to back (lengths log-uniform, so most are short and a row holds
+several) and scores only their answers: the filler is a fixed text the model learns at once, and the few key digits
+it cannot guess are otherwise a sliver of the loss. A skipped target is stored as ``~id`` (negative): the input is
+still ``id`` and nsa/train/step.py's ``split_batch`` turns the target into cross-entropy's ignore index.
 
 Why rows, not documents in the text stream: packing cuts the stream at fixed offsets (nsa/data/packing.py), so a
 document of L tokens inserted there would straddle a row boundary about L / (seq_len + 1) of the time, and the
@@ -16,6 +21,7 @@ yields the uninterrupted run's rows, on any number of ranks that continue the sa
 """
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Iterator
 
@@ -24,7 +30,8 @@ import numpy as np
 from nsa.evaluation.core import passkey_overhead, passkey_prompt, random_key
 
 DIGITS = 5            # the evaluation's default --digits
-MIN_SHARE = 8         # documents are seq_len // MIN_SHARE .. seq_len tokens long (all at least the prompt itself)
+MIN_SHARE = 8         # mode one: documents are seq_len // MIN_SHARE .. seq_len tokens long (at least the prompt)
+MODES = ("one", "packed")
 
 
 def seq_len_error(seq_len: int, tok: Any) -> str | None:
@@ -50,34 +57,44 @@ def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS
     return passkey_prompt(tok, length, depth, key)[0]
 
 
+def packed_docs(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> list[int]:
+    """Passkey documents back to back, each followed by EOS, in at most seq_len + 1 tokens; every token but the
+    answers' digits stored as ``~id``. Lengths log-uniform in [prompt, room left] (a 32k row: a handful, most short)."""
+    lo, out = passkey_overhead(tok, digits), []
+    while seq_len - len(out) >= lo:                        # a document of L tokens and its EOS fit: L <= room
+        length = int(round(math.exp(rng.uniform(math.log(lo), math.log(seq_len - len(out))))))
+        ids, start = passkey_prompt(tok, length, rng.random(), random_key(rng, digits))
+        out += [~t for t in ids[:start]] + ids[start:] + [~tok.eos_id]
+    return out
+
+
 def mix_rows(batch: np.ndarray, tok: Any, fraction: float, *, seed: int, epoch: int, rank: int,
-             index: int) -> np.ndarray:
+             index: int, mode: str = "one") -> np.ndarray:
     """Batch ``index`` of an epoch, int64 [B, seq_len+1], with each row picked (probability ``fraction``) starting
-    with a passkey document and EOS; a copy when a row changed, else ``batch`` itself."""
+    with passkey documents (``mode``, above) and EOS; a copy when a row changed, else ``batch`` itself."""
     seq_len = batch.shape[1] - 1
     out = batch
     for r in range(batch.shape[0]):                      # per row: a handful of documents per batch
         rng = row_rng(seed, epoch, rank, index, r)
         if rng.random() >= fraction:
             continue
-        ids = passkey_doc(tok, seq_len, rng)
+        ids = packed_docs(tok, seq_len, rng) if mode == "packed" else passkey_doc(tok, seq_len, rng) + [tok.eos_id]
         if out is batch:
             out = batch.copy()
         out[r, :len(ids)] = ids
-        out[r, len(ids)] = tok.eos_id
     return out
 
 
 class PasskeyEpoch:
     """One data stream's epoch (nsa.data.position.RankEpoch) with passkey rows mixed in; same ``position()``."""
 
-    def __init__(self, inner: Any, tok: Any, fraction: float, seed: int, rank: int) -> None:
-        self.inner, self.tok, self.fraction, self.seed, self.rank = inner, tok, fraction, seed, rank
+    def __init__(self, inner: Any, tok: Any, fraction: float, seed: int, rank: int, mode: str = "one") -> None:
+        self.inner, self.tok, self.fraction, self.seed, self.rank, self.mode = inner, tok, fraction, seed, rank, mode
 
     def __iter__(self) -> Iterator[np.ndarray]:
         for b in self.inner:          # inner.batches counts this batch already: 1-based, restored on resume
             yield mix_rows(b, self.tok, self.fraction, seed=self.seed, epoch=self.inner.epoch, rank=self.rank,
-                           index=self.inner.batches)
+                           index=self.inner.batches, mode=self.mode)
 
     def position(self) -> Any:
         return self.inner.position()
@@ -93,4 +110,4 @@ def with_passkey(epoch: Any, cfg: Any, tok: Any, rank: int) -> Any:
     if err:
         from nsa.config import ConfigError
         raise ConfigError(err)
-    return PasskeyEpoch(epoch, tok, fraction, cfg.runtime.seed, rank)
+    return PasskeyEpoch(epoch, tok, fraction, cfg.runtime.seed, rank, cfg.data.passkey_mode)

@@ -34,9 +34,14 @@ class StepResult:
     tokens: int               # tokens trained on by this rank in this step (host int from shapes)
 
 
+IGNORE = -100   # cross_entropy's default ignore_index
+
+
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T+1] packed rows -> inputs [B, T], next-token targets [B, T]."""
-    return batch[:, :-1], batch[:, 1:]
+    """[B, T+1] packed rows -> inputs [B, T], next-token targets [B, T]. An entry stored as ``~id`` (negative;
+    nsa/data/passkey.py's packed mode) is input ``id`` and a target the loss skips."""
+    x, y = batch[:, :-1], batch[:, 1:]
+    return torch.where(x < 0, ~x, x), torch.where(y < 0, IGNORE, y)
 
 
 def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision,
@@ -48,7 +53,7 @@ def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision,
     x, y = split_batch(batch)
     with prec.autocast():
         logits = model(x)                                   # [B, T, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)  # mean over scored
 
 
 def _unwrap_ddp(model: nn.Module) -> nn.Module:
