@@ -95,15 +95,18 @@ def _check_packed(doc: str, ids: list[int]) -> None:
     key = doc[-PK.DIGITS:]
     assert doc.startswith(core.PREFIX) and doc.endswith(core.QUESTION + key) and re.fullmatch(r"[1-9]\d{4}", key)
     assert re.findall(r"\d+", doc) == [key, key, key]
-    assert all(t < 0 for t in ids[:-PK.DIGITS]) and ids[-PK.DIGITS:] == list(key.encode())   # only the answer scored
+    scored = [i for i, t in enumerate(ids) if t >= 0]          # the key's repeat in the needle, and the answer
+    repeat = doc.index(f"Remember it. {key}") + len("Remember it. ")
+    assert scored == [*range(repeat, repeat + PK.DIGITS), *range(len(ids) - PK.DIGITS, len(ids))]
+    assert [ids[i] for i in scored] == list(key.encode()) * 2
 
 
 def test_packed_rows_hold_several_documents_and_score_only_their_answers(data):
     lo, counts, lengths = core.passkey_overhead(TOK, PK.DIGITS), [], []
     for seed in range(6):
         stored = PK.packed_docs(TOK, 4096, random.Random(seed))
-        assert 4097 - lo < len(stored) <= 4097                   # filled until no further document fits
-        docs = _split_docs(stored)
+        assert stored.dtype == np.int64 and 4097 - lo < len(stored) <= 4097   # filled until no document fits
+        docs = _split_docs(stored.tolist())
         for doc, ids in docs:
             _check_packed(doc, ids)
             lengths.append(len(ids))

@@ -247,7 +247,7 @@ class DataConfig:
     shuffle_seed: Optional[int] = 0
     # share of training rows that begin with passkey documents (nsa/data/passkey.py; evaluation's format); 0: off
     passkey_fraction: float = 0.0
-    passkey_mode: str = "one"        # one: a document leads the row | packed: documents fill it, answers scored
+    passkey_mode: str = "one"        # one: a document leads the row | packed: documents fill it, keys scored
 
     def __post_init__(self) -> None:
         _one_of("data.source", self.source, ("parquet", "synthetic"))

@@ -5,9 +5,10 @@ instructions, filler with a random 5-digit key planted at a random depth, the qu
 each followed by EOS, then the rest of the text row they replace the head of; the other rows are the text stream's.
 ``data.passkey_mode``: ``one`` puts one document of seq_len/8..seq_len tokens at the row's start, every token
 scored; ``packed`` fills the row with documents back to back (lengths log-uniform, so most are short and a row holds
-several) and scores only their answers: the filler is a fixed text the model learns at once, and the few key digits
-it cannot guess are otherwise a sliver of the loss. A skipped target is stored as ``~id`` (negative): the input is
-still ``id`` and nsa/train/step.py's ``split_batch`` turns the target into cross-entropy's ignore index.
+several) and scores only the key's copies (the answer, and the repeat inside the needle): the filler is a fixed text
+the model learns at once, and the few key digits it cannot guess are otherwise a sliver of the loss. A skipped
+target is stored as ``~id`` (negative): the input is still ``id``, and nsa/train/step.py's ``split_batch`` turns
+the target into cross-entropy's ignore index.
 
 Why rows, not documents in the text stream: packing cuts the stream at fixed offsets (nsa/data/packing.py), so a
 document of L tokens inserted there would straddle a row boundary about L / (seq_len + 1) of the time, and the
@@ -57,15 +58,30 @@ def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS
     return passkey_prompt(tok, length, depth, key)[0]
 
 
-def packed_docs(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> list[int]:
-    """Passkey documents back to back, each followed by EOS, in at most seq_len + 1 tokens; every token but the
-    answers' digits stored as ``~id``. Lengths log-uniform in [prompt, room left] (a 32k row: a handful, most short)."""
-    lo, out = passkey_overhead(tok, digits), []
-    while seq_len - len(out) >= lo:                        # a document of L tokens and its EOS fit: L <= room
-        length = int(round(math.exp(rng.uniform(math.log(lo), math.log(seq_len - len(out))))))
-        ids, start = passkey_prompt(tok, length, rng.random(), random_key(rng, digits))
-        out += [~t for t in ids[:start]] + ids[start:] + [~tok.eos_id]
-    return out
+def scored_doc(tok: Any, length: int, rng: random.Random, digits: int = DIGITS) -> np.ndarray:
+    """One passkey document stored for packed mode, int64 [length]: ``~id`` everywhere but the answer and the key's
+    repeat inside the needle ("... {key}. Remember it. {key} is ...": a copy from a few tokens back, where the tokenizer
+    spells the key alike); the planted key itself is random, nothing to learn."""
+    key = random_key(rng, digits)
+    ids, start = passkey_prompt(tok, length, rng.random(), key)
+    arr, k = np.asarray(ids, dtype=np.int64), np.asarray(tok.encode(key), dtype=np.int64)
+    hits = np.flatnonzero((np.lib.stride_tricks.sliding_window_view(arr[:start], len(k)) == k).all(axis=1))
+    keep = np.zeros(len(arr), dtype=bool)
+    keep[start:] = True
+    for h in hits[1:]:                                   # the plant's repeats (one with the byte tokenizer)
+        keep[h:h + len(k)] = True
+    return np.where(keep, arr, ~arr)
+
+
+def packed_docs(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS) -> np.ndarray:
+    """Passkey documents back to back, each followed by EOS (stored ``~eos``), int64 [<= seq_len + 1]. Lengths
+    log-uniform in [prompt, room left]: a 32k row holds a handful, most of them short."""
+    lo, parts, used = passkey_overhead(tok, digits), [], 0
+    while seq_len - used >= lo:                          # a document of L tokens and its EOS fit: L <= room
+        length = int(round(math.exp(rng.uniform(math.log(lo), math.log(seq_len - used)))))
+        parts += [scored_doc(tok, length, rng, digits), np.array([~tok.eos_id], dtype=np.int64)]
+        used += length + 1
+    return np.concatenate(parts)
 
 
 def mix_rows(batch: np.ndarray, tok: Any, fraction: float, *, seed: int, epoch: int, rank: int,
