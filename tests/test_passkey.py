@@ -143,7 +143,7 @@ def test_the_loss_skips_stored_targets_and_nothing_else():
     assert not torch.allclose(want, plain)
 
 
-@pytest.mark.parametrize("mode", PK.MODES)
+@pytest.mark.parametrize("mode", ["one", "packed"])
 def test_same_rows_after_a_resume_and_other_rows_per_seed_and_rank(data, mode):
     for rank, world in ((0, 1), (1, 2)):
         full = list(_epoch(data, rank=rank, world=world, mode=mode))

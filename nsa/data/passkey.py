@@ -32,7 +32,6 @@ from nsa.evaluation.core import passkey_overhead, passkey_prompt, random_key
 
 DIGITS = 5            # the evaluation's default --digits
 MIN_SHARE = 8         # mode one: documents are seq_len // MIN_SHARE .. seq_len tokens long (at least the prompt)
-MODES = ("one", "packed")
 
 
 def seq_len_error(seq_len: int, tok: Any) -> str | None:
@@ -60,8 +59,8 @@ def passkey_doc(tok: Any, seq_len: int, rng: random.Random, digits: int = DIGITS
 
 def scored_doc(tok: Any, length: int, rng: random.Random, digits: int = DIGITS) -> np.ndarray:
     """One passkey document stored for packed mode, int64 [length]: ``~id`` everywhere but the answer and the key's
-    repeat inside the needle ("... {key}. Remember it. {key} is ...": a copy from a few tokens back, where the tokenizer
-    spells the key alike); the planted key itself is random, nothing to learn."""
+    repeat inside the needle ("{key}. Remember it. {key} is": a copy from a few tokens back, found where the
+    tokenizer spells the key alike); the planted key itself is random, nothing to learn."""
     key = random_key(rng, digits)
     ids, start = passkey_prompt(tok, length, rng.random(), key)
     arr, k = np.asarray(ids, dtype=np.int64), np.asarray(tok.encode(key), dtype=np.int64)
