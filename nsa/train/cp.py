@@ -31,7 +31,8 @@ from torch import nn
 from nsa.dist import check_cp_length, context_parallel, local_positions, shard_sequence
 from nsa.train.data_ranks import StreamEnv
 from nsa.train.failures import NotRetried
-from nsa.train.step import IGNORE   # also the labels of padding rows past seq_len
+
+IGNORE = -100    # cross_entropy's ignore_index: the labels of padding rows past seq_len
 
 
 def cp_groups(world: int, size: int) -> list[list[int]]:

@@ -34,7 +34,7 @@ class StepResult:
     tokens: int               # tokens trained on by this rank in this step (host int from shapes)
 
 
-IGNORE = -100   # cross_entropy's default ignore_index
+IGNORE = -100   # cross_entropy's default ignore_index (nsa/train/cp.py pads with it too)
 
 
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
