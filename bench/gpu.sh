@@ -71,7 +71,9 @@
 #   bash bench/gpu.sh passkey [nsa|dense ...]   pipelines/configs/passkey.yaml (125M, seq 32k, passkey rows) trained on 1 GPU
 #                                                as NSA and/or the dense twin (train stops by T_PASSKEY s, default T_RUN
 #                                                - 120), then evaluated at 4k-32k: passkey_<a>.json (eval), passkey_<a>.png,
-#                                                passkey_<a>_train.json (metrics.json); one attention per call fits 600 s
+#                                                passkey_<a>_train.json (metrics.json); one attention per call fits 600 s.
+#                                                PASSKEY_KEEP=1 continues the run a call left on the warm machine (with
+#                                                PASSKEY_EXTRA=train.steps=<more>): training longer than one call
 #
 # FlashAttention-4 on the GPU machine: carry .fa4a in one call and .fa4b in the next (back to back: the
 # install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
@@ -467,7 +469,8 @@ run_passkey() {  # issue 48.2: the passkey recipe trained and evaluated, NSA and
     if [ -n "${DRY_RUN:-}" ]; then   # the config resolves; the evaluation's flags are printed, not run
       python3 pipelines/train.py --print-config "${args[@]}" || return; echo "evaluate $a: ${ev[*]}"; continue
     fi
-    rm -rf "$dir"   # a fresh run: one left by an earlier call on this warm machine would be resumed by name
+    # a fresh run (one left by an earlier call on this warm machine would be resumed by name), unless PASSKEY_KEEP
+    [ -n "${PASSKEY_KEEP:-}" ] || rm -rf "$dir"
     timeout --foreground -k 60 "${T_PASSKEY:-$(( T_RUN - 120 ))}" python3 pipelines/train.py "${args[@]}"
     echo "train $a rc=$?"; cp "$dir/metrics.json" "$OUT/passkey_${a}_train.json"
     timeout 110 python3 pipelines/evaluate.py --checkpoint "$dir" "${ev[@]}" --out "$dir/eval" \
