@@ -7,6 +7,7 @@ through the Triton interpreter: interleaved calls of several layers of one signa
 blocks and gradients bitwise. The GPU test checks the same on CUDA graphs and prints the timing."""
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -100,20 +101,19 @@ def step(xs: list, pol, grad: bool = True):
     return outs, gs
 
 
-_PLAIN: dict = {}
-
-
 def plain_step(n: int, flash: dict | None = None):
     """step(layers(n), policy(flash)) with graphs off: the eager results several tests compare with, computed once
     per module (the inputs are seeded, the eager path is deterministic)."""
-    key = (n, repr(flash))
-    if key not in _PLAIN:
-        on, eager_graph.ON = eager_graph.ON, False
-        try:
-            _PLAIN[key] = step(layers(n), policy(flash))
-        finally:
-            eager_graph.ON = on
-    return _PLAIN[key]
+    return _plain_step(n, tuple(sorted((flash or {}).items())))
+
+
+@functools.cache
+def _plain_step(n: int, flash: tuple):
+    on, eager_graph.ON = eager_graph.ON, False
+    try:
+        return step(layers(n), policy(dict(flash) or None))
+    finally:
+        eager_graph.ON = on
 
 
 def same(a, b) -> bool:

@@ -8,6 +8,7 @@ compression blocks, the first queries may see no compressed token, the window bu
 Last, cp_nsa_attention with a Triton policy over gloo (4 CPU processes) equals the one-process Triton op.
 """
 import dataclasses
+import functools
 import os
 
 import pytest
@@ -146,23 +147,21 @@ def triton_policy(dtype: str) -> KernelPolicy:
 
 
 # ------------------------------------------------------------------------------- context parallelism
-_ONE_PROCESS: dict = {}
 CP_T, CP_DK, CP_HP = 35, 16, dict(l=8, d=4, l_sel=8, n_sel=3, w=12)
 
 
+@functools.cache
 def _one_process_triton():
     """The one-process Triton op on the CP cases' inputs, forward and backward: computed once per spawned process
     and shared by its CP = 4 and CP = 2 cases (same inputs, same interpreter) instead of once per case.
     -> (inputs, output gradient, leaves holding the gradients, output, blocks)"""
-    if not _ONE_PROCESS:
-        B, T, HQ, H, dk, dv = 1, CP_T, 4, 2, CP_DK, 16
-        xs = make_inputs(B, T, HQ, H, dk, dv, l=CP_HP["l"], d=CP_HP["d"], seed=11, q_scale=2.0)
-        go = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(1))
-        full = [x.clone().requires_grad_() for x in xs]
-        o, idx = fn.nsa_triton_apply(*full, **CP_HP, scale=dk ** -0.5)
-        o.backward(go)
-        _ONE_PROCESS.update(ref=(xs, go, full, o.detach(), idx))
-    return _ONE_PROCESS["ref"]
+    B, T, HQ, H, dk, dv = 1, CP_T, 4, 2, CP_DK, 16
+    xs = make_inputs(B, T, HQ, H, dk, dv, l=CP_HP["l"], d=CP_HP["d"], seed=11, q_scale=2.0)
+    go = torch.randn(B, T, HQ, dv, generator=torch.Generator().manual_seed(1))
+    full = [x.clone().requires_grad_() for x in xs]
+    o, idx = fn.nsa_triton_apply(*full, **CP_HP, scale=dk ** -0.5)
+    o.backward(go)
+    return xs, go, full, o.detach(), idx
 
 
 def _cp_triton_cases(rank: int, group, cp_rank: int, cp_world: int) -> None:
