@@ -71,9 +71,10 @@
 #   bash bench/gpu.sh passkey [nsa|dense ...]   pipelines/configs/passkey.yaml (125M, seq 32k, passkey rows) trained on 1 GPU
 #                                                as NSA and/or the dense twin (train stops by T_PASSKEY s, default T_RUN
 #                                                - 120), then evaluated at 4k-32k: passkey_<a>.json (eval), passkey_<a>.png,
-#                                                passkey_<a>_train.json (metrics.json); one attention per call fits 600 s.
-#                                                PASSKEY_KEEP=1 continues the run a call left on the warm machine (with
-#                                                PASSKEY_EXTRA=train.steps=<more>): training longer than one call
+#                                                passkey_<a>_train.json (metrics.json). A run longer than one call:
+#                                                PASSKEY_HALT_S=<s> halts it through its .HALT file after s seconds
+#                                                (checkpoint, then stop); PASSKEY_KEEP=1 in the next call (machine still
+#                                                warm) resumes it by name; PASSKEY_EVAL=0 skips a call's evaluation
 #
 # FlashAttention-4 on the GPU machine: carry .fa4a in one call and .fa4b in the next (back to back: the
 # install in $HOME/fa4site survives while the machine stays warm); every subcommand then finds it.
@@ -469,10 +470,19 @@ run_passkey() {  # issue 48.2: the passkey recipe trained and evaluated, NSA and
     if [ -n "${DRY_RUN:-}" ]; then   # the config resolves; the evaluation's flags are printed, not run
       python3 pipelines/train.py --print-config "${args[@]}" || return; echo "evaluate $a: ${ev[*]}"; continue
     fi
-    # a fresh run (one left by an earlier call on this warm machine would be resumed by name), unless PASSKEY_KEEP
+    # a fresh run (one left by an earlier call on this warm machine would be resumed by name), unless PASSKEY_KEEP;
+    # a halt file an earlier call left would stop this one at its first step
     [ -n "${PASSKEY_KEEP:-}" ] || rm -rf "$dir"
+    rm -f "$dir/.HALT"
+    local halter=
+    if [ -n "${PASSKEY_HALT_S:-}" ]; then   # the loop checkpoints and stops when it sees the file (every log step)
+      ( sleep "$PASSKEY_HALT_S"; mkdir -p "$dir"
+        echo "bench/gpu.sh: this call's time (PASSKEY_HALT_S=$PASSKEY_HALT_S)" > "$dir/.HALT" ) & halter=$!
+    fi
     timeout --foreground -k 60 "${T_PASSKEY:-$(( T_RUN - 120 ))}" python3 pipelines/train.py "${args[@]}"
     echo "train $a rc=$?"; cp "$dir/metrics.json" "$OUT/passkey_${a}_train.json"
+    [ -z "$halter" ] || kill "$halter" 2>/dev/null
+    [ "${PASSKEY_EVAL:-1}" != 0 ] || continue
     timeout 110 python3 pipelines/evaluate.py --checkpoint "$dir" "${ev[@]}" --out "$dir/eval" \
       $([ "$MLFLOW" = true ] || echo --no-mlflow) || return
     cp "$(ls "$dir"/eval/eval_step_*.json | tail -1)" "$OUT/passkey_$a.json"

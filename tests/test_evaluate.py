@@ -118,3 +118,14 @@ def test_passkey_prompt_layout_and_one_pass_scoring_match_greedy_decoding(data):
     cell = core.passkey_cell(model, tok, 300, 0.5, trials=2, seed=3)
     assert cell == core.passkey_cell(model, tok, 300, 0.5, trials=2, seed=3)       # same keys, same result
     assert cell["correct"] == round(cell["accuracy"] * 2)
+
+
+def test_passkey_table_shows_digits_right_when_no_key_is_retrieved():
+    """A model part way to retrieval (every exact cell 0%) shows in the table's digits row: the mean of each
+    length's token accuracy over depths, in percent."""
+    cells = [{"length": n, "depth": d, "accuracy": acc, "token_accuracy": tok}
+             for n, d, acc, tok in [(4096, 0.0, 0.0, 0.35), (4096, 1.0, 0.0, 0.25),
+                                    (8192, 0.0, 0.5, 0.6), (8192, 1.0, 0.0, 0.1)]]
+    rows = core.passkey_table(cells).splitlines()
+    assert rows[0] == "| depth \\ length | 4096 | 8192 |"
+    assert rows[2:] == ["| 0 | 0% | 50% |", "| 1 | 0% | 0% |", "| mean | 0% | 25% |", "| digits right | 30% | 35% |"]
