@@ -319,8 +319,6 @@ class RunConfig:
                  f"train.seq_len={self.train.seq_len} is shorter than nsa.l={self.nsa.l}: no compressed "
                  "token (and so no learned selection) would ever be visible; raise seq_len or lower nsa.l")
         cp = self.runtime.context_parallel
-        _require(cp == 1 or self.data.passkey_fraction == 0 or self.data.passkey_mode == "one", f"runtime.context_"
-                 f"parallel={cp} with data.passkey_mode=packed: CP's loss has no skipped targets; use passkey_mode=one")
         _require(cp == 1 or self.model.attention == "nsa", f"runtime.context_parallel={cp} needs model.attention="
                  "nsa: the dense twin has no context-parallel path (set runtime.context_parallel=1)")
         _require(self.train.seq_len >= cp, f"train.seq_len={self.train.seq_len} is shorter than "

@@ -32,8 +32,6 @@ from nsa.dist import check_cp_length, context_parallel, local_positions, shard_s
 from nsa.train.data_ranks import StreamEnv
 from nsa.train.failures import NotRetried
 
-IGNORE = -100    # cross_entropy's ignore_index: the labels of padding rows past seq_len
-
 
 def cp_groups(world: int, size: int) -> list[list[int]]:
     """The CP groups of a world: [[0..N-1], [N..2N-1], ...] (consecutive ranks, one per DP replica). A world
@@ -87,17 +85,16 @@ class ContextParallel:
         return None
 
     # ------------------------------------------------------------------ loss
-    def lm_loss(self, model: nn.Module, batch: torch.Tensor, prec: Any) -> torch.Tensor:
-        """This rank's share of the token-mean CE of batch [B, T+1] (the full rows, the same on every rank
-        of the CP group): CE summed over its real tokens / (B * T); the group's shares sum to the loss."""
-        x, y = batch[:, :-1], batch[:, 1:]
-        B, T = y.shape
+    def lm_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, prec: Any, ignore: int) -> torch.Tensor:
+        """This rank's share of the mean CE over the scored targets of x, y [B, T] (nsa/train/step.py's split of the
+        full rows, the same on every rank of the CP group; ``ignore`` marks skipped targets and pads the shard): CE
+        summed over its shard / the rows' scored count (on the device, no sync); the group's shares sum to the loss."""
         x_l = shard_sequence(x, self.cp_rank, self.size)                        # [B, 2c]
-        y_l = shard_sequence(y, self.cp_rank, self.size, pad_value=IGNORE)      # [B, 2c]
+        y_l = shard_sequence(y, self.cp_rank, self.size, pad_value=ignore)      # [B, 2c]
         with prec.autocast():
             logits = model(x_l)                                                 # [B, 2c, V]
-        ce = F.cross_entropy(logits.float().flatten(0, 1), y_l.flatten(), ignore_index=IGNORE, reduction="sum")
-        return ce / (B * T)
+        ce = F.cross_entropy(logits.float().flatten(0, 1), y_l.flatten(), ignore_index=ignore, reduction="sum")
+        return ce / (y != ignore).sum()
 
     def sum_shares(self, loss: torch.Tensor) -> torch.Tensor:
         """The shares (0-d, on the device) summed over the CP group in place: the replica's loss."""

@@ -34,7 +34,7 @@ class StepResult:
     tokens: int               # tokens trained on by this rank in this step (host int from shapes)
 
 
-IGNORE = -100   # cross_entropy's default ignore_index (nsa/train/cp.py pads with it too)
+IGNORE = -100   # cross_entropy's default ignore_index: skipped targets, and CP's padding (nsa/train/cp.py)
 
 
 def split_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,9 +48,9 @@ def lm_loss(model: nn.Module, batch: torch.Tensor, prec: Precision,
             cp: Optional["ContextParallel"] = None) -> torch.Tensor:
     """Token-mean next-token cross-entropy of one micro-batch, computed in fp32. Returns a 0-d tensor.
     Under context parallelism (``cp`` active): this rank's share of it (nsa/train/cp.py)."""
-    if cp is not None and cp.active:
-        return cp.lm_loss(model, batch, prec)
     x, y = split_batch(batch)
+    if cp is not None and cp.active:
+        return cp.lm_loss(model, x, y, prec, IGNORE)
     with prec.autocast():
         logits = model(x)                                   # [B, T, V]
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE)  # mean over scored
@@ -106,7 +106,8 @@ def forward_backward(model: nn.Module, micro_batches: Sequence[torch.Tensor], pr
             loss = lm_loss(model, mb, prec, cp)
             if poison and last:
                 loss = loss * float("nan")
-            # each micro-batch has the same token count, so mean-of-means == mean over all tokens
+            # mean of micro-batch means: the mean over all tokens when each scores as many (all but passkey
+            # packed rows, where it weights micro-batches alike)
             prec.scaler.scale(loss * (share / n)).backward()
         loss_sum += loss.detach()
         tokens += mb.shape[0] * (mb.shape[1] - 1)
