@@ -209,11 +209,10 @@ def passkey_table(cells: Sequence[Mapping[str, Any]]) -> str:
              "|---|" + "---|" * len(lengths)]
     for d in depths:
         lines.append(f"| {d:g} | " + " | ".join(f"{100 * acc[(n, d)]:.0f}%" for n in lengths) + " |")
-    lines.append("| mean | " + " | ".join(
-        f"{100 * sum(acc[(n, d)] for d in depths) / len(depths):.0f}%" for n in lengths) + " |")
-    digits = {(c["length"], c["depth"]): c["token_accuracy"] for c in cells}
-    lines.append("| digits right | " + " | ".join(
-        f"{100 * sum(digits[(n, d)] for d in depths) / len(depths):.0f}%" for n in lengths) + " |")
+    for label, field in (("mean", "accuracy"), ("digits right", "token_accuracy")):   # means over depths
+        by = {(c["length"], c["depth"]): c[field] for c in cells}
+        lines.append(f"| {label} | " + " | ".join(
+            f"{100 * sum(by[(n, d)] for d in depths) / len(depths):.0f}%" for n in lengths) + " |")
     return "\n".join(lines)
 
 
