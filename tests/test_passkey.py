@@ -208,9 +208,9 @@ def test_passkey_fraction_is_validated_with_one_line_naming_the_field(data, tmp_
 
 
 def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tmp_path, monkeypatch):
-    """pipelines/configs/passkey_cpu.yaml, a few dozen steps on the loop without Ray (conftest.run_local), the
-    batches it trained on holding passkey rows, then pipelines/evaluate.py on its checkpoint: the JSON's passkey
-    table covers every (length, depth)."""
+    """pipelines/configs/passkey_cpu.yaml cut to a few dozen steps on the loop without Ray (conftest.run_local),
+    every row it trained on a passkey row (the profile's fraction 1.0; 0.75 mixes text rows in), then
+    pipelines/evaluate.py on its checkpoint: the JSON's passkey table covers every (length, depth)."""
     from conftest import run_local
     seen, mix = [], PK.mix_rows
 
@@ -220,11 +220,12 @@ def test_passkey_cpu_profile_trains_then_evaluates_into_a_passkey_table(data, tm
         return out
     monkeypatch.setattr(PK, "mix_rows", spy)
     cfg, _ = resolve_config(CPU_PROFILE, [f"data.path={data}", f"logging.root={tmp_path / 'runs'}", "logging.name=pk",
-                                          "logging.mlflow=false", "logging.csv=false"], env={})
-    assert cfg.data.passkey_fraction > 0 and cfg.train.steps >= 24
+                                          "logging.mlflow=false", "logging.csv=false", "train.steps=24",
+                                          "train.batch_size=2"], env={})
+    assert cfg.data.passkey_fraction == 1.0 and cfg.data.passkey_mode == "packed"
     result, run_dir = run_local(cfg)
     assert result["status"] == "completed" and result["step"] == cfg.train.steps, result
-    assert len(seen) >= cfg.train.steps * cfg.train.batch_size and 0 < sum(seen) < len(seen)
+    assert len(seen) >= cfg.train.steps * cfg.train.batch_size and all(seen)
     cli = load_entry_point(PIPELINES / "evaluate.py")
     assert cli.main(["--checkpoint", run_dir, "--lengths", "320", "--max-tokens", "640", "--passkey-lengths", "256",
                      "320", "--depths", "0", "1", "--trials", "2", "--device", "cpu", "--no-mlflow"]) == 0
