@@ -68,7 +68,7 @@
 #   bash bench/gpu.sh past-one                   125M at 128k on 1 GPU vs 256k with context_parallel=2; the 1B FSDP2
 #                                                profile on 2 GPUs at 32k (tok/s, peak memory per GPU), resumed from
 #                                                its sharded checkpoint on 1 GPU (losses compared)
-#   bash bench/gpu.sh passkey [nsa|dense ...]   pipelines/configs/passkey.yaml (125M, seq 32k, passkey rows) trained on 1 GPU
+#   bash bench/gpu.sh passkey [nsa|dense ...]   pipelines/configs/passkey.yaml (125M, 4 x 8k passkey rows) trained on 1 GPU
 #                                                as NSA and/or the dense twin (train stops by T_PASSKEY s, default T_RUN
 #                                                - 120), then evaluated at 4k-32k: passkey_<a>.json (eval), passkey_<a>.png,
 #                                                passkey_<a>_train.json (metrics.json). A run longer than one call:
@@ -460,7 +460,7 @@ run_lanes_gpu() {  # issue 47.4: the lanes on GPUs, one GPU per lane, two lanes 
 }
 
 run_passkey() {  # issue 48.2: the passkey recipe trained and evaluated, NSA and/or the dense twin
-  local a run dir args ev=(--lengths 32768 --passkey-lengths 4096 8192 16384 32768 --trials "${PASSKEY_TRIALS:-8}"
+  local a run dir args ev=(--lengths 32768 --passkey-lengths 4096 8192 16384 32768 --trials "${PASSKEY_TRIALS:-16}"
     --device cuda --dtype bf16 --overwrite)
   ray_bundle; [ -n "${DRY_RUN:-}" ] || local_data
   for a in ${*:-nsa dense}; do

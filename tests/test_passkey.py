@@ -200,8 +200,8 @@ def test_passkey_fraction_is_validated_with_one_line_naming_the_field(data, tmp_
     cfg, _ = resolve_config(tiny, ["train.seq_len=200"], env={})     # off (the default): no constraint
     assert cfg.data.passkey_fraction == 0.0 and check_passkey(cfg) is None
     cfg, src = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), env={})
-    assert (cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers, cfg.model.attention) == (32768, 768, 12, "nsa")
-    assert 0 < cfg.data.passkey_fraction < 1 and cfg.runtime.use_gpu and src["data.passkey_fraction"].startswith("yaml")
+    assert (cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers, cfg.model.attention) == (8192, 768, 12, "nsa")
+    assert cfg.data.passkey_fraction == 1.0 and cfg.runtime.use_gpu and src["data.passkey_fraction"].startswith("yaml")
     assert cfg.data.passkey_mode == "packed" and src["data.passkey_mode"].startswith("yaml")
     dense, _ = resolve_config(str(PIPELINES / "configs" / "passkey.yaml"), ["model.attention=dense"], env={})
     assert dense.model.attention == "dense" and dense.data == cfg.data and dense.train == cfg.train
